@@ -1,0 +1,55 @@
+"""Who am I in the job: process-group checks, ranks, sizes and the device collectives run on."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+def require_initialized(owner: str) -> None:
+    """Raises a RuntimeError saying how to fix it when no default process group exists."""
+    if not dist.is_available():
+        raise RuntimeError(f"{owner} needs torch.distributed, which this build of PyTorch does not include.")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{owner} needs an initialised process group: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl', ...) first (torchrun sets the environment; "
+            "ddpkit.testing.run_distributed does it for tests)."
+        )
+
+
+def group_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank inside `group` (None: the default group)."""
+    return dist.get_rank(group)
+
+
+def group_size(group: ProcessGroup | None = None) -> int:
+    """The number of ranks in `group` (None: the default group)."""
+    return dist.get_world_size(group)
+
+
+def global_rank(group: ProcessGroup | None, rank_in_group: int) -> int:
+    """The global rank of `rank_in_group` in `group`, as torch's src/dst arguments expect."""
+    if group is None or group is dist.group.WORLD:
+        return rank_in_group
+    return dist.get_global_rank(group, rank_in_group)
+
+
+def group_label(group: ProcessGroup | None) -> str:
+    """A short, stable name for a group, used as a CommStats key: ``world`` or ``ranks[0,2]``."""
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) == dist.get_world_size():
+        return "world"
+    return "ranks[" + ",".join(str(r) for r in ranks) + "]"
+
+
+def comm_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device on which small control tensors (norms, flags, sizes) must live for `group`'s backend."""
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
