@@ -26,9 +26,7 @@ def _record(kind: str, group: ProcessGroup | None, payload: int, is_root: bool =
     comm_stats.record(kind, group_label(group), payload, wire_bytes(kind, payload, n, is_root))
 
 
-def broadcast(
-    tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False
-) -> Work | None:
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Sends `tensor` from group rank `src` to every rank of `group` (in place on receivers)."""
     _record("broadcast", group, _nbytes(tensor))
     return dist.broadcast(tensor, global_rank(group, src), group=group, async_op=async_op)
