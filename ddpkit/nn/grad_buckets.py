@@ -1,0 +1,122 @@
+"""Gradient buckets for ShardedDataParallel: which gradients travel together to which owner, in which order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.buckets import flatten, views
+from ddpkit.distributed.env import ProcessGroup
+
+
+@dataclass
+class GradBucket:
+    """Gradients of parameters that share an owner, device type and dtype, reduced to the owner as one message.
+
+    With `count_users`, one extra element per parameter carries 1 from each rank that produced its gradient, so
+    the owner learns which parameters were unused on every rank.
+    """
+
+    owner: int
+    params: list[torch.nn.Parameter]
+    pending: int = 0
+    message: torch.Tensor | None = None
+    work: object | None = None
+    used_here: list[bool] = field(default_factory=list)
+    in_place: bool = False
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.message = None
+        self.work = None
+        self.used_here = []
+        self.in_place = False
+
+    def launch(self, world_size: int, group: ProcessGroup | None, reduce_fp16: bool, count_users: bool) -> None:
+        """Starts the async reduce of this bucket's (pre-divided) gradients to the owner."""
+        self.used_here = [p.grad is not None for p in self.params]
+        direct = (
+            len(self.params) == 1
+            and self.used_here[0]
+            and self.params[0].grad.is_contiguous()
+            and not reduce_fp16
+            and not count_users
+        )
+        self.in_place = direct
+        if direct:  # one large gradient: reduce it in place, no copy
+            message = self.params[0].grad.view(-1)
+            message.div_(world_size)
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            if count_users:
+                grads.append(torch.tensor(self.used_here, dtype=grads[0].dtype, device=grads[0].device))
+            message = flatten(grads)
+            message.div_(world_size)
+            if reduce_fp16 and message.dtype == torch.float32:
+                message = message.half()
+        self.message = message
+        self.work = comm.reduce(message, self.owner, group, async_op=True)
+
+    def finish(self, is_owner: bool, world_size: int, count_users: bool) -> list[torch.nn.Parameter]:
+        """Waits for the reduce; the owner takes the averaged gradients, others drop theirs.
+
+        Returns the parameters that received no gradient on any rank (only known with `count_users`); their
+        gradients are left as they were, as DDP does.
+        """
+        assert self.message is not None
+        comm.wait_all([self.work])
+        unused: list[torch.nn.Parameter] = []
+        if not is_owner:
+            for p in self.params:
+                p.grad = None
+            return unused
+        if self.in_place:
+            return unused  # the owner's gradient already holds the average
+        shapes = [p.shape for p in self.params]
+        if count_users:
+            shapes.append(torch.Size([len(self.params)]))
+        parts = views(self.message, shapes)
+        users = parts[-1].mul(world_size) if count_users else None
+        for i, (p, averaged) in enumerate(zip(self.params, parts, strict=False)):
+            if users is not None and float(users[i]) < 0.5:
+                unused.append(p)
+                continue
+            if p.grad is None:
+                p.grad = averaged.to(p.dtype).clone()
+            else:
+                p.grad.copy_(averaged)
+        return unused
+
+
+def build_buckets(
+    params: list[torch.nn.Parameter], owner_of: dict[torch.nn.Parameter, int], max_numel: int
+) -> list[GradBucket]:
+    """Packs `params` (in the order their gradients are expected) into buckets of at most `max_numel` elements.
+
+    Parameters at least `max_numel` large (all of them when `max_numel` is 0) travel alone. Buckets are ordered
+    by when their last gradient is expected, which is the order in which every rank launches them.
+    """
+    closed: list[tuple[int, GradBucket]] = []
+    open_buckets: dict[tuple[int, str, torch.dtype], tuple[int, GradBucket]] = {}
+    for position, p in enumerate(params):
+        owner = owner_of[p]
+        if max_numel == 0 or p.numel() >= max_numel:
+            closed.append((position, GradBucket(owner, [p])))
+            continue
+        key = (owner, p.device.type, p.dtype)
+        if key in open_buckets and open_buckets[key][1].numel + p.numel() > max_numel:
+            closed.append(open_buckets.pop(key))
+        bucket = open_buckets.setdefault(key, (position, GradBucket(owner, [])))[1]
+        bucket.params.append(p)
+        open_buckets[key] = (position, bucket)
+    closed.extend(open_buckets.values())
+    buckets = [bucket for _, bucket in sorted(closed, key=lambda item: item[0])]
+    for bucket in buckets:
+        bucket.reset()
+    return buckets

@@ -1,0 +1,290 @@
+"""ShardedDataParallel: gradient sharding (ZeRO stage 2) on top of OSS."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.buckets import flatten, unflatten_into
+from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
+from ddpkit.nn.grad_buckets import GradBucket, build_buckets
+from ddpkit.optim.oss import OSS
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism in which each gradient is reduced only to the rank that owns its optimizer state.
+
+    Algorithm (ZeRO stage 2): OSS gives every trainable parameter one owner. During backward, as soon as the
+    gradients of a bucket (parameters with the same owner, device type and dtype, up to `reduce_buffer_size`
+    elements; larger parameters alone) are all accumulated, they are divided by the world size and reduced
+    (summed) to the owner asynchronously, overlapping the rest of backward. Buckets are launched in one fixed
+    order on every rank, so the collectives always match. When backward ends (an autograd callback), the
+    remaining buckets are flushed, every reduce is waited for, owners hold exactly DDP's averaged gradient and
+    the other ranks drop theirs (``grad = None``). `OSS.step()` then updates each shard and broadcasts it.
+
+    Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
+    broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
+    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). With `broadcast_buffers`, module buffers are
+    broadcast from rank 0 before each forward (not inside `no_sync()`). On gloo, reduce + broadcast is faster than
+    reduce_scatter + all_gather; on NCCL both map to the same ring kernels.
+
+    Memory: after backward a rank keeps gradients only for the parameters it owns (about 1/N of them), plus the
+    bucket messages in flight during backward (at most the model's gradient size, usually far less).
+
+    `find_unused_parameters=True` (beyond fairscale) adds one element per parameter to each message so owners
+    know which parameters were unused on every rank and leave their gradients untouched, exactly like DDP's
+    option of that name; without it a parameter unused on some ranks still averages correctly (they count as
+    zero), but one unused on all ranks receives a zero gradient (a warning says so).
+
+    Example::
+
+        optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+        model = ShardedDataParallel(model, optimizer)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: OSS | list[OSS],
+        process_group: ProcessGroup | None = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__()
+        require_initialized("ShardedDataParallel")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ShardedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+        self.sharded_optimizers = _check_optimizers(sharded_optimizer)
+        self.process_group = _check_group(process_group, self.sharded_optimizers)
+        if not isinstance(reduce_buffer_size, int) or reduce_buffer_size < 0:
+            raise ValueError(
+                f"ShardedDataParallel: reduce_buffer_size must be an int >= 0 (elements; 0 disables bucketing), "
+                f"got {reduce_buffer_size!r}"
+            )
+        _check_one_device_type(module)
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self.reduce_buffer_size = reduce_buffer_size
+        self.auto_refresh_trainable = auto_refresh_trainable
+        self.reduce_fp16 = reduce_fp16
+        self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self.find_unused_parameters = find_unused_parameters
+        self.world_size = group_size(self.process_group)
+        self.rank = group_rank(self.process_group)
+        self._grad_sync_enabled = True
+        self._sync_this_backward = True
+        self._callback_queued = False
+        self._next_bucket = 0
+        self._warned_unused = False
+        self._hooks: list[Any] = []
+        self._buckets: list[GradBucket] = []
+        self._bucket_of: dict[nn.Parameter, GradBucket] = {}
+        if sync_models_at_startup:
+            self._broadcast_from_rank0([p.detach() for p in module.parameters()])
+            self._broadcast_from_rank0(list(module.buffers()))
+        self.refresh_trainable()
+
+    # -- set-up ---------------------------------------------------------------------------------------------------
+
+    def refresh_trainable(self) -> None:
+        """Rebuilds the gradient buckets and hooks after `requires_grad` changed on some parameters."""
+        for optimizer in self.sharded_optimizers:
+            optimizer.refresh_trainable()
+        for hook in self._hooks:
+            hook.remove()
+        owner_of = {}
+        for optimizer in self.sharded_optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        owner_of[p] = optimizer.owner_of(p)
+        module_params = [p for p in self.module.parameters() if p.requires_grad]
+        _warn_unoptimized(self.module, owner_of)
+        expected_order = [p for p in reversed(module_params) if p in owner_of]  # backward visits layers in reverse
+        self._buckets = build_buckets(expected_order, owner_of, self.reduce_buffer_size)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        self._trainable_signature = self._signature()
+
+    def _signature(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.module.parameters())
+
+    # -- forward --------------------------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.auto_refresh_trainable and self._signature() != self._trainable_signature:
+            if self.warn_on_trainable_params_changed:
+                warnings.warn(
+                    "ShardedDataParallel: the set of trainable parameters changed; rebuilding the gradient "
+                    "buckets (pass warn_on_trainable_params_changed=False to silence this)",
+                    stacklevel=2,
+                )
+            self.refresh_trainable()
+        self._sync_this_backward = self._grad_sync_enabled
+        if self.broadcast_buffers and self._grad_sync_enabled:
+            self.sync_buffers(blocking=True)
+        return self.module(*inputs, **kwargs)
+
+    def sync_buffers(self, blocking: bool = False) -> list[Any] | None:
+        """Broadcasts the module's buffers from rank 0; returns the pending works unless `blocking`."""
+        works = self._broadcast_from_rank0(list(self.module.buffers()), wait=blocking)
+        return None if blocking else works
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], wait: bool = True) -> list[Any]:
+        if self.world_size == 1 or not tensors:
+            return []
+        by_kind: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.device.type, t.dtype), []).append(t)
+        works, unpack = [], []
+        for group in by_kind.values():
+            flat = flatten(group)
+            works.append(comm.broadcast(flat, 0, self.process_group, async_op=True))
+            unpack.append((flat, group))
+        if not wait:
+            return works
+        comm.wait_all(works)
+        if self.rank != 0:
+            with torch.no_grad():
+                for flat, group in unpack:
+                    unflatten_into(flat, group)
+        return []
+
+    # -- backward: reduce each gradient to its owner ---------------------------------------------------------------
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync_this_backward:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        bucket = self._bucket_of[param]
+        bucket.pending -= 1
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            self._launch(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.launch(self.world_size, self.process_group, self.reduce_fp16, self.find_unused_parameters)
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        self._reduce_all()
+
+    def _reduce_all(self) -> None:
+        for bucket in self._buckets[self._next_bucket :]:
+            self._launch(bucket)
+        unused_here = []
+        for bucket in self._buckets:
+            unused_here += [p for p, used in zip(bucket.params, bucket.used_here, strict=True) if not used]
+            bucket.finish(bucket.owner == self.rank, self.world_size, self.find_unused_parameters)
+            bucket.reset()
+        self._next_bucket = 0
+        if unused_here and not self.find_unused_parameters and not self._warned_unused:
+            self._warned_unused = True
+            warnings.warn(
+                f"ShardedDataParallel: {len(unused_here)} parameter(s) got no gradient on rank {self.rank}; they "
+                "were averaged as zero from this rank. If some are unused on every rank, pass "
+                "find_unused_parameters=True to leave their gradients untouched (as DDP does).",
+                stacklevel=2,
+            )
+
+    def reduce(self) -> None:
+        """Reduces every gradient present now to its owner (e.g. after accumulating under `no_sync()`).
+
+        Not needed after a normal backward, which reduces by itself. A collective: call it on every rank.
+        """
+        self._reduce_all()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside this block accumulate gradients locally, without communication."""
+        previous = self._grad_sync_enabled
+        self._grad_sync_enabled = False
+        try:
+            yield
+        finally:
+            self._grad_sync_enabled = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the module's gradients (to None by default, like torch)."""
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+ShardedDDP = ShardedDataParallel
+
+
+def _check_optimizers(sharded_optimizer: OSS | list[OSS]) -> list[OSS]:
+    optimizers = [sharded_optimizer] if not isinstance(sharded_optimizer, list | tuple) else list(sharded_optimizer)
+    for optimizer in optimizers:
+        if not isinstance(optimizer, OSS):
+            raise TypeError(
+                "ShardedDataParallel: sharded_optimizer must be a ddpkit.optim.OSS or a list of them, got "
+                f"{type(optimizer).__name__}; wrap your optimizer: OSS(model.parameters(), optim=torch.optim.Adam, lr=...)"
+            )
+    if not optimizers:
+        raise ValueError("ShardedDataParallel: sharded_optimizer is an empty list")
+    seen: set[torch.Tensor] = set()
+    for optimizer in optimizers:
+        params = {p for group in optimizer.param_groups for p in group["params"]}
+        if params & seen:
+            raise ValueError("ShardedDataParallel: the OSS optimizers in sharded_optimizer share parameters")
+        seen |= params
+    return optimizers
+
+
+def _check_group(process_group: ProcessGroup | None, optimizers: list[OSS]) -> ProcessGroup:
+    group = process_group if process_group is not None else optimizers[0].group
+    ranks = _ranks(group)
+    for optimizer in optimizers:
+        if _ranks(optimizer.group) != ranks:
+            raise ValueError(
+                "ShardedDataParallel: process_group must contain the same ranks as the OSS optimizers' group "
+                f"({_ranks(optimizer.group)}), got {ranks}"
+            )
+    return group
+
+
+def _ranks(group: ProcessGroup | None) -> list[int]:
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def _check_one_device_type(module: nn.Module) -> None:
+    kinds = sorted({p.device.type for p in module.parameters()})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"ShardedDataParallel: the module's parameters are on several device types ({', '.join(kinds)}); "
+            "move the whole model to one device type first (e.g. model.to('cuda'))"
+        )
+
+
+def _warn_unoptimized(module: nn.Module, owner_of: dict[nn.Parameter, int]) -> None:
+    missing = [name for name, p in module.named_parameters() if p.requires_grad and p not in owner_of]
+    if missing:
+        warnings.warn(
+            f"ShardedDataParallel: trainable parameters not held by any sharded optimizer are neither reduced nor "
+            f"updated: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
+            stacklevel=3,
+        )

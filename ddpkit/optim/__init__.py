@@ -1,0 +1,6 @@
+"""Optimizers: `OSS` (optimizer state sharding, ZeRO-1) and `ShardedGradScaler`."""
+
+from ddpkit.optim.grad_scaler import ShardedGradScaler
+from ddpkit.optim.oss import OSS
+
+__all__ = ["OSS", "ShardedGradScaler"]
