@@ -240,7 +240,8 @@ def _check_optimizers(sharded_optimizer: OSS | list[OSS]) -> list[OSS]:
         if not isinstance(optimizer, OSS):
             raise TypeError(
                 "ShardedDataParallel: sharded_optimizer must be a ddpkit.optim.OSS or a list of them, got "
-                f"{type(optimizer).__name__}; wrap your optimizer: OSS(model.parameters(), optim=torch.optim.Adam, lr=...)"
+                f"{type(optimizer).__name__}; wrap your optimizer: "
+                "OSS(model.parameters(), optim=torch.optim.Adam, lr=...)"
             )
     if not optimizers:
         raise ValueError("ShardedDataParallel: sharded_optimizer is an empty list")
