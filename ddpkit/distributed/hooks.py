@@ -2,10 +2,8 @@
 
 torch's DDP all-reduces its buckets from C++, out of sight of Python wrappers; registering this hook
 (``ddp.register_comm_hook(None, counting_allreduce_hook)``) makes DDP's traffic count like ddpkit's, so the two
-can be compared byte for byte.
+can be compared byte for byte. (No postponed annotations here: DDP inspects the hook's real annotations.)
 """
-
-from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -15,7 +13,7 @@ from ddpkit.distributed.env import ProcessGroup, group_size
 
 
 def counting_allreduce_hook(
-    process_group: ProcessGroup | None, bucket: dist.GradBucket
+    process_group: "ProcessGroup | None", bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Divides the bucket by the world size and all-reduces it (sum), counting the call."""
     buffer = bucket.buffer()

@@ -140,29 +140,32 @@ class ShardedDataParallel(nn.Module):
         return self.module(*inputs, **kwargs)
 
     def sync_buffers(self, blocking: bool = False) -> list[Any] | None:
-        """Broadcasts the module's buffers from rank 0; returns the pending works unless `blocking`."""
-        works = self._broadcast_from_rank0(list(self.module.buffers()), wait=blocking)
-        return None if blocking else works
+        """Broadcasts the module's buffers from rank 0.
 
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], wait: bool = True) -> list[Any]:
+        Blocking: one flat message per (device type, dtype). Non-blocking: each buffer is broadcast in place and
+        the pending works are returned; the buffers hold rank 0's values once every work has been waited for.
+        """
+        buffers = list(self.module.buffers())
+        if self.world_size == 1 or not buffers:
+            return None if blocking else []
+        if blocking:
+            self._broadcast_from_rank0(buffers)
+            return None
+        return [comm.broadcast(b, 0, self.process_group, async_op=True) for b in buffers]
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Gives every rank rank 0's values of `tensors`, one flat message per (device type, dtype)."""
         if self.world_size == 1 or not tensors:
-            return []
+            return
         by_kind: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             by_kind.setdefault((t.device.type, t.dtype), []).append(t)
-        works, unpack = [], []
-        for group in by_kind.values():
-            flat = flatten(group)
-            works.append(comm.broadcast(flat, 0, self.process_group, async_op=True))
-            unpack.append((flat, group))
-        if not wait:
-            return works
-        comm.wait_all(works)
+        messages = [(flatten(group), group) for group in by_kind.values()]
+        comm.wait_all([comm.broadcast(flat, 0, self.process_group, async_op=True) for flat, _ in messages])
         if self.rank != 0:
             with torch.no_grad():
-                for flat, group in unpack:
+                for flat, group in messages:
                     unflatten_into(flat, group)
-        return []
 
     # -- backward: reduce each gradient to its owner ---------------------------------------------------------------
 

@@ -1,0 +1,387 @@
+"""ShardedDataParallel + OSS against torch's DDP + the plain optimizer, on 2 and 4 gloo ranks."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpkit.distributed import comm_stats, counting_allreduce_hook
+from ddpkit.nn import ShardedDataParallel, ShardedDDP
+from ddpkit.optim import OSS
+from ddpkit.testing import run_distributed
+
+TOL = 1e-6
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _groups(model, lr):
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights}, {"params": biases, "lr": lr * 3}]
+
+
+def _batch(rank, step, n=6):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _clear(model, optimizer, how):
+    if how == "model":
+        model.zero_grad()
+    elif how == "optimizer":
+        optimizer.zero_grad()
+    else:
+        optimizer.zero_grad(set_to_none=False)
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+
+
+def _parity(rank, world, name):
+    """20 steps of SDP + OSS vs DDP + torch optimizer, for three ways of clearing grads and three bucket sizes."""
+    cls, kwargs = OPTIMIZERS[name]
+    results = {}
+    for bucket in (0, 40, 2**23):
+        for how in ("model", "optimizer", "set_to_none=False"):
+            ref = _mlp()
+            ref_opt = cls(_groups(ref, kwargs["lr"]), **kwargs)
+            ddp = DDP(ref)
+            model = _mlp()
+            opt = OSS(_groups(model, kwargs["lr"]), optim=cls, **kwargs)
+            sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket)
+            scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (ref_opt, opt)]
+            worst_grad = 0.0
+            for step in range(20):
+                x, y = _batch(rank, step)
+                for m, o, s in ((ddp, ref_opt, scheds[0]), (sdp, opt, scheds[1])):
+                    _clear(m, o, how)
+                    nn.functional.mse_loss(m(x), y).backward()
+                    if m is sdp:  # owners hold DDP's gradient, the others none
+                        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                            if opt.owner_of(p) == rank:
+                                worst_grad = max(worst_grad, (p.grad - q.grad).abs().max().item())
+                            else:
+                                assert p.grad is None
+                    o.step()
+                    s.step()
+            results[(bucket, how)] = (_max_diff(ref, model), worst_grad)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_parity_with_ddp(world, name):
+    for rank_results in run_distributed(_parity, world, name):
+        for case, (param_diff, grad_diff) in rank_results.items():
+            assert param_diff < TOL, (case, param_diff)
+            assert grad_diff < 1e-7, (case, grad_diff)
+
+
+def _bytes_per_step(rank, world):
+    """Per-step traffic of DDP (counted through a comm hook) and of SDP + OSS, with a frozen layer."""
+    out = {}
+    for frozen in (False, True):
+        ref, model = _mlp(), _mlp()
+        for m in (ref, model):
+            m[2].weight.requires_grad_(not frozen)
+        ddp = DDP(ref)
+        ddp.register_comm_hook(None, counting_allreduce_hook)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=64)
+        x, y = _batch(rank, 0)
+        for _ in range(2):  # the second step is the steady state
+            with comm_stats.measure() as d_ddp:
+                nn.functional.mse_loss(ddp(x), y).backward()
+                ref_opt.step()
+            with comm_stats.measure() as d_sdp:
+                nn.functional.mse_loss(sdp(x), y).backward()
+                opt.step()
+        trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        out[frozen] = {
+            "ddp_sent": d_ddp.sent_bytes(),
+            "ddp_payload": d_ddp.payload_bytes(),
+            "sdp_sent": d_sdp.sent_bytes(),
+            "reduce_payload": d_sdp.payload_bytes("reduce"),
+            "broadcast_payload": d_sdp.payload_bytes("broadcast"),
+            "reduce_calls": d_sdp.calls("reduce"),
+            "buckets": len(sdp._buckets),
+            "trainable": trainable,
+            "all_reduce_calls": d_sdp.calls("all_reduce"),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sends_no_more_than_ddp(world):
+    for result in run_distributed(_bytes_per_step, world):
+        for frozen, r in result.items():
+            assert r["ddp_payload"] == r["trainable"], frozen  # DDP all-reduces every trainable gradient once
+            assert r["reduce_payload"] == r["trainable"], frozen  # every trainable gradient reduced once
+            assert r["broadcast_payload"] == r["trainable"], frozen  # every trainable parameter broadcast once
+            assert r["sdp_sent"] <= r["ddp_sent"], frozen
+            assert r["sdp_sent"] == pytest.approx(r["ddp_sent"]), frozen
+            assert r["reduce_calls"] == r["buckets"] and r["all_reduce_calls"] == 0
+
+
+class _Routed(nn.Module):
+    """`b` is used on rank 0 only, `c` on no rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, rank):
+        y = self.a(x)
+        return self.b(y) if rank == 0 else y
+
+
+def _unused(rank, world):
+    ref = DDP(_Routed(), find_unused_parameters=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    model = _Routed()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.1)
+    sdp = ShardedDataParallel(model, opt, find_unused_parameters=True, reduce_buffer_size=8)
+    for step in range(5):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step * 10 + rank))
+        for m, o in ((ref, ref_opt), (sdp, opt)):
+            o.zero_grad()
+            m(x, rank).sum().backward()
+            o.step()
+        assert model.c.weight.grad is None and model.c.bias.grad is None
+    # without the flag: locally unused parameters still average exactly, and a warning says what happened
+    routed = _Routed()
+    plain = ShardedDataParallel(routed, OSS(routed.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain(torch.randn(2, 4), rank).sum().backward()
+    return _max_diff(ref.module, model), [str(w.message) for w in caught]
+
+
+def test_unused_parameters_match_ddp():
+    for diff, messages in run_distributed(_unused, 2):
+        assert diff < TOL
+        assert any("find_unused_parameters=True" in m for m in messages)
+
+
+def _accumulation(rank, world):
+    """no_sync() accumulation then a synced backward, and no_sync() then a manual reduce()."""
+    ref = DDP(_mlp())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, manual = _mlp(), _mlp()
+    opt = OSS(model.parameters(), lr=0.1, momentum=0.9)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=100)
+    manual_opt = OSS(manual.parameters(), lr=0.1, momentum=0.9)
+    manual_sdp = ShardedDataParallel(manual, manual_opt, reduce_buffer_size=100)
+    for step in range(4):
+        batches = [_batch(rank, 3 * step + k) for k in range(3)]
+        for m, o in ((ref, ref_opt), (sdp, opt), (manual_sdp, manual_opt)):
+            o.zero_grad()
+            for k, (x, y) in enumerate(batches):
+                last = k == len(batches) - 1 and m is not manual_sdp
+                with m.no_sync() if not last else torch.enable_grad():
+                    with comm_stats.measure() as d:
+                        nn.functional.mse_loss(m(x), y).backward()
+                    if not last and m is not ref:
+                        assert d.calls() == 0  # nothing sent inside no_sync
+            if m is manual_sdp:
+                m.reduce()
+            o.step()
+    return _max_diff(ref.module, model), _max_diff(ref.module, manual)
+
+
+def test_no_sync_accumulation_and_manual_reduce():
+    for synced, manual in run_distributed(_accumulation, 2):
+        assert synced < TOL and manual < TOL
+
+
+class _WithNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _buffers(rank, world):
+    model = _WithNorm()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)) + rank
+    sdp(x).sum().backward()  # buffers broadcast from rank 0 before the forward, then updated locally
+    after_one = model.bn.running_mean.clone()
+    with sdp.no_sync():
+        sdp(x)
+    inside_no_sync = model.bn.running_mean.clone()
+    works = sdp.sync_buffers(blocking=False)
+    for w in works:
+        w.wait()
+    return after_one, inside_no_sync, model.bn.running_mean.clone(), len(works)
+
+
+def test_buffers_follow_rank_zero_outside_no_sync():
+    results = run_distributed(_buffers, 2)
+    (r0_one, r0_inside, r0_synced, n_works), (r1_one, r1_inside, r1_synced, _) = results
+    assert not torch.allclose(r0_one, r1_one)  # each rank's forward updated its own statistics
+    assert not torch.allclose(r0_inside, r1_inside)  # no broadcast inside no_sync
+    assert n_works == 3  # running_mean, running_var, num_batches_tracked, each in place
+    assert torch.equal(r0_synced, r0_inside) and torch.equal(r1_synced, r0_synced)
+
+
+def _buffers_blocking(rank, world):
+    model = _WithNorm()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1))
+    with torch.no_grad():
+        model.bn.running_mean.fill_(float(rank + 1))
+    sdp.sync_buffers(blocking=True)
+    return model.bn.running_mean.clone()
+
+
+def test_sync_buffers_blocking():
+    a, b = run_distributed(_buffers_blocking, 2)
+    assert torch.equal(a, torch.ones(4)) and torch.equal(b, torch.ones(4))
+
+
+def _trainable_changes(rank, world):
+    ref = DDP(_mlp())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    model = _mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=50)
+    messages = []
+    for step in range(6):
+        if step == 2:  # freeze a layer in both
+            ref.module[0].weight.requires_grad_(False)
+            model[0].weight.requires_grad_(False)
+            ref = DDP(ref.module)  # torch's DDP must be rebuilt; ours refreshes itself
+        if step == 4:
+            ref.module[0].weight.requires_grad_(True)
+            model[0].weight.requires_grad_(True)
+            ref = DDP(ref.module)
+        x, y = _batch(rank, step)
+        for m, o in ((ref, ref_opt), (sdp, opt)):
+            o.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                nn.functional.mse_loss(m(x), y).backward()
+            messages += [str(w.message) for w in caught if m is sdp]
+            o.step()
+    return _max_diff(ref.module, model), messages
+
+
+def test_auto_refresh_when_requires_grad_changes():
+    for diff, messages in run_distributed(_trainable_changes, 2):
+        assert diff < TOL
+        assert sum("trainable parameters changed" in m for m in messages) == 2
+
+
+def _fp16_reduce(rank, world):
+    ref = DDP(_mlp())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model = _mlp()
+    opt = OSS(model.parameters(), lr=0.1)
+    sdp = ShardedDataParallel(model, opt, reduce_fp16=True, reduce_buffer_size=100)
+    for step in range(5):
+        x, y = _batch(rank, step)
+        for m, o in ((ref, ref_opt), (sdp, opt)):
+            o.zero_grad()
+            with comm_stats.measure() as d:
+                nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    grads_bytes = sum(p.numel() * 2 for p in model.parameters())
+    return _max_diff(ref.module, model), d.payload_bytes("reduce"), grads_bytes
+
+
+def test_reduce_fp16():
+    for diff, sent, fp16_bytes in run_distributed(_fp16_reduce, 2):
+        assert diff < 1e-3
+        assert sent == fp16_bytes  # half the bytes of fp32 gradients
+
+
+def _api_and_errors(rank, world):
+    model = _mlp()
+    opt = OSS(model.parameters(), lr=0.1)
+    sdp = ShardedDDP(model, [opt])
+    assert sdp.module is model
+    model.custom_setting = 7
+    assert sdp.custom_setting == 7  # attributes fall back to the wrapped module
+    errors = {}
+    for label, build in {
+        "plain_optimizer": lambda: ShardedDataParallel(_mlp(), torch.optim.SGD(model.parameters(), lr=0.1)),
+        "not_a_module": lambda: ShardedDataParallel("model", opt),
+        "bad_buffer_size": lambda: ShardedDataParallel(_mlp(), OSS(_mlp().parameters(), lr=0.1), reduce_buffer_size=-1),
+        "shared_params": lambda: ShardedDataParallel(model, [opt, OSS(model.parameters(), lr=0.1)]),
+    }.items():
+        try:
+            build()
+        except (TypeError, ValueError) as exc:
+            errors[label] = f"{type(exc).__name__}: {exc}"
+    mixed = _mlp()
+    mixed[0].weight = nn.Parameter(torch.empty(32, 8, device="meta"))
+    try:
+        ShardedDataParallel(mixed, OSS([p for p in mixed.parameters() if p.device.type == "cpu"], lr=0.1))
+    except ValueError as exc:
+        errors["mixed_devices"] = str(exc)
+    return errors
+
+
+def test_api_and_clear_errors():
+    errors = run_distributed(_api_and_errors, 2)[0]
+    assert "must be a ddpkit.optim.OSS" in errors["plain_optimizer"] and "TypeError" in errors["plain_optimizer"]
+    assert "torch.nn.Module" in errors["not_a_module"]
+    assert "reduce_buffer_size" in errors["bad_buffer_size"]
+    assert "share parameters" in errors["shared_params"]
+    assert "several device types" in errors["mixed_devices"]
+
+
+def _without_process_group(rank, world):
+    try:
+        OSS(_mlp().parameters(), lr=0.1)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_no_process_group_is_a_clear_error():
+    for message in run_distributed(_without_process_group, 1, init=False):
+        assert "init_process_group" in message
+
+
+def _memory(rank, world):
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)
+    sdp(torch.randn(4, 64)).sum().backward()
+    grad_elements = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+    opt.step()
+    state = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    total = sum(p.numel() for p in model.parameters())
+    return grad_elements, state, total, dist.get_world_size()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_and_state_are_sharded(world):
+    results = run_distributed(_memory, world)
+    total = results[0][2]
+    largest = 64 * 64
+    assert sum(r[0] for r in results) == total  # each gradient lives on exactly one rank after backward
+    for grads, state, _, n in results:
+        assert grads <= total / n + largest
+        assert state == 2 * grads  # Adam: two moments per owned element
