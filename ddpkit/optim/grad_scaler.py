@@ -1,0 +1,192 @@
+"""ShardedGradScaler: torch's dynamic loss scaling with the skip decision agreed over a process group."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.amp import GradScaler
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.env import ProcessGroup, comm_device, group_size
+
+__all__ = ["ShardedGradScaler"]
+
+
+class ShardedGradScaler(GradScaler):
+    """`torch.amp.GradScaler` for sharded training: every rank skips the same steps and keeps the same scale.
+
+    Algorithm: exactly torch's. `scale(loss)` multiplies the loss by the current scale; `unscale_(optimizer)`
+    divides the gradients that this rank holds by it and records whether any of them is inf/NaN; `step(optimizer)`
+    unscales (unless `unscale_` was called this iteration) and calls ``optimizer.step()`` only if no inf/NaN was
+    found; `update()` multiplies the scale by `backoff_factor` after a skipped step, or by `growth_factor` after
+    `growth_interval` clean steps in a row. The one addition: after unscaling, the found-inf flag is combined
+    (max) over `process_group`, so it means "some rank saw an inf/NaN". That matters when ranks hold different
+    gradients: with `OSS` + `ShardedDataParallel` each rank keeps only the gradients of the parameters it owns
+    (a rank may own none), so an overflow is seen by one rank only. Without the agreement that rank would skip
+    `OSS.step` (and its broadcasts) while the others enter it and wait forever, and the scales would drift apart.
+
+    Communication: one all-reduce of one float32 per `unscale_` per optimizer, i.e. per iteration one per
+    optimizer, whether `unscale_` is called explicitly (e.g. before gradient clipping) or by `step`. It goes
+    through `ddpkit.distributed.comm` (so `comm_stats` counts it) on ``comm_device(process_group)``. Nothing is
+    sent when the group has a single rank, when the scaler is disabled, or by `scale` and `update`.
+
+    Memory: torch's (a scale and a growth-tracker scalar) plus one scalar flag per optimizer per iteration;
+    gradients are unscaled in place.
+
+    Works on CPU (bf16 or fp16 autocast) and CUDA: `device` defaults to ``"cuda"`` when CUDA is available, else
+    ``"cpu"``, and the scaler never disables itself for lack of CUDA (an explicit ``device="cuda"`` without CUDA is
+    an error). Optimizers with a fused, scaler-aware step (``torch.optim.Adam(fused=True)``) are unscaled before
+    their step so that they skip on the agreed flag too.
+
+    Process group: `process_group` (None: the default group) is used at the first `unscale_`, so the scaler may
+    be built before ``init_process_group``. Without any process group the scaler works on its own, like torch's,
+    unless the environment says the job has several ranks (``WORLD_SIZE > 1``), which is an error.
+
+    Example::
+
+        model = DDP(model)  # or ShardedDataParallel(model, optimizer)
+        optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+        scaler = ShardedGradScaler()
+        for x, y in data:
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):  # on CPU: "cpu", fp16 or bf16
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)  # optional, e.g. to clip: optimizer.clip_grad_norm(1.0)
+            scaler.step(optimizer)  # skipped on every rank if any rank found an inf/NaN
+            scaler.update()
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        device_type = _device_type(device)
+        if enabled and device_type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                "ShardedGradScaler: device='cuda' but CUDA is not available; use device='cpu' "
+                "(or leave device unset to pick 'cuda' when available, else 'cpu')"
+            )
+        _check_factors(init_scale, growth_factor, backoff_factor, growth_interval)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"ShardedGradScaler: process_group must be a torch.distributed.ProcessGroup or None (the default "
+                f"group), got {type(process_group).__name__}"
+            )
+        super().__init__(device_type, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.process_group = process_group
+        self._device_type = device_type
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscales this rank's gradients of `optimizer`, then agrees on the found-inf flag over the group.
+
+        A collective when the group has several ranks: every rank must call it (or `step`, which calls it when
+        it was not called explicitly this iteration) for the same optimizers in the same order.
+        """
+        if not self.is_enabled():
+            return
+        super().unscale_(optimizer)
+        self._agree_on_found_inf(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscales (unless already done), then runs ``optimizer.step()`` unless some rank found an inf/NaN.
+
+        Returns what ``optimizer.step`` returned, or None when the step was skipped.
+        """
+        if self.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # torch lets scaler-aware (fused) optimizers check for infs themselves, on this rank's gradients only.
+            # Unscaling first makes torch hand them the agreed flag and no scale (so they do not unscale again).
+            # No flag recorded yet means unscale_ was not called this iteration (ours always records one).
+            if "closure" not in kwargs and not _found_inf_flags(self, optimizer):
+                self.unscale_(optimizer)
+        return super().step(optimizer, *args, **kwargs)
+
+    def _agree_on_found_inf(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replaces this rank's found-inf flags for `optimizer` by one flag: the maximum over the group.
+
+        A rank that holds none of the optimizer's gradients has no flag; it contributes 0 and gets the agreed
+        flag, which torch's `step` needs (it asserts that some inf check was recorded).
+        """
+        flags = _found_inf_flags(self, optimizer)
+        communicate = self._must_communicate()
+        device = comm_device(self.process_group) if communicate else torch.device(self._device_type)
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        for flag in flags.values():
+            found = torch.maximum(found, flag.reshape(1).to(device))
+        if communicate:
+            comm.all_reduce(found, self.process_group, op=dist.ReduceOp.MAX)
+        # Kept where this rank's gradients are (torch moves flags to the scale's device when it reads them).
+        home = next(iter(flags), device)
+        flags.clear()
+        flags[home] = found.reshape(()).to(home)
+
+    def _must_communicate(self) -> bool:
+        """True when the flag must be all-reduced: a process group with more than one rank exists."""
+        if dist.is_available() and dist.is_initialized():
+            return group_size(self.process_group) > 1
+        if self.process_group is not None:
+            raise RuntimeError("ShardedGradScaler: process_group was given but torch.distributed is not initialised")
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1:
+            raise RuntimeError(
+                f"ShardedGradScaler: WORLD_SIZE={world} but no process group is initialised, so the ranks cannot "
+                "agree on skipped steps: call torch.distributed.init_process_group(...) before the first "
+                "unscale_/step (or build the scaler with enabled=False)"
+            )
+        return False
+
+
+def _found_inf_flags(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """torch's per-device found-inf flags of `optimizer` for this iteration: the one place that reads its internals.
+
+    `torch.amp.GradScaler` keeps, per optimizer, ``_per_optimizer_states[id(optimizer)]["found_inf_per_device"]``:
+    a dict from device to a float32 scalar that is non-zero when that device's gradients held an inf/NaN. It is
+    filled by `unscale_` (empty when no gradient exists), read by `step` (skip if any is non-zero) and by `update`
+    (back off if any is non-zero), and reset by `update`. The returned dict is the live one: changing it changes
+    what `step` and `update` decide.
+    """
+    try:
+        flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise RuntimeError(
+            f"ShardedGradScaler: this torch version ({torch.__version__}) keeps GradScaler's per-optimizer "
+            "found-inf flags differently than ddpkit expects; please report it"
+        ) from exc
+    if not isinstance(flags, dict):
+        raise RuntimeError(
+            f"ShardedGradScaler: unexpected GradScaler found-inf state {type(flags).__name__} in torch "
+            f"{torch.__version__}; please report it"
+        )
+    return flags
+
+
+def _device_type(device: str | torch.device | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"ShardedGradScaler: device must be a str, torch.device or None, got {type(device).__name__}")
+    try:
+        return torch.device(device).type
+    except RuntimeError as exc:
+        raise ValueError(f"ShardedGradScaler: device={device!r} is not a device type (e.g. 'cpu', 'cuda')") from exc
+
+
+def _check_factors(init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
+    if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"ShardedGradScaler: init_scale must be a finite number > 0, got {init_scale!r}")
+    if not (isinstance(growth_factor, (int, float)) and math.isfinite(growth_factor) and growth_factor > 1.0):
+        raise ValueError(f"ShardedGradScaler: growth_factor must be a finite number > 1.0, got {growth_factor!r}")
+    if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
+        raise ValueError(f"ShardedGradScaler: backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"ShardedGradScaler: growth_interval must be an int >= 1, got {growth_interval!r}")
