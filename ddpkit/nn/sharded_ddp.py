@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.distributed import comm
-from ddpkit.distributed.buckets import flatten, unflatten_into
+from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
 from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.optim.oss import OSS
@@ -154,18 +154,8 @@ class ShardedDataParallel(nn.Module):
         return [comm.broadcast(b, 0, self.process_group, async_op=True) for b in buffers]
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """Gives every rank rank 0's values of `tensors`, one flat message per (device type, dtype)."""
-        if self.world_size == 1 or not tensors:
-            return
-        by_kind: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_kind.setdefault((t.device.type, t.dtype), []).append(t)
-        messages = [(flatten(group), group) for group in by_kind.values()]
-        comm.wait_all([comm.broadcast(flat, 0, self.process_group, async_op=True) for flat, _ in messages])
-        if self.rank != 0:
-            with torch.no_grad():
-                for flat, group in messages:
-                    unflatten_into(flat, group)
+        if self.world_size > 1:
+            broadcast_coalesced(tensors, 0, self.process_group)
 
     # -- backward: reduce each gradient to its owner ---------------------------------------------------------------
 
