@@ -1,0 +1,285 @@
+"""SlowMoDistributedDataParallel: local SGD with slow momentum (Wang et al., ICLR 2020), hierarchical."""
+
+from __future__ import annotations
+
+import warnings
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.buckets import broadcast_coalesced, flatten, unflatten_into
+from ddpkit.distributed.env import ProcessGroup, require_initialized
+from ddpkit.distributed.groups import check_nprocs_per_node, make_node_groups
+from ddpkit.distributed.hooks import counting_allreduce_hook
+from ddpkit.distributed.objects import gather_objects
+from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
+
+
+class SlowMoBaseAlgorithm(str, Enum):
+    """The base algorithm between slow steps: local SGD (parameter averaging) or SGP (gossip, not yet)."""
+
+    LOCALSGD = "localsgd"
+    SGP = "sgp"
+
+
+class SlowMoDistributedDataParallel(nn.Module):
+    """Local SGD with slow momentum for clusters whose nodes are joined by slow links.
+
+    Algorithm (SlowMo, Wang, Tantia, Ballas, Rabbat, ICLR 2020): ranks ``[k*n, (k+1)*n)`` form node k
+    (n = `nprocs_per_node`). Inside a node, gradients are averaged after every backward (torch DDP on the node's
+    group), so a node's processes hold one replica. Between nodes, parameters are averaged exactly only every
+    `localsgd_frequency` calls of `perform_slowmo`. Every `slowmo_frequency` calls, with lr the base optimizer's
+    current learning rate (of its first param group), beta = `slowmo_momentum`, alpha = `slowmo_lr`, x0 the
+    parameters at the last slow step (at first: when this wrapper was built) and x the freshly averaged
+    parameters: ``u = beta u + (x0 - x)/lr; x0 = x0 - alpha lr u; x = x0`` (`slowmo_nesterov`: ``x0 -= alpha lr
+    (d + beta u)`` with ``d = (x0 - x)/lr``). SlowMo is on iff ``slowmo_lr != 1 or slowmo_momentum != 0``;
+    otherwise this is plain local SGD.
+
+    Communication: every backward, DDP's all-reduce of the gradients inside each node. Every `localsgd_frequency`
+    steps, an all-reduce of the flat parameters among node masters (first rank of each node), then a broadcast
+    inside each node. On a slow step with `slowmo_memory_efficient`, the flat parameters are instead split into
+    ``min(world, slowmo_num_shards)`` slices, each reduced to (and averaged on) the rank keeping its slow buffers,
+    stepped there and broadcast back: one reduce + one broadcast, no all-reduce. With `broadcast_buffers`, module
+    buffers are broadcast from rank 0 before each forward.
+
+    Memory: two extra copies of the parameters (x0 and u) in fp32, divided over the shard keepers when
+    `slowmo_memory_efficient`, plus a transient flat copy of the parameters on averaging steps.
+
+    When to use the outer Nesterov option: DiLoCo-style training with long local phases (hundreds of steps,
+    ``slowmo_lr=0.7, slowmo_momentum=0.9, slowmo_nesterov=True``), where the averaged progress is treated as an
+    outer gradient; for short local phases (a few steps) the paper's plain slow momentum is the tested choice.
+
+    Example::
+
+        model = SlowMoDistributedDataParallel(model, nprocs_per_node=8, slowmo_momentum=0.5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        model.perform_slowmo(optimizer)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        nprocs_per_node: int,
+        broadcast_buffers: bool = True,
+        slowmo_base_algorithm: SlowMoBaseAlgorithm = SlowMoBaseAlgorithm.LOCALSGD,
+        slowmo_momentum: float = 0.5,
+        slowmo_memory_efficient: bool = True,
+        slowmo_frequency: int = 48,
+        slowmo_lr: float = 1.0,
+        slowmo_num_shards: int = 32,
+        localsgd_frequency: int = 3,
+        graph: Any = None,
+        mixing: Any = None,
+        push_sum: bool = True,
+        overlap: bool = False,
+        synch_freq: int = 0,
+        use_streams: bool = True,
+        slowmo_sgp_average_params: bool = False,
+        verbose: bool = False,
+        profile_mode: bool = False,
+        process_rank: int | None = None,
+        process_world_size: int | None = None,
+        global_group: ProcessGroup | None = None,
+        master_group: ProcessGroup | None = None,
+        local_node_group: ProcessGroup | None = None,
+        comm_device: torch.device | None = None,
+        slowmo_nesterov: bool = False,
+    ) -> None:
+        super().__init__()
+        require_initialized("SlowMoDistributedDataParallel")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"SlowMoDistributedDataParallel: module must be a torch.nn.Module, got {type(module)}")
+        if SlowMoBaseAlgorithm(slowmo_base_algorithm) == SlowMoBaseAlgorithm.SGP:
+            raise NotImplementedError(
+                "SlowMoDistributedDataParallel: the SGP (stochastic gradient push) base algorithm is not implemented "
+                "yet; use slowmo_base_algorithm=SlowMoBaseAlgorithm.LOCALSGD"
+            )
+        _warn_sgp_only(graph=graph, mixing=mixing, overlap=overlap, synch_freq=synch_freq)
+        self.process_rank = dist.get_rank() if process_rank is None else process_rank
+        self.process_world_size = dist.get_world_size() if process_world_size is None else process_world_size
+        _check_settings(nprocs_per_node, self.process_world_size, localsgd_frequency, slowmo_frequency)
+        _check_positive_int("slowmo_num_shards", slowmo_num_shards)
+        if not 0.0 <= slowmo_momentum < 1.0 or slowmo_lr <= 0:
+            raise ValueError(
+                f"SlowMoDistributedDataParallel: need 0 <= slowmo_momentum < 1 and slowmo_lr > 0, got "
+                f"slowmo_momentum={slowmo_momentum}, slowmo_lr={slowmo_lr}"
+            )
+        self.module = module
+        self.nprocs_per_node = nprocs_per_node
+        self.broadcast_buffers = broadcast_buffers
+        self.slowmo_momentum = slowmo_momentum
+        self.slowmo_lr = slowmo_lr
+        self.slowmo_frequency = slowmo_frequency
+        self.localsgd_frequency = localsgd_frequency
+        self.slowmo_memory_efficient = slowmo_memory_efficient
+        self.slowmo = slowmo_lr != 1.0 or slowmo_momentum != 0.0
+        self.rule = SlowMoRule(beta=slowmo_momentum, alpha=slowmo_lr, nesterov=slowmo_nesterov)
+        self.comm_device = comm_device
+        self.verbose = verbose
+        self.num_updates = 0
+        self.groups = make_node_groups(
+            nprocs_per_node, self.process_rank, self.process_world_size, global_group, local_node_group, master_group
+        )
+        self.global_group = self.groups.world
+        self.local_node_group = self.groups.local
+        self.master_group = self.groups.master
+        self.logical_rank = self.groups.node
+        self.logical_world_size = self.groups.num_nodes
+        if self.logical_world_size == 1:
+            warnings.warn(
+                "SlowMoDistributedDataParallel: all ranks form one node, so there is nothing to average between "
+                "nodes; gradients are all-reduced every step, as with DDP",
+                stacklevel=2,
+            )
+        broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.global_group)
+        # not a registered submodule: its parameters are the module's, and state_dict keys stay module.*
+        object.__setattr__(self, "_node_ddp", self._wrap_for_node(module))
+        self.num_shards = min(self.process_world_size, slowmo_num_shards) if slowmo_memory_efficient else None
+        flat = self._flat(list(module.parameters())).float()
+        self.slow_buffers = SlowBuffers(flat, self.process_rank, self.num_shards) if self.slowmo else None
+        self._checked_optimizers: set[int] = set()
+
+    def _wrap_for_node(self, module: nn.Module) -> DistributedDataParallel | None:
+        """torch DDP over the node's group averages the gradients inside a node (none needed for one process)."""
+        if self.nprocs_per_node == 1:
+            return None
+        ddp = DistributedDataParallel(module, process_group=self.local_node_group, broadcast_buffers=False)
+        ddp.register_comm_hook(self.local_node_group, counting_allreduce_hook)
+        return ddp
+
+    # -- forward ----------------------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.process_world_size > 1:
+            broadcast_coalesced(list(self.module.buffers()), 0, self.global_group)
+        runner = self._node_ddp if self._node_ddp is not None else self.module
+        return runner(*inputs, **kwargs)
+
+    # -- after the base optimizer's step ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params: list[torch.Tensor] | None = None) -> None:
+        """Call after every ``optimizer.step()``: averages between nodes and applies slow momentum when due.
+
+        `fp32_params`: the fp32 master copy when the module trains in fp16/bf16; it is averaged and stepped, then
+        copied into the module's parameters.
+        """
+        params = list(fp32_params) if fp32_params is not None else list(self.module.parameters())
+        self._check_step_inputs(optimizer, params, fp32_params is not None)
+        self.num_updates += 1
+        slow_step = self.slowmo and self.num_updates % self.slowmo_frequency == 0
+        average = self.num_updates % self.localsgd_frequency == 0
+        if not (slow_step or average):
+            return
+        flat = self._flat(params)
+        lr = float(optimizer.param_groups[0]["lr"])
+        if slow_step and self.num_shards is not None:
+            assert self.slow_buffers is not None
+            self.slow_buffers.sharded_step(flat, lr, self.rule, self.global_group, self.process_world_size)
+        else:
+            self._average_between_nodes(flat)
+            if slow_step:
+                assert self.slow_buffers is not None
+                self.slow_buffers.local_step(flat, lr, self.rule)
+        unflatten_into(flat, params)
+        if fp32_params is not None:
+            unflatten_into(flat, list(self.module.parameters()))
+
+    def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        flat = flatten([p.detach() for p in params])
+        return flat.to(self.comm_device) if self.comm_device is not None else flat
+
+    def _average_between_nodes(self, flat: torch.Tensor) -> None:
+        """Exact average over nodes: all-reduce among node masters, then a broadcast inside each node."""
+        if self.logical_world_size == 1:
+            return
+        if self.master_group is not None:
+            comm.all_reduce(flat, self.master_group)
+            flat.div_(self.logical_world_size)
+        if self.nprocs_per_node > 1:
+            comm.broadcast(flat, 0, self.local_node_group)
+
+    def _check_step_inputs(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], master: bool) -> None:
+        if id(optimizer) in self._checked_optimizers:
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"perform_slowmo: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+        if wrong:
+            raise ValueError(
+                f"perform_slowmo: SlowMo averages fp32 parameters, got {', '.join(wrong)}; train with an fp32 master "
+                "copy and pass it as perform_slowmo(optimizer, fp32_params=master_params)"
+            )
+        held = {p for group in optimizer.param_groups for p in group["params"]}
+        missing = sum(p not in held for p in params)
+        if missing:
+            what = "fp32_params" if master else "the module's parameters"
+            raise ValueError(
+                f"perform_slowmo: the optimizer does not hold {missing} of {what}; build it on "
+                f"{'those tensors' if master else 'model.parameters()'}"
+            )
+        self._checked_optimizers.add(id(optimizer))
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def slowmo_state_dict(self) -> dict[str, Any]:
+        """The counters and the whole slow buffers (x0, u), on every rank. A collective when they are sharded."""
+        state: dict[str, Any] = {"num_updates": self.num_updates}
+        if self.slow_buffers is None:
+            return state
+        if self.num_shards is None:
+            state.update({k: v.clone() for k, v in self.slow_buffers.state().items() if v is not None})
+            return state
+        shards = gather_objects(self.slow_buffers.state(), -1, self.global_group)
+        assert shards is not None
+        kept = [s for s in shards if s["x0"] is not None]
+        state["x0"] = torch.cat([s["x0"] for s in kept])
+        state["u"] = torch.cat([s["u"] for s in kept])
+        return state
+
+    def load_slowmo_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what `slowmo_state_dict` returned, so a resumed run continues exactly; does not change `state`."""
+        self.num_updates = int(state["num_updates"])
+        if self.slow_buffers is not None:
+            if "x0" not in state:
+                raise ValueError("load_slowmo_state_dict: the checkpoint has no slow buffers (SlowMo was off)")
+            self.slow_buffers.load_whole(state["x0"], state["u"])
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+SlowMoDDP = SlowMoDistributedDataParallel
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"SlowMoDistributedDataParallel: {name} must be an int >= 1, got {value!r}")
+
+
+def _check_settings(nprocs_per_node: int, world_size: int, localsgd_frequency: int, slowmo_frequency: int) -> None:
+    check_nprocs_per_node(nprocs_per_node, world_size)
+    _check_positive_int("localsgd_frequency", localsgd_frequency)
+    _check_positive_int("slowmo_frequency", slowmo_frequency)
+
+
+def _warn_sgp_only(**settings: Any) -> None:
+    defaults = {"graph": None, "mixing": None, "overlap": False, "synch_freq": 0}
+    changed = [name for name, value in settings.items() if value != defaults[name]]
+    if changed:
+        warnings.warn(
+            f"SlowMoDistributedDataParallel: {', '.join(changed)} only affect the SGP base algorithm, which is not "
+            "implemented; they have no effect with LOCALSGD",
+            stacklevel=3,
+        )
