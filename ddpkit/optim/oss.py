@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -47,7 +48,8 @@ class OSS(Optimizer):
 
     Speed: unless the user chose an implementation (`fused=` or `foreach=` in the arguments or groups), OSS asks
     optimizers that have one for their fused kernel (torch's Adam, AdamW, SGD, ...) on devices that support it:
-    the same update, several times faster on CPU than the default per-tensor loop.
+    the same update, several times faster on CPU than the default per-tensor loop. Checkpoints record the
+    user's choice (``fused=None``), not this one, so a plain torch optimizer loading them keeps its default.
 
     Example::
 
@@ -86,9 +88,11 @@ class OSS(Optimizer):
         _check_one_device_type(self._all_params())
         self._assign_new_trainable()
         self._auto_fused = _may_use_fused(optim, self.param_groups)
+        # Per group: True where OSS (not the user) picked the fused kernel; checkpoints do not record that choice.
+        self._auto_placement = [self._auto_fused] * len(self.param_groups)
         inner_defaults = {**defaults, "fused": True} if self._auto_fused else defaults
         self.optim = optim(self._local_groups(), **inner_defaults)
-        self._pull_new_keys()
+        self._pull_hyperparameters()
         self._ready = True
 
     # -- ownership -----------------------------------------------------------------------------------------------
@@ -99,7 +103,7 @@ class OSS(Optimizer):
     def _assign_new_trainable(self) -> list[torch.Tensor]:
         """Gives an owner to trainable parameters that have none yet; returns those this rank now owns."""
         new = [p for p in self._all_params() if p.requires_grad and p not in self._owner]
-        owners = assign_owners([p.numel() for p in new], self._loads)
+        owners = assign_owners([p.numel() * p.element_size() for p in new], self._loads)
         self._owner.update(zip(new, owners, strict=True))
         return [p for p, owner in zip(new, owners, strict=True) if owner == self.rank]
 
@@ -151,12 +155,18 @@ class OSS(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group; its trainable parameters are placed on the least-loaded ranks, others stay put."""
+        if self._ready:  # validate before changing anything, so a rejected group leaves the optimizer usable
+            new = param_group["params"]
+            new = [new] if isinstance(new, torch.Tensor) else list(new)
+            param_group = {**param_group, "params": new}
+            _check_one_device_type(self._all_params() + new)
         super().add_param_group(param_group)
         if self._ready:
-            _check_one_device_type(self._all_params())
+            user_chose = any(param_group.get(key) is not None for key in _PLACEMENT_KEYS)
+            self._auto_placement.append(self._auto_fused and not user_chose)
             self._assign_new_trainable()
             self.optim.add_param_group(self._local_group(self.param_groups[-1]))
-            self._pull_new_keys()
+            self._pull_hyperparameters()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -169,7 +179,7 @@ class OSS(Optimizer):
                 loss = self.optim.step(closure, **kwargs)
         else:
             loss = self.optim.step(**kwargs)
-        self._pull_new_keys()
+        self._pull_hyperparameters()
         self._broadcast_params()
         return loss
 
@@ -177,10 +187,11 @@ class OSS(Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
             local.update(group_hyperparameters(group))
 
-    def _pull_new_keys(self) -> None:
+    def _pull_hyperparameters(self) -> None:
+        """Copies back what the local optimizer added to or changed in its groups (new keys, per-group values it
+        updates itself); `_push_hyperparameters` ran just before, so every difference is the local optimizer's."""
         for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
-            for key, value in local.items():
-                group.setdefault(key, value)
+            group.update(group_hyperparameters(local))
 
     def _broadcast_params(self) -> None:
         if self.world_size == 1:
@@ -228,13 +239,16 @@ class OSS(Optimizer):
             params = list(filter_params_fn(params))
         if any(p.requires_grad and p not in self._owner for p in self._all_params()):
             self.refresh_trainable()
-        owned = [p.grad for p in params if self._owner.get(p) == self.rank]
-        total = _local_norm_term(owned, norm_type, comm_device(self.group))
+        # Each gradient is counted by exactly one rank: its owner, or rank 0 for a parameter without one (a frozen
+        # parameter that still holds a gradient).
+        counted = [p.grad for p in params if self._owner.get(p, 0) == self.rank]
+        total = _local_norm_term(counted, norm_type, comm_device(self.group))
         if norm_type == float("inf"):
             comm.all_reduce(total, self.group, op=dist.ReduceOp.MAX)
         else:
             comm.all_reduce(total, self.group)
             total = total ** (1.0 / norm_type)
+        total = total.reshape(())  # a 0-d tensor, like torch.nn.utils.clip_grad_norm_
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:
             p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
@@ -248,7 +262,8 @@ class OSS(Optimizer):
         A collective: call it on every rank. By default one gather of the pickled shards; with
         `force_broadcast_object` each rank broadcasts its shard in turn as a uint8 tensor.
         """
-        if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
+        valid = isinstance(recipient_rank, int) and not isinstance(recipient_rank, bool)
+        if not valid or not -1 <= recipient_rank < self.world_size:
             raise ValueError(
                 f"consolidate_state_dict: recipient_rank must be -1 (every rank) or a rank in "
                 f"[0, {self.world_size}), got {recipient_rank!r}"
@@ -260,6 +275,9 @@ class OSS(Optimizer):
         if shards is not None:
             merged = {i: s for part in shards for i, s in part.items()}
             groups = indexed_param_groups(self.param_groups)
+            for group, auto in zip(groups, self._auto_placement, strict=True):
+                if auto:  # record the user's choice (none), as the wrapped optimizer would, not OSS's own
+                    group["fused"] = None
             self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": groups}
 
     def _collect(self, shard: dict[int, Any], recipient_rank: int) -> list[dict[int, Any]] | None:
@@ -287,11 +305,14 @@ class OSS(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict saved by OSS at any world size, or by a plain torch optimizer; never changes it."""
         check_compatible(state_dict, self.param_groups)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update(group_hyperparameters(saved))
-            if self._auto_fused and all(group.get(k) in (None, False) for k in _PLACEMENT_KEYS):
+        for i, (group, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"], strict=True)):
+            group.update(copy.deepcopy(group_hyperparameters(saved)))  # share nothing (e.g. a tensor lr) with it
+            self._auto_placement[i] = self._auto_fused and all(group.get(k) in (None, False) for k in _PLACEMENT_KEYS)
+            if self._auto_placement[i]:
                 group["fused"] = True  # a checkpoint from an unfused optimizer: keep the faster kernel
-        local = shard_of(state_dict, self.param_groups, self._local_groups())
+        # The local optimizer's own groups, in its order: `refresh_trainable` appends parameters at the end of a
+        # local group, so that order can differ from the order of `self.param_groups`.
+        local = shard_of(state_dict, self.param_groups, self.optim.param_groups)
         for local_group, group in zip(local["param_groups"], self.param_groups, strict=True):
             local_group.update(group_hyperparameters(group))
         self.optim.load_state_dict(local)

@@ -7,6 +7,7 @@ does not depend on the world size it was written at, and a plain torch optimizer
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,12 +17,15 @@ ParamGroups = Sequence[Mapping[str, Any]]
 
 
 def clone_state(state: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
-    """A copy of one parameter's state whose tensors share no memory with the original."""
+    """A copy of one parameter's state that shares nothing with the original (tensors are cloned, other values
+    deep-copied), optionally with its tensors moved to `device`."""
     out = {}
     for name, value in state.items():
         if isinstance(value, torch.Tensor):
             value = value.detach().to(device) if device is not None else value.detach()
             value = value.clone()
+        else:
+            value = copy.deepcopy(value)
         out[name] = value
     return out
 
