@@ -87,6 +87,12 @@ def gather(
     dist.gather(tensor, outputs, dst=global_rank(group, dst), group=group)
 
 
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Returns once every rank of `group` has called it (counted, with no payload)."""
+    _record("barrier", group, 0)
+    dist.barrier(group=group)
+
+
 def wait_all(works: list[Work | None]) -> None:
     """Waits for every async collective in `works` (None entries are skipped)."""
     for work in works:

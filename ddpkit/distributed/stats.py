@@ -14,6 +14,7 @@ broadcast       the tensor                             ``(N-1)/N B`` (scatter + 
 all_gather      this rank's input                      ``(N-1) B``
 reduce_scatter  this rank's full input                 ``(N-1)/N B``
 gather          this rank's input                      ``B`` on non-roots, 0 on the root
+barrier         nothing                                0
 =============== ====================================== ==================================
 
 With that model a reduce to the owner plus a broadcast from the owner sends exactly what one all-reduce of the
@@ -47,7 +48,7 @@ class CollectiveCount:
 def wire_bytes(kind: str, payload_bytes: int, world_size: int, is_root: bool = False) -> float:
     """Bytes one rank sends for a collective of `kind` under the bandwidth-optimal algorithm (see module doc)."""
     n = world_size
-    if n <= 1:
+    if n <= 1 or kind == "barrier":
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n * payload_bytes

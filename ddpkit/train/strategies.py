@@ -1,0 +1,80 @@
+"""Strategies by name: a model, wrapped for data parallelism, with the optimizer and scaler that go with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.distributed import counting_allreduce_hook
+from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
+from ddpkit.optim import OSS, ShardedGradScaler
+from ddpkit.train.config import TrainConfig
+
+OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Strategy:
+    """What the trainer needs: the model to call, the raw module, the optimizer to step, the scaler."""
+
+    name: str
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    amp_dtype: torch.dtype | None
+
+
+def optimizer_arguments(cfg: TrainConfig) -> dict[str, float]:
+    args = {"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "sgd":
+        args["momentum"] = cfg.momentum
+    return args
+
+
+def _ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(module, device_ids=ids)
+    ddp.register_comm_hook(None, counting_allreduce_hook)  # so its all-reduce shows in comm_stats
+    return ddp
+
+
+def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) -> Strategy:
+    """Wraps `module` (already on `device`) as `cfg.strategy` says; a collective (wrappers sync parameters)."""
+    cls = OPTIMIZER_CLASSES[cfg.optimizer]
+    args = optimizer_arguments(cfg)
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    if cfg.strategy == "ddp":
+        model = _ddp(module, device)
+        optimizer = cls(module.parameters(), **args)
+    elif cfg.strategy == "oss":
+        model = _ddp(module, device)
+        optimizer = OSS(module.parameters(), optim=cls, **args)
+    elif cfg.strategy == "sharded":
+        optimizer = OSS(module.parameters(), optim=cls, **args)
+        model = ShardedDataParallel(module, optimizer)
+    else:
+        model = SlowMoDistributedDataParallel(
+            module,
+            nprocs_per_node=cfg.nprocs_per_node_slowmo or cfg.nproc_per_node,
+            slowmo_momentum=cfg.slowmo_momentum,
+            slowmo_lr=cfg.slowmo_lr,
+            slowmo_frequency=cfg.slowmo_frequency,
+            localsgd_frequency=cfg.localsgd_frequency,
+        )
+        optimizer = cls(module.parameters(), **args)
+    if cfg.adascale:
+        from ddpkit.optim import AdaScale
+
+        optimizer = AdaScale(optimizer, num_gradients_to_accumulate=cfg.grad_accum)
+    scaler = ShardedGradScaler(device.type) if cfg.amp == "fp16" else None
+    return Strategy(cfg.strategy, model, module, optimizer, scaler, AMP_DTYPES[cfg.amp])

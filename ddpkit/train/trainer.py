@@ -1,0 +1,184 @@
+"""A small data-parallel training loop with callbacks."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddpkit.distributed import comm_stats
+from ddpkit.nn import SlowMoDistributedDataParallel
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Callback:
+    """Hooks into `Trainer.fit`; override what you need. Every rank calls every hook."""
+
+    def on_train_start(self, trainer: Trainer) -> None: ...
+    def on_train_end(self, trainer: Trainer) -> None: ...
+    def on_epoch_start(self, trainer: Trainer) -> None: ...
+    def on_epoch_end(self, trainer: Trainer) -> None: ...
+    def after_backward(self, trainer: Trainer) -> None: ...
+    def after_step(self, trainer: Trainer) -> None: ...
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step did on this rank."""
+
+    epoch: int
+    step: int
+    loss: float
+    correct: int
+    samples: int
+    seconds: float
+    sent_bytes: float
+
+
+@dataclass
+class TrainerState:
+    """Counters a checkpoint must restore for a resumed run to continue exactly."""
+
+    epoch: int = 0  # the next epoch to run
+    step: int = 0  # optimizer steps taken
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per finished epoch
+
+
+class Trainer:
+    """Trains a data-parallel model: gradient accumulation, mixed precision, and the extra calls each wrapper needs.
+
+    `model` is the wrapped model (torch DDP, `ShardedDataParallel`, `SlowMoDistributedDataParallel`, or a plain
+    module on one process) and `optimizer` the optimizer that steps it (`OSS`, `AdaScale`, a torch optimizer).
+    Each optimizer step consumes `grad_accum` batches; all but the last backward run under the wrapper's
+    `no_sync()` when it has one. With `amp_dtype`, forward runs under autocast; with `scaler` (a GradScaler or
+    ShardedGradScaler) the loss is scaled. SlowMo models get ``zero_grad(set_to_none=True)`` and
+    ``perform_slowmo(optimizer)`` after each step. The sampler's epoch is set every epoch. What each step sent is
+    read from `comm_stats`.
+
+    Example::
+
+        trainer = Trainer(ShardedDataParallel(model, optimizer), optimizer, loader, callbacks=[MyCallback()])
+        trainer.fit(epochs=5)
+        accuracy, loss = trainer.evaluate(test_loader)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: DataLoader,
+        loss_fn: LossFn = nn.functional.cross_entropy,
+        *,
+        grad_accum: int = 1,
+        amp_dtype: torch.dtype | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ValueError(f"Trainer: grad_accum must be an int >= 1, got {grad_accum!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.train_loader = train_loader
+        self.loss_fn = loss_fn
+        self.grad_accum = grad_accum
+        self.amp_dtype = amp_dtype
+        self.scaler = scaler
+        self.callbacks = list(callbacks)
+        self.state = TrainerState()
+        self.last: StepRecord | None = None
+        self.device = next(model.parameters()).device
+
+    def _emit(self, hook: str) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self)
+
+    def fit(self, epochs: int) -> None:
+        """Runs epochs ``state.epoch .. epochs - 1`` (so a restored state resumes where it stopped)."""
+        self._emit("on_train_start")
+        while self.state.epoch < epochs:
+            sampler = getattr(self.train_loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.state.epoch)
+            self._emit("on_epoch_start")
+            self.model.train()
+            for batches in _chunks(iter(self.train_loader), self.grad_accum):
+                self.last = self.train_step(batches)
+                self.state.step += 1
+                self._emit("after_step")
+            self.state.epoch += 1
+            self._emit("on_epoch_end")
+        self._emit("on_train_end")
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepRecord:
+        start = time.perf_counter()
+        loss_sum, correct, samples = 0.0, 0, 0
+        with comm_stats.measure() as sent:
+            for i, (x, y) in enumerate(batches):
+                x, y = x.to(self.device), y.to(self.device)
+                sync = i == len(batches) - 1
+                with self._maybe_no_sync(sync):
+                    with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                        out = self.model(x)
+                        loss = self.loss_fn(out.float(), y)
+                    scaled = loss / len(batches)
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                loss_sum += loss.item() * len(y)
+                correct += int((out.argmax(1) == y).sum())
+                samples += len(y)
+            self._emit("after_backward")
+            self._optimizer_step()
+        seconds = time.perf_counter() - start
+        loss_mean = loss_sum / samples
+        return StepRecord(self.state.epoch, self.state.step, loss_mean, correct, samples, seconds, sent.sent_bytes())
+
+    def _maybe_no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        if sync or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if isinstance(self.model, SlowMoDistributedDataParallel):
+            self.model.zero_grad(set_to_none=True)
+            self.model.perform_slowmo(self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def evaluate(self, loader: DataLoader) -> tuple[float, float]:
+        """(accuracy, mean loss) of this rank's replica on `loader`; no communication."""
+        module = getattr(self.model, "module", self.model)
+        was_training = module.training
+        module.eval()
+        correct, total, loss_sum = 0, 0, 0.0
+        for x, y in loader:
+            x, y = x.to(self.device), y.to(self.device)
+            out = module(x).float()
+            loss_sum += float(self.loss_fn(out, y)) * len(y)
+            correct += int((out.argmax(1) == y).sum())
+            total += len(y)
+        module.train(was_training)
+        return correct / max(total, 1), loss_sum / max(total, 1)
+
+
+def _chunks(batches: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    """Groups consecutive batches by `size`; the last group of an epoch may be shorter."""
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
