@@ -193,6 +193,15 @@ class SlowMoDistributedDataParallel(nn.Module):
         if fp32_params is not None:
             unflatten_into(flat, list(self.module.parameters()))
 
+    @torch.no_grad()
+    def average_parameters(self) -> None:
+        """Averages the module's parameters exactly over all nodes now (e.g. at the end of training), so every
+        replica holds the same model; counters and slow buffers are left as they are. A collective."""
+        params = list(self.module.parameters())
+        flat = self._flat(params)
+        self._average_between_nodes(flat)
+        unflatten_into(flat, params)
+
     def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
         flat = flatten([p.detach() for p in params])
         return flat.to(self.comm_device) if self.comm_device is not None else flat
