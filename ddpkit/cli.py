@@ -47,8 +47,12 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     slowmo.add_argument("--slowmo-lr", type=float)
     slowmo.add_argument("--slowmo-frequency", type=int)
     slowmo.add_argument("--localsgd-frequency", type=int)
-    slowmo.add_argument("--slowmo-nprocs-per-node", dest="nprocs_per_node_slowmo", type=int,
-                        help="processes per SlowMo node (default: --nproc-per-node)")  # fmt: skip
+    slowmo.add_argument(
+        "--slowmo-nprocs-per-node",
+        dest="nprocs_per_node_slowmo",
+        type=int,
+        help="processes per SlowMo node (default: --nproc-per-node across machines, 1 on one machine)",
+    )
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from enum import Enum
 from typing import Any
@@ -18,6 +19,12 @@ from ddpkit.distributed.groups import check_nprocs_per_node, make_node_groups
 from ddpkit.distributed.hooks import counting_allreduce_hook
 from ddpkit.distributed.objects import gather_objects
 from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
+
+_DDP_BUFFER_FLAG = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 class SlowMoBaseAlgorithm(str, Enum):
@@ -151,7 +158,9 @@ class SlowMoDistributedDataParallel(nn.Module):
         """torch DDP over the node's group averages the gradients inside a node (none needed for one process)."""
         if self.nprocs_per_node == 1:
             return None
-        ddp = DistributedDataParallel(module, process_group=self.local_node_group, broadcast_buffers=False)
+        # buffers come from global rank 0 in forward; torch >= 2.13 renamed DDP's switch for its own broadcast
+        no_buffer_sync = {_DDP_BUFFER_FLAG: False}
+        ddp = DistributedDataParallel(module, process_group=self.local_node_group, **no_buffer_sync)
         ddp.register_comm_hook(self.local_node_group, counting_allreduce_hook)
         return ddp
 

@@ -131,9 +131,9 @@ class _RankPool:
     def _finish(self, fn: Callable[..., Any], outcomes: dict, timeout: float) -> list[Any]:
         missing = [r for r in range(self.world_size) if r not in outcomes]
         failures = sorted(r for r, (ok, _, _) in outcomes.items() if not ok)
+        if missing or any(not p.is_alive() for p in self._procs):
+            self.broken = True  # stuck in a collective, or a dead peer: the survivors' group is unusable
         if missing or failures:
-            if missing:
-                self.broken = True
             if failures:
                 rank = failures[0]
                 _, exc, text = outcomes[rank]

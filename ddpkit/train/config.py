@@ -52,7 +52,7 @@ class TrainConfig:
     slowmo_lr: float = 1.0
     slowmo_frequency: int = 48
     localsgd_frequency: int = 3
-    nprocs_per_node_slowmo: int | None = None  # SlowMo's "node" size; None: --nproc-per-node
+    nprocs_per_node_slowmo: int | None = None  # SlowMo's "node" size; None: --nproc-per-node across machines, else 1
     # where it runs
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -151,7 +151,7 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     ):
         raise ValueError("--model cnn on synthetic data needs a square --synthetic-features (e.g. 64 for 8x8)")
     if cfg.strategy == "slowmo":
-        node = cfg.nprocs_per_node_slowmo or cfg.nproc_per_node
+        node = cfg.nprocs_per_node_slowmo or 1
         if cfg.world_size % node:
             raise ValueError(f"--slowmo-nprocs-per-node {node} must divide the world size {cfg.world_size}")
     if cfg.resume and not cfg.out:

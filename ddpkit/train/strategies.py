@@ -40,6 +40,14 @@ def optimizer_arguments(cfg: TrainConfig) -> dict[str, float]:
     return args
 
 
+def slowmo_node_size(cfg: TrainConfig) -> int:
+    """SlowMo's processes per node: as asked, else the real node size across machines, else 1 (each local
+    process acts as a node, so local SGD happens even on one machine)."""
+    if cfg.nprocs_per_node_slowmo:
+        return cfg.nprocs_per_node_slowmo
+    return cfg.nproc_per_node if cfg.nnodes > 1 else 1
+
+
 def _ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=ids)
@@ -65,7 +73,7 @@ def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) ->
     else:
         model = SlowMoDistributedDataParallel(
             module,
-            nprocs_per_node=cfg.nprocs_per_node_slowmo or cfg.nproc_per_node,
+            nprocs_per_node=slowmo_node_size(cfg),
             slowmo_momentum=cfg.slowmo_momentum,
             slowmo_lr=cfg.slowmo_lr,
             slowmo_frequency=cfg.slowmo_frequency,
