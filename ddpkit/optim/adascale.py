@@ -1,0 +1,573 @@
+"""AdaScale: adaptive learning-rate scaling for large-batch data-parallel SGD."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size
+from ddpkit.optim.adascale_math import SmoothedEstimate, combined_gain, default_smoothing, gain, observe
+from ddpkit.optim.oss import OSS
+
+__all__ = ["AdaScale", "AdaScaleWrapper"]
+
+_STATE_KEY = "adascale"
+
+
+class AdaScale(Optimizer):
+    """Wraps an SGD-like optimizer so that a batch S times larger keeps the single-worker learning-rate schedule.
+
+    Algorithm (AdaScale SGD: Johnson, Agrawal, Gu, Guestrin, ICML 2020, arXiv:2007.05105): every update averages
+    ``S = world_size x num_gradients_to_accumulate`` micro-gradients ``g_1 .. g_S``. From them AdaScale estimates,
+    per parameter group, the variance ``sigma2`` of the gradient of one base batch (the batch the schedule was
+    tuned for; one update averages `scale` of them) and the squared norm ``mu2`` of the true gradient::
+
+        v      = (sum_i ||g_i||^2 - S ||mean_i g_i||^2) / (S - 1)      # sample variance of a micro-gradient
+        sigma2 = max(v * scale / S, 1e-6)        mu2 = max(||mean_i g_i||^2 - v / S, 0)
+
+    smooths both with moving averages (coefficient `smoothing`, bias-corrected unless ``debias_ewma=False``) and
+    multiplies the learning rate of the step by the gain ``r = (sigma2 + mu2) / (sigma2 / scale + mu2)``, which
+    lies in ``[1, scale]``: about 1 while the gradient dominates its noise (a larger batch cannot help), up to
+    `scale` when noise dominates (the linear scaling rule). Progress is counted in scale-invariant iterations,
+    ``scale_invariant_steps = sum of the gains``: stopping at the single-worker run's step count T and driving its
+    LR schedule by that count (`step_scheduler`) reproduces the single-worker run with about T / S updates.
+
+    How the two norms are measured: a tensor hook on every trainable parameter sees each micro-gradient as it is
+    produced, before it is accumulated into ``.grad`` and so before torch DDP or ShardedDataParallel average it
+    (also under ``no_sync()``); its squared norm is added to a per-group sum (times ``n^2`` for n accumulated
+    micro-batches when ``is_scaled_loss``: the loss was divided by n). ``||mean_i g_i||^2`` is read from the
+    averaged ``.grad`` at `step()`. Each parameter's averaged gradient is counted once: by its owner when the
+    wrapped optimizer is an `OSS` (with ShardedDataParallel only owners keep gradients), otherwise every rank holds
+    the whole averaged gradient (DDP) and the sum over ranks is divided by the world size.
+
+    Communication: one all-reduce per `step()` of ``2 x number of parameter groups`` float64 values (each rank's
+    micro-gradient square norms and its share of the averaged gradient's square norm), through
+    `ddpkit.distributed.comm` on ``comm_device(group)``; nothing when the world size is 1. The group is
+    `process_group`, else the wrapped OSS's group, else the default group.
+
+    Memory: a few Python floats per parameter group, one float64 scalar per group accumulating the micro-gradient
+    norms, and a transient copy-free norm per gradient; no copy of any gradient or parameter.
+
+    Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale only sees the parameters that
+    rank owns, so each parameter's spread is measured from its owner's micro-gradients only: the gain is still an
+    unbiased estimate and is the same on every rank, but noisier, and `estimates()` report the model's values
+    divided by the world size; OSS's checkpoints do not carry the estimates. Prefer ``AdaScale(OSS(...))``, which is
+    exact.
+
+    Example::
+
+        model = DDP(model)
+        optimizer = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000, gamma=0.1)  # the 1-worker schedule
+        while optimizer.scale_invariant_steps < T:  # T: the 1-worker run's number of steps
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()  # lr x gain for this step
+            optimizer.step_scheduler(scheduler)  # advance the schedule by the gain, not by 1
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        world_size: int | None = None,
+        scale: float | None = None,
+        smoothing: float | None = None,
+        num_gradients_to_accumulate: int = 1,
+        is_scaled_loss: bool = True,
+        debias_ewma: bool = True,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        _check_options(scale, smoothing, num_gradients_to_accumulate, is_scaled_loss, debias_ewma)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                "AdaScale: optimizer must be a torch.optim.Optimizer instance (e.g. torch.optim.SGD(params, lr=0.1)), "
+                f"got {type(optimizer).__name__}"
+            )
+        group = process_group
+        if group is None and isinstance(optimizer, OSS):
+            group = optimizer.group
+        self._world_size = _resolve_world_size(world_size, group)
+        if isinstance(optimizer, OSS) and self._world_size != optimizer.world_size:
+            raise ValueError(
+                f"AdaScale: world_size={self._world_size} but the wrapped OSS shards over {optimizer.world_size} "
+                "ranks; leave world_size=None"
+            )
+        num_grads = self._world_size * num_gradients_to_accumulate
+        if num_grads < 2:
+            raise ValueError(
+                "AdaScale: a single worker without gradient accumulation has no spread of gradients to measure; "
+                "use several workers (world_size > 1) or num_gradients_to_accumulate > 1"
+            )
+        self._optimizer = optimizer
+        self._group = group
+        self._rank = group_rank(group) if self._world_size > 1 else 0
+        self._shards_gradients = isinstance(optimizer, OSS)
+        self._num_grads_to_accum = num_gradients_to_accumulate
+        self._user_scale = None if scale is None else float(scale)
+        self._scale = float(num_grads) if scale is None else float(scale)
+        self._user_smoothing = None if smoothing is None else float(smoothing)
+        self._smoothing = default_smoothing(num_grads) if smoothing is None else float(smoothing)
+        self._is_scaled_loss = is_scaled_loss
+        self._debias_ewma = debias_ewma
+        self._estimates: list[SmoothedEstimate] = []
+        self._scale_invariant_steps = 0.0
+        self._updates = 0
+        self._micro_sq: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._handles: list[Any] = []
+        self._hooked_signature: tuple[tuple[int, int], ...] | None = None
+        self._unhooked = False
+        self._grads_divided = False
+        self._init_optimizer_base()
+        self._sync_groups()
+        self._refresh_hooks()
+
+    def _init_optimizer_base(self) -> None:
+        """What torch.optim.Optimizer.__init__ sets up besides groups and state (hook registries, step profiling),
+        so that torch's LR schedulers and step hooks accept this wrapper; groups and state are the wrapped one's."""
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+
+    # -- what is shared with the wrapped optimizer ---------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's groups (the same list): LR schedulers write the base learning rate here."""
+        return self._optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._optimizer.defaults
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The wrapped optimizer."""
+        return self._optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        # Public attributes of the wrapped optimizer (e.g. OSS's consolidate_state_dict, clip_grad_norm).
+        wrapped = self.__dict__.get("_optimizer")
+        if wrapped is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(wrapped, name)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(world_size={self._world_size}, scale={self._scale:g}, "
+            f"num_gradients_to_accumulate={self._num_grads_to_accum}, smoothing={self._smoothing:g}, "
+            f"optimizer={self._optimizer!r})"
+        )
+
+    # -- settings ----------------------------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def scale(self) -> float:
+        """How many base batches one update averages (the gain's upper bound)."""
+        return self._scale
+
+    @property
+    def smoothing(self) -> float:
+        """The moving averages' coefficient theta (0: only the latest update counts)."""
+        return self._smoothing
+
+    @property
+    def num_gradients_to_accumulate(self) -> int:
+        return self._num_grads_to_accum
+
+    @property
+    def scale_invariant_steps(self) -> float:
+        """Progress in single-worker iterations: the sum of the gains of all updates so far."""
+        return self._scale_invariant_steps
+
+    def set_scale(self, scale: float, update_estimate: bool = True) -> None:
+        """Declares that each update now averages `scale` base batches (from the next `step()` on).
+
+        With ``update_estimate=True`` (recommended) the variance estimate, which is kept per base batch, stays as
+        it is, so the gain immediately reflects the new scale: use this when the batch per update changed (e.g.
+        each micro-batch got larger). With False, past measurements are reinterpreted as if they had been taken
+        at the new scale (the variance estimate is multiplied by ``scale / old scale``): use it only when the old
+        scale was declared wrongly and the batch did not change. The scale no longer follows
+        `set_num_gradients_to_accumulate` afterwards.
+        """
+        _check_scale(scale, "set_scale")
+        if not update_estimate:
+            for estimate in self._estimates:
+                estimate.rescale_sigma2(float(scale) / self._scale)
+        self._scale = float(scale)
+        self._user_scale = float(scale)
+
+    def set_num_gradients_to_accumulate(self, num_gradients_to_accumulate: int, update_smoothing: bool = True) -> None:
+        """Changes how many micro-batches each rank accumulates per update (call it between updates).
+
+        If no `scale` was given (to the constructor or `set_scale`), the scale follows: ``world_size x n``; the
+        estimates are kept (they are per base batch). With `update_smoothing`, a smoothing that was not given to
+        the constructor is recomputed for the new S; a given smoothing is always kept.
+        """
+        n = num_gradients_to_accumulate
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"set_num_gradients_to_accumulate: expected an int >= 1, got {n!r}")
+        if self._world_size * n < 2:
+            raise ValueError(
+                "set_num_gradients_to_accumulate: a single worker needs num_gradients_to_accumulate >= 2 "
+                f"(there is no spread of gradients to measure otherwise), got {n}"
+            )
+        if self._micro_sq:
+            raise RuntimeError(
+                "set_num_gradients_to_accumulate: micro-gradients of the current update were already measured; "
+                "call it between updates (after step() or zero_grad())"
+            )
+        self._num_grads_to_accum = n
+        if self._user_scale is None:
+            self._scale = float(self._world_size * n)
+        if update_smoothing and self._user_smoothing is None:
+            self._smoothing = default_smoothing(self._world_size * n)
+
+    # -- estimates -----------------------------------------------------------------------------------------------
+
+    def gain(self, pg_idx: int | None = None) -> float:
+        """The gain at the current scale: of parameter group `pg_idx`, or of the whole model (None), from the
+        sums of the groups' estimates. 1 before the first update."""
+        if pg_idx is None:
+            return combined_gain(self._estimates, self._scale)
+        estimate = self._estimates[pg_idx]
+        return gain(estimate.sigma2, estimate.mu2, self._scale) if estimate.count else 1.0
+
+    def estimates(self, pg_idx: int | None = None) -> tuple[float, float]:
+        """The smoothed ``(sigma2, mu2)`` of group `pg_idx`, or summed over the groups (None)."""
+        chosen = self._estimates if pg_idx is None else [self._estimates[pg_idx]]
+        return sum(e.sigma2 for e in chosen), sum(e.mu2 for e in chosen)
+
+    # -- hooks -------------------------------------------------------------------------------------------------------
+
+    def _trainable(self) -> list[tuple[int, torch.Tensor]]:
+        return [(i, p) for i, group in enumerate(self.param_groups) for p in group["params"] if p.requires_grad]
+
+    def _refresh_hooks(self) -> None:
+        """(Re)registers the micro-gradient hooks when the trainable parameters or their groups changed."""
+        if self._unhooked:
+            return
+        trainable = self._trainable()
+        signature = tuple((i, id(p)) for i, p in trainable)
+        if signature == self._hooked_signature:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = [p.register_hook(functools.partial(self._on_micro_grad, i)) for i, p in trainable]
+        self._hooked_signature = signature
+
+    def _on_micro_grad(self, group_index: int, grad: torch.Tensor) -> None:
+        square = _square_norm(grad)
+        if self._is_scaled_loss and self._num_grads_to_accum > 1:
+            square = square * float(self._num_grads_to_accum**2)
+        with self._lock:  # hooks of parameters on different devices may run on different autograd threads
+            total = self._micro_sq.get(group_index)
+            self._micro_sq[group_index] = square if total is None else total + square.to(total.device)
+
+    def unhook(self) -> None:
+        """Removes the gradient hooks (e.g. when training is over); `step()` is an error afterwards."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooked_signature = None
+        self._unhooked = True
+        self._micro_sq.clear()
+
+    # -- the update ----------------------------------------------------------------------------------------------
+
+    def scale_grad_by_num_grads_to_accum(self) -> None:
+        """Divides the accumulated gradients by `num_gradients_to_accumulate`: for ``is_scaled_loss=False``, call it
+        after the last backward of an update and before `step()` (or gradient clipping)."""
+        if self._is_scaled_loss:
+            raise RuntimeError(
+                "scale_grad_by_num_grads_to_accum: this AdaScale has is_scaled_loss=True, i.e. each accumulated "
+                "loss was already divided by num_gradients_to_accumulate; dividing again would be wrong"
+            )
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(self._num_grads_to_accum)
+        self._grads_divided = True
+
+    def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Updates the estimates (one small all-reduce), then steps the wrapped optimizer with each group's
+        learning rate multiplied by its gain, restored afterwards. A collective: call it on every rank.
+
+        A `closure` is evaluated once first (with gradients enabled) and its loss returned; other arguments go to
+        the wrapped optimizer's `step`.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_can_step()
+        self._sync_groups()
+        sum_sq, mean_sq = self._reduce_norms()
+        self._update_estimates(sum_sq, mean_sq)
+        gains = [self.gain(i) for i in range(len(self.param_groups))]
+        with _scaled_learning_rates(self.param_groups, gains):
+            self._optimizer.step(*args, **kwargs)
+        self._scale_invariant_steps += self.gain()
+        self._updates += 1
+        self._start_next_update()
+        return loss
+
+    def _check_can_step(self) -> None:
+        if self._unhooked:
+            raise RuntimeError("AdaScale.step: unhook() was called, so no gradient is measured any more")
+        if not self._is_scaled_loss and self._num_grads_to_accum > 1 and not self._grads_divided:
+            raise RuntimeError(
+                "AdaScale.step: is_scaled_loss=False and gradients are accumulated, so call "
+                "scale_grad_by_num_grads_to_accum() after the last backward and before step()"
+            )
+
+    def _counts_average(self, p: torch.Tensor) -> bool:
+        """Whether this rank adds `p`'s averaged gradient to the norm (its owner does under OSS)."""
+        if not self._shards_gradients:
+            return True
+        owner = self._optimizer.owner_of(p)  # type: ignore[attr-defined]
+        return (owner if owner is not None else 0) == self._rank
+
+    def _reduce_norms(self) -> tuple[list[float], list[float]]:
+        """Per group: ``sum_i ||g_i||^2`` over all micro-gradients and ``||mean_i g_i||^2`` (one all-reduce)."""
+        n_groups = len(self.param_groups)
+        device = comm_device(self._group) if self._world_size > 1 else torch.device("cpu")
+        norms = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
+        with self._lock:
+            for i, total in self._micro_sq.items():
+                norms[i] += total.to(device)
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad and p.grad is not None and self._counts_average(p):
+                    norms[n_groups + i] += _square_norm(p.grad).to(device)
+        if self._world_size > 1:
+            comm.all_reduce(norms, self._group)
+        values = norms.tolist()
+        holders = 1 if self._shards_gradients else self._world_size  # ranks holding each averaged gradient
+        return values[:n_groups], [v / holders for v in values[n_groups:]]
+
+    def _update_estimates(self, sum_sq: list[float], mean_sq: list[float]) -> None:
+        num_grads = self._world_size * self._num_grads_to_accum
+        for estimate, total, mean in zip(self._estimates, sum_sq, mean_sq, strict=True):
+            if total == 0.0 and mean == 0.0:
+                continue  # the group got no gradient: keep its estimates
+            observation = observe(total, mean, num_grads, self._scale)
+            if observation.is_finite():  # e.g. an overflow under mixed precision: skip, do not poison the averages
+                estimate.update(observation, self._smoothing)
+
+    def _start_next_update(self) -> None:
+        with self._lock:
+            self._micro_sq.clear()
+        self._grads_divided = False
+        self._refresh_hooks()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients (through the wrapped optimizer) and starts a new update's measurements."""
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+        self._start_next_update()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group to the wrapped optimizer; it gets its own estimates and hooks."""
+        self._optimizer.add_param_group(param_group)
+        self._sync_groups()
+        self._refresh_hooks()
+
+    def _sync_groups(self) -> None:
+        while len(self._estimates) < len(self.param_groups):
+            self._estimates.append(SmoothedEstimate(debias=self._debias_ewma))
+
+    # -- LR schedules by scale-invariant progress -------------------------------------------------------------------
+
+    def step_scheduler(self, scheduler: LRScheduler) -> int:
+        """Advances `scheduler` to ``floor(scale_invariant_steps)`` steps; returns how many steps it took.
+
+        Call it after `step()` instead of ``scheduler.step()``: a schedule written for the single-worker run (in its
+        iterations) then stretches by itself to the large-batch run. Works with any torch LR scheduler that steps
+        without arguments (not ReduceLROnPlateau); the scheduler's own state (``last_epoch``) is the position, so
+        checkpointing it with this optimizer resumes exactly.
+        """
+        if not isinstance(scheduler, LRScheduler) or isinstance(scheduler, ReduceLROnPlateau):
+            raise TypeError(
+                "step_scheduler: expected a torch.optim.lr_scheduler.LRScheduler that steps without arguments "
+                f"(ReduceLROnPlateau is not), got {type(scheduler).__name__}"
+            )
+        taken = 0
+        while scheduler.last_epoch < math.floor(self._scale_invariant_steps):
+            scheduler.step()
+            taken += 1
+        return taken
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's state dict plus an ``"adascale"`` entry with the estimates and counters.
+
+        Arguments go to the wrapped optimizer (e.g. OSS's ``all_ranks``). The result loads into a plain torch
+        optimizer too (the extra entry is ignored there).
+        """
+        saved = dict(self._optimizer.state_dict(*args, **kwargs))
+        saved[_STATE_KEY] = {
+            "scale_invariant_steps": self._scale_invariant_steps,
+            "updates": self._updates,
+            "estimates": [e.to_dict() for e in self._estimates],
+            "scale": self._scale,
+            "smoothing": self._smoothing,
+            "world_size": self._world_size,
+            "num_gradients_to_accumulate": self._num_grads_to_accum,
+        }
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the wrapped optimizer's state and AdaScale's estimates and counters.
+
+        The scale, smoothing and accumulation count stay as configured here (the estimates are per base batch, so
+        a checkpoint resumes at another world size). A state dict without AdaScale's entry (e.g. from a plain
+        torch optimizer) leaves the estimates as they are.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        saved = state_dict.get(_STATE_KEY)
+        if saved is not None and len(saved["estimates"]) != len(self.param_groups):
+            raise ValueError(
+                f"load_state_dict: the AdaScale state has {len(saved['estimates'])} parameter groups, this "
+                f"optimizer has {len(self.param_groups)}"
+            )
+        self._optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != _STATE_KEY})
+        if saved is None:
+            return
+        self._sync_groups()
+        for estimate, values in zip(self._estimates, saved["estimates"], strict=True):
+            estimate.load(values)
+        self._scale_invariant_steps = float(saved["scale_invariant_steps"])
+        self._updates = int(saved["updates"])
+
+
+class AdaScaleWrapper(AdaScale):
+    """`AdaScale` around ``optim_cls(params, **optim_args)``, built like a torch optimizer from parameters.
+
+    So it can be passed where an optimizer class is expected, e.g. ``OSS(params, optim=AdaScaleWrapper, lr=0.1)``
+    (see `AdaScale` for what that measures). Everything else is `AdaScale`'s.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        world_size: int | None = None,
+        scale: float | None = None,
+        smoothing: float | None = None,
+        num_gradients_to_accumulate: int = 1,
+        debias_ewma: bool = True,
+        optim_cls: type[Optimizer] = torch.optim.SGD,
+        is_scaled_loss: bool = True,
+        **optim_args: Any,
+    ) -> None:
+        _check_options(scale, smoothing, num_gradients_to_accumulate, is_scaled_loss, debias_ewma)
+        if not (inspect.isclass(optim_cls) and issubclass(optim_cls, Optimizer)):
+            raise TypeError(
+                f"AdaScaleWrapper: optim_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.SGD), "
+                f"got {optim_cls!r}"
+            )
+        super().__init__(
+            optim_cls(params, **optim_args),
+            world_size=world_size,
+            scale=scale,
+            smoothing=smoothing,
+            num_gradients_to_accumulate=num_gradients_to_accumulate,
+            is_scaled_loss=is_scaled_loss,
+            debias_ewma=debias_ewma,
+        )
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_scale(scale: Any, where: str) -> None:
+    if not _is_real(scale) or scale < 1:
+        raise ValueError(f"{where}: scale must be a finite number >= 1 (base batches per update), got {scale!r}")
+
+
+def _check_options(
+    scale: float | None, smoothing: float | None, num_gradients_to_accumulate: int, is_scaled_loss: bool, debias: bool
+) -> None:
+    """Raises a ValueError/TypeError naming the argument, before anything is built or sent."""
+    if scale is not None:
+        _check_scale(scale, "AdaScale")
+    if smoothing is not None and (not _is_real(smoothing) or not 0 <= smoothing < 1):
+        raise ValueError(f"AdaScale: smoothing must be None or a number in [0, 1), got {smoothing!r}")
+    if not _is_int(num_gradients_to_accumulate) or num_gradients_to_accumulate < 1:
+        raise ValueError(
+            f"AdaScale: num_gradients_to_accumulate must be an int >= 1, got {num_gradients_to_accumulate!r}"
+        )
+    for name, value in (("is_scaled_loss", is_scaled_loss), ("debias_ewma", debias)):
+        if not isinstance(value, bool):
+            raise TypeError(f"AdaScale: {name} must be a bool, got {value!r}")
+
+
+def _resolve_world_size(world_size: int | None, group: ProcessGroup | None) -> int:
+    """`world_size`, checked against the process group (None: the group's size, 1 without a process group)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    actual = group_size(group) if initialized else 1
+    if world_size is None:
+        return actual
+    if not _is_int(world_size) or world_size < 1:
+        raise ValueError(f"AdaScale: world_size must be None or an int >= 1, got {world_size!r}")
+    if world_size not in (1, actual):
+        where = f"the process group has {actual} ranks" if initialized else "no process group is initialised"
+        raise ValueError(
+            f"AdaScale: world_size={world_size} but {where}; pass None (the group's size), the group's size, or 1 "
+            "for a purely local AdaScale"
+        )
+    return world_size
+
+
+def _square_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """``||tensor||^2`` as a float64 scalar on the tensor's device (summed in at least float32, no square root)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    return torch.dot(flat, flat).double()
+
+
+@contextlib.contextmanager
+def _scaled_learning_rates(param_groups: list[dict[str, Any]], gains: list[float]) -> Iterator[None]:
+    """Multiplies each group's ``lr`` by its gain inside the block and puts the original value back after it."""
+    original = [group["lr"] for group in param_groups]
+    for group, factor in zip(param_groups, gains, strict=True):
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(param_groups, original, strict=True):
+            group["lr"] = lr

@@ -1,0 +1,523 @@
+"""AdaScale: the estimator against hand-computed values, and training against single-process accumulation, torch
+DDP, OSS and ShardedDataParallel on 2 gloo ranks."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
+
+from ddpkit.distributed import comm_stats
+from ddpkit.nn import ShardedDataParallel
+from ddpkit.optim import OSS, AdaScale, AdaScaleWrapper
+from ddpkit.optim.adascale_math import Observation, SmoothedEstimate, combined_gain, default_smoothing, gain, observe
+from ddpkit.testing import run_distributed
+
+TOL = 1e-6
+LR, MOMENTUM, BIAS_LR = 0.1, 0.9, 0.05
+STEPS = 6
+
+
+# -- the estimator, by hand ---------------------------------------------------------------------------------------
+
+
+def _stats(grads):
+    """(sum_i ||g_i||^2, ||mean g||^2) of a list of gradient vectors."""
+    stacked = torch.stack([torch.as_tensor(g, dtype=torch.float64) for g in grads])
+    return float((stacked**2).sum()), float(stacked.mean(0).pow(2).sum())
+
+
+def test_estimates_and_gain_by_hand():
+    # g1 = (3, 0), g2 = (1, 2): sum ||g||^2 = 14, mean = (2, 1), ||mean||^2 = 5, v = (14 - 2 * 5) / 1 = 4,
+    # mu2 = 5 - 4 / 2 = 3, sigma2 = v * scale / S.
+    assert _stats([[3.0, 0.0], [1.0, 2.0]]) == (14.0, 5.0)
+    obs = observe(14.0, 5.0, num_grads=2, scale=2)
+    assert (obs.sigma2, obs.mu2) == (4.0, 3.0)
+    assert gain(obs.sigma2, obs.mu2, 2) == pytest.approx(7 / 5, abs=1e-15)
+    # each micro-gradient averages 2 base batches (scale 4 with S = 2): one base batch is twice as noisy
+    obs4 = observe(14.0, 5.0, num_grads=2, scale=4)
+    assert (obs4.sigma2, obs4.mu2) == (8.0, 3.0)
+    assert gain(obs4.sigma2, obs4.mu2, 4) == pytest.approx(11 / 5, abs=1e-15)
+    # identical gradients: no variance (clamped at 1e-6), gain 1
+    same = observe(*_stats([[1.0, -2.0, 0.5]] * 4), num_grads=4, scale=4)
+    assert same.sigma2 == 1e-6 and same.mu2 == pytest.approx(5.25, rel=1e-12)
+    assert gain(same.sigma2, same.mu2, 4) == pytest.approx(1.0, abs=1e-6)
+    # orthogonal gradients of equal norm: no signal left (mu2 = 0), the maximal gain S
+    for s in (2, 4):
+        ortho = observe(*_stats(torch.eye(s) * 3.0), num_grads=s, scale=s)
+        assert ortho.mu2 == pytest.approx(0.0, abs=1e-12) and ortho.sigma2 == pytest.approx(9.0, rel=1e-12)
+        assert gain(ortho.sigma2, ortho.mu2, s) == pytest.approx(s, rel=1e-12)
+    # opposite gradients: mu2 would be negative, clamped at 0
+    assert observe(*_stats([[1.0], [-1.0], [0.9], [-1.1]]), num_grads=4, scale=4).mu2 == 0.0
+    assert default_smoothing(8) == pytest.approx(0.992) and default_smoothing(1000) == default_smoothing(4096) == 0.0
+    # the whole model's gain comes from the sums of the groups' estimates
+    a, b = SmoothedEstimate(), SmoothedEstimate()
+    a.update(observe(14.0, 5.0, 2, 2), 0.0)
+    b.update(observe(*_stats([[1.0, 0.0], [0.0, 1.0]]), 2, 2), 0.0)  # sigma2 1, mu2 0
+    assert combined_gain([a, b], 2) == pytest.approx((4 + 1 + 3) / ((4 + 1) / 2 + 3), abs=1e-15)
+    assert combined_gain([SmoothedEstimate()], 2) == 1.0
+
+
+def test_moving_averages_match_their_definitions():
+    xs = [(4.0, 3.0), (1.0, 0.5), (9.0, 2.0), (2.5, 7.0), (0.1, 0.2), (6.0, 1.0), (3.0, 3.0)]
+    for theta in (0.0, 0.5, 0.8):
+        debiased, plain = SmoothedEstimate(debias=True), SmoothedEstimate(debias=False)
+        m, history, prev = [0.0, 0.0], [], (0.0, 0.0)
+        for t, (s2, u2) in enumerate(xs, start=1):
+            observation = Observation(s2, u2)
+            debiased.update(observation, theta)
+            plain.update(observation, theta)
+            history.append((s2, u2))
+            # debiased: exponential average from zero divided by its weight 1 - theta^t
+            m = [theta * m[k] + (1 - theta) * history[-1][k] for k in range(2)]
+            expect = [v / (1 - theta**t) for v in m]
+            assert (debiased.sigma2, debiased.mu2) == pytest.approx(expect, rel=1e-12, abs=1e-12), (theta, t)
+            # plain: the mean of the first 1 / (1 - theta) observations, then the exponential average
+            if t <= 1 / (1 - theta):
+                expect = [sum(h[k] for h in history) / t for k in range(2)]
+            else:
+                expect = [theta * prev[k] + (1 - theta) * history[-1][k] for k in range(2)]
+            assert (plain.sigma2, plain.mu2) == pytest.approx(expect, rel=1e-12, abs=1e-12), (theta, t)
+            prev = (plain.sigma2, plain.mu2)
+    assert debiased.count == len(xs)
+
+
+# -- one process accumulating micro-batches ----------------------------------------------------------------------------
+
+
+def _linear_step(micro_grads, opt_kwargs=None, is_scaled_loss=True, lr=0.1):
+    """One AdaScale update of a bias-free linear layer whose loss ``w . x`` has gradient x per micro-batch."""
+    n = len(micro_grads)
+    layer = nn.Linear(len(micro_grads[0]), 1, bias=False)
+    nn.init.zeros_(layer.weight)
+    opt = AdaScale(torch.optim.SGD(layer.parameters(), lr=lr), num_gradients_to_accumulate=n,
+                   is_scaled_loss=is_scaled_loss, **(opt_kwargs or {}))  # fmt: skip
+    for g in micro_grads:
+        loss = (layer.weight @ torch.tensor(g)).sum()
+        (loss / n if is_scaled_loss else loss).backward()
+    if not is_scaled_loss:
+        opt.scale_grad_by_num_grads_to_accum()
+    opt.step()
+    return layer, opt
+
+
+def test_single_process_accumulation_by_hand():
+    for is_scaled in (True, False):
+        layer, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]], is_scaled_loss=is_scaled)
+        assert opt.estimates() == pytest.approx((4.0, 3.0), rel=1e-7)
+        assert opt.gain() == opt.gain(0) == pytest.approx(1.4, rel=1e-7)
+        assert opt.scale_invariant_steps == pytest.approx(1.4, rel=1e-7)
+        # w = 0 - lr * gain * mean gradient (2, 1); the learning rate is back to 0.1 afterwards
+        assert layer.weight.detach().flatten().tolist() == pytest.approx([-0.28, -0.14], rel=1e-6)
+        assert opt.param_groups[0]["lr"] == 0.1
+    layer, opt = _linear_step([[3.0, 0.0], [0.0, 3.0]])  # orthogonal: gain 2
+    assert opt.gain() == pytest.approx(2.0, rel=1e-7)
+    layer, opt = _linear_step([[1.0, 2.0]] * 4)  # identical: gain 1
+    assert opt.gain() == pytest.approx(1.0, abs=1e-6) and opt.estimates()[0] == 1e-6
+    assert opt.scale == 4 and opt.smoothing == pytest.approx(0.996)
+    layer, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]], {"scale": 4})  # two base batches per micro-batch
+    assert opt.estimates() == pytest.approx((8.0, 3.0), rel=1e-7) and opt.gain() == pytest.approx(2.2, rel=1e-7)
+    # a tensor learning rate is scaled and restored too
+    layer, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]], lr=torch.tensor(0.1))
+    assert layer.weight.detach().flatten().tolist() == pytest.approx([-0.28, -0.14], rel=1e-6)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.1)
+
+
+def _toy(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return model
+
+
+def _groups(model):
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights}, {"params": biases, "lr": BIAS_LR}]
+
+
+def _batch(step, micro, n=5):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _local_reference(num_micro, steps=STEPS, branchy=False):
+    """One process accumulating `num_micro` micro-batches per update, StepLR driven by scale-invariant progress."""
+    model = _Branchy() if branchy else _toy()
+    opt = AdaScale(_sgd(_groups(model)), world_size=1, num_gradients_to_accumulate=num_micro)
+    sched = StepLR(opt, step_size=2, gamma=0.5)
+    gains = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(num_micro):
+            x, y = _batch(step, micro)
+            (nn.functional.mse_loss(_forward(model, x, step, micro, branchy), y) / num_micro).backward()
+        opt.step()
+        opt.step_scheduler(sched)
+        gains.append((opt.gain(0), opt.gain(1), opt.gain()))
+    return model, opt, gains
+
+
+def _forward(model, x, step, micro, branchy):
+    return model(x, _uses_extra(step, micro)) if branchy else model(x)
+
+
+def test_multiple_groups_schedule_and_state_dict_round_trip():
+    model, opt, gains = _local_reference(4, steps=8)
+    assert all(1.0 <= g <= 4.0 for step in gains for g in step)
+    assert len({g[0] for g in gains}) > 1 and gains[0][0] != gains[0][1]  # per-group gains
+    # the whole model's gain is the sum of the per-step gains, and the schedule follows floor(progress)
+    model = _toy()
+    opt = AdaScale(_sgd(_groups(model)), num_gradients_to_accumulate=4)
+    sched = StepLR(opt, step_size=2, gamma=0.5)
+    progress, saved = 0.0, None
+    for step in range(8):
+        opt.zero_grad()
+        for micro in range(4):
+            x, y = _batch(step, micro)
+            (nn.functional.mse_loss(model(x), y) / 4).backward()
+        lr_used = opt.param_groups[0]["lr"]
+        assert lr_used == pytest.approx(LR * 0.5 ** (math.floor(progress) // 2))
+        opt.step()
+        progress += opt.gain()
+        opt.step_scheduler(sched)
+        assert opt.scale_invariant_steps == pytest.approx(progress, rel=1e-12)
+        assert sched.last_epoch == math.floor(progress)
+        if step == 3:  # checkpoint mid-run
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
+    final = [p.detach().clone() for p in model.parameters()]
+    assert saved[1]["adascale"]["updates"] == 4
+    # resume from the checkpoint: the rest of the run is reproduced exactly
+    model2 = _toy(seed=7)
+    opt2 = AdaScale(_sgd(_groups(model2)), num_gradients_to_accumulate=4)
+    sched2 = StepLR(opt2, step_size=2, gamma=0.5)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[2])
+    assert opt2.scale_invariant_steps == saved[1]["adascale"]["scale_invariant_steps"]
+    assert opt2.estimates(1) == tuple(saved[1]["adascale"]["estimates"][1][k] for k in ("sigma2", "mu2"))
+    for step in range(4, 8):
+        opt2.zero_grad()
+        for micro in range(4):
+            x, y = _batch(step, micro)
+            (nn.functional.mse_loss(model2(x), y) / 4).backward()
+        opt2.step()
+        opt2.step_scheduler(sched2)
+    assert all(torch.equal(a, b) for a, b in zip(final, model2.parameters(), strict=True))
+    assert opt2.scale_invariant_steps == opt.scale_invariant_steps and opt2.gain() == opt.gain()
+    # the checkpoint loads into the plain torch optimizer as well (the AdaScale entry is ignored there)
+    _sgd(_groups(_toy())).load_state_dict(saved[1])
+    with pytest.raises(ValueError, match="parameter groups"):
+        AdaScale(_sgd(_toy().parameters()), num_gradients_to_accumulate=2).load_state_dict(saved[1])
+
+
+def test_closure_zero_grad_frozen_and_unused_parameters():
+    model = _toy()
+    model[0].weight.requires_grad_(False)  # frozen: no hook, no estimate contribution
+    opt = AdaScale(_sgd(_groups(model)), num_gradients_to_accumulate=2)
+    x, y = _batch(0, 0)
+
+    def closure():
+        opt.zero_grad()
+        for micro in range(2):
+            xm, ym = _batch(0, micro)
+            (nn.functional.mse_loss(model[2](torch.tanh(xm.repeat(1, 3)[:, :16])), ym) / 2).backward()
+        return torch.tensor(1.5)
+
+    assert opt.step(closure).item() == 1.5  # model[0] got no gradient at all; model[2] did
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    assert 1 <= opt.gain(0) <= 2 and 1 <= opt.gain(1) <= 2
+    # gradients measured, then cleared by zero_grad: the next update starts afresh
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.zero_grad()
+    assert not opt._micro_sq
+    # a group that gets no gradient keeps its estimates (and gain)
+    before = opt.estimates(0)
+    model[2].weight.requires_grad_(False)
+    opt.zero_grad()  # picks up the requires_grad change
+    for micro in range(2):
+        xm, ym = _batch(1, micro)
+        (nn.functional.mse_loss(model(xm), ym) / 2).backward()
+    opt.step()
+    assert opt.estimates(0) == before
+
+
+def test_set_scale_and_set_num_gradients_to_accumulate():
+    _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]])  # sigma2 4, mu2 3 at scale 2
+    opt.set_scale(8)  # the batch per update grew: the per-base-batch variance carries over
+    assert opt.scale == 8 and opt.estimates() == pytest.approx((4.0, 3.0), rel=1e-7)
+    assert opt.gain() == pytest.approx(7 / (4 / 8 + 3), rel=1e-7)
+    opt.set_scale(4, update_estimate=False)  # scale was misdeclared: reinterpret the measurements
+    assert opt.estimates() == pytest.approx((2.0, 3.0), rel=1e-7)
+    assert opt.gain() == pytest.approx(5 / (2 / 4 + 3), rel=1e-7)
+    opt.set_num_gradients_to_accumulate(16)  # an explicit scale stays; the default smoothing follows S
+    assert opt.scale == 4 and opt.num_gradients_to_accumulate == 16 and opt.smoothing == pytest.approx(0.984)
+    # default scale follows S; update_smoothing=False and a given smoothing keep the smoothing
+    _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]])
+    opt.set_num_gradients_to_accumulate(8, update_smoothing=False)
+    assert opt.scale == 8 and opt.smoothing == pytest.approx(0.998)
+    assert opt.estimates() == pytest.approx((4.0, 3.0), rel=1e-7)
+    _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]], {"smoothing": 0.5})
+    opt.set_num_gradients_to_accumulate(500)
+    assert opt.smoothing == 0.5 and opt.scale == 500
+    # the new count applies to the next update: 4 micro-batches with losses divided by 4
+    opt.set_num_gradients_to_accumulate(4)
+    opt.zero_grad()
+    weight = opt.param_groups[0]["params"][0]
+    for g in ([1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]):
+        ((weight @ torch.tensor(g)).sum() / 4).backward()
+    opt.step()  # zero mean: sigma2 = v = 4/3; debiased average with theta 0.5 of 4 (first update) and 4/3
+    assert opt.estimates()[0] == pytest.approx((0.25 * 4 + 0.5 * 4 / 3) / 0.75, rel=1e-6)
+
+
+def test_clear_errors():
+    params = _toy().parameters
+    with pytest.raises(ValueError, match="scale must be"):
+        AdaScale(_sgd(params()), world_size=1, num_gradients_to_accumulate=2, scale=0.5)
+    with pytest.raises(ValueError, match="single worker without gradient accumulation"):
+        AdaScale(_sgd(params()))
+    with pytest.raises(ValueError, match="single worker without gradient accumulation"):
+        AdaScaleWrapper(params(), lr=0.1)
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer instance"):
+        AdaScale(torch.optim.SGD, num_gradients_to_accumulate=2)
+    with pytest.raises(TypeError, match="optimizer must be"):
+        AdaScale(list(params()), num_gradients_to_accumulate=2)
+    with pytest.raises(TypeError, match="optim_cls must be"):
+        AdaScaleWrapper(params(), num_gradients_to_accumulate=2, optim_cls=_sgd)
+    with pytest.raises(ValueError, match="smoothing must be"):
+        AdaScale(_sgd(params()), num_gradients_to_accumulate=2, smoothing=1.0)
+    with pytest.raises(ValueError, match="num_gradients_to_accumulate must be"):
+        AdaScale(_sgd(params()), num_gradients_to_accumulate=0)
+    with pytest.raises(ValueError, match="world_size=2 but no process group"):
+        AdaScale(_sgd(params()), world_size=2)
+    with pytest.raises(TypeError, match="debias_ewma must be a bool"):
+        AdaScale(_sgd(params()), num_gradients_to_accumulate=2, debias_ewma="yes")
+    _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]])
+    with pytest.raises(ValueError, match="scale must be"):
+        opt.set_scale(float("nan"))
+    with pytest.raises(ValueError, match="expected an int >= 1"):
+        opt.set_num_gradients_to_accumulate(1.5)
+    with pytest.raises(ValueError, match="single worker needs"):
+        opt.set_num_gradients_to_accumulate(1)
+    with pytest.raises(RuntimeError, match="already divided"):
+        opt.scale_grad_by_num_grads_to_accum()
+    with pytest.raises(TypeError, match="ReduceLROnPlateau"):
+        opt.step_scheduler(ReduceLROnPlateau(opt))
+    weight = opt.param_groups[0]["params"][0]
+    (weight.sum() / 2).backward()
+    with pytest.raises(RuntimeError, match="between updates"):
+        opt.set_num_gradients_to_accumulate(4)
+    unscaled = AdaScale(_sgd([weight]), num_gradients_to_accumulate=2, is_scaled_loss=False)
+    weight.sum().backward()
+    with pytest.raises(RuntimeError, match="call scale_grad_by_num_grads_to_accum"):
+        unscaled.step()
+    unscaled.unhook()
+    with pytest.raises(RuntimeError, match="unhook"):
+        unscaled.step()
+
+
+def test_wrapper_passes_each_option_to_its_place():
+    model = _toy()
+    opt = AdaScaleWrapper(_groups(model), num_gradients_to_accumulate=3, debias_ewma=False, smoothing=0.25,
+                          scale=5, momentum=0.5, lr=0.2)  # fmt: skip
+    assert isinstance(opt.optimizer, torch.optim.SGD) and opt.param_groups is opt.optimizer.param_groups
+    assert opt.param_groups[0]["momentum"] == 0.5 and opt.param_groups[0]["lr"] == 0.2
+    assert opt.param_groups[1]["lr"] == BIAS_LR
+    assert (opt.scale, opt.smoothing, opt.num_gradients_to_accumulate) == (5.0, 0.25, 3)
+    assert opt._estimates[0].debias is False and opt._estimates[1].debias is False
+    adam = AdaScaleWrapper(model.parameters(), num_gradients_to_accumulate=2, optim_cls=torch.optim.Adam, lr=1e-3)
+    assert isinstance(adam.optimizer, torch.optim.Adam)
+
+
+# -- data parallel, against one process accumulating the same micro-batches --------------------------------------------
+
+
+class _Branchy(nn.Module):
+    """A frozen input layer, and a head used only on even micro-batches of even steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = _toy()
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x, use_extra):
+        out = self.body(self.frozen(x))
+        return self.extra(out) if use_extra else out
+
+
+def _uses_extra(step, micro):
+    return step % 2 == 0 and micro % 2 == 0
+
+
+def _build(strategy, rank, world, accum, model):
+    groups = _groups(model)
+    if strategy == "ddp":
+        wrapped = DDP(model, find_unused_parameters=isinstance(model, _Branchy))
+        return wrapped, AdaScale(_sgd(groups), num_gradients_to_accumulate=accum)
+    oss = OSS(groups, optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    opt = AdaScale(oss, num_gradients_to_accumulate=accum)
+    if strategy == "oss_ddp":
+        return DDP(model, find_unused_parameters=isinstance(model, _Branchy)), opt
+    return ShardedDataParallel(model, oss, find_unused_parameters=isinstance(model, _Branchy)), opt  # "oss_sdp"
+
+
+def _train_parallel(rank, world, strategy, accum, branchy, steps=STEPS):
+    model = _Branchy() if branchy else _toy()
+    wrapped, opt = _build(strategy, rank, world, accum, model)
+    sched = StepLR(opt, step_size=2, gamma=0.5)
+    gains, all_reduces = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(accum):
+            micro = rank * accum + k
+            x, y = _batch(step, micro)
+            sync = wrapped.no_sync() if k < accum - 1 else torch.enable_grad()
+            with sync:
+                (nn.functional.mse_loss(_forward(wrapped, x, step, micro, branchy), y) / accum).backward()
+        with comm_stats.measure() as sent:
+            opt.step()
+        all_reduces.append((sent.calls("all_reduce"), sent.payload_bytes("all_reduce")))
+        opt.step_scheduler(sched)
+        gains.append((opt.gain(0), opt.gain(1), opt.gain()))
+    return [p.detach().clone() for p in model.parameters()], gains, all_reduces, opt.estimates()
+
+
+def _max_diff(values, reference):
+    return max(abs(float(a) - float(b)) for a, b in zip(values, reference, strict=True))
+
+
+def _parity(rank, world):
+    """Every strategy at 2 ranks (x 1 or 2 accumulated micro-batches) against one process accumulating them all."""
+    warnings.simplefilter("ignore")  # ShardedDataParallel warns about the branch's missing gradients
+    out = {}
+    for branchy in (False, True):
+        for accum in (1, 2):
+            ref_model, ref_opt, ref_gains = _local_reference(world * accum, branchy=branchy)
+            ref_params = [p.detach() for p in ref_model.parameters()]
+            ref_estimates = ref_opt.estimates()
+            for strategy in ("ddp", "oss_ddp", "oss_sdp"):
+                params, gains, all_reduces, estimates = _train_parallel(rank, world, strategy, accum, branchy)
+                param_diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params, strict=True))
+                gain_diff = max(_max_diff(g, r) for g, r in zip(gains, ref_gains, strict=True))
+                est_diff = _max_diff(estimates, ref_estimates) / max(ref_estimates)
+                out[(branchy, accum, strategy)] = (param_diff, gain_diff, est_diff, all_reduces, gains)
+    return out
+
+
+def test_data_parallel_matches_single_process_accumulation():
+    results = run_distributed(_parity, 2)
+    for rank_results in results:
+        for case, (param_diff, gain_diff, est_diff, all_reduces, gains) in rank_results.items():
+            assert param_diff < TOL, (case, param_diff)
+            assert gain_diff < TOL, (case, gain_diff)
+            assert est_diff < TOL, (case, est_diff)
+            # one small all-reduce per update: 2 groups x (micro norms, averaged norm) in float64
+            assert all(a == (1, 2 * 2 * 8) for a in all_reduces), (case, all_reduces)
+            assert any(abs(g[2] - 1.0) > 1e-3 for g in gains), case  # the gains were not trivially 1
+    for case in results[0]:  # every rank computed the same gains
+        assert results[0][case][4] == results[1][case][4], case
+
+
+# -- inside OSS: AdaScaleWrapper as OSS's optimizer class ----------------------------------------------------------
+
+
+def _wrapper_in_oss(rank, world):
+    warnings.simplefilter("ignore")
+    accum = 2
+    model = _toy()
+    reference = copy.deepcopy(model)
+    oss = OSS(_groups(model), optim=AdaScaleWrapper, lr=LR, momentum=MOMENTUM, num_gradients_to_accumulate=accum)
+    sdp = ShardedDataParallel(model, oss)
+    inner = oss.optim
+    # the expected first gain, by hand: each parameter's micro-gradients as seen by its owner only
+    num = world * accum
+    micro_grads = []
+    for micro in range(num):
+        reference.zero_grad()
+        x, y = _batch(0, micro)
+        nn.functional.mse_loss(reference(x), y).backward()
+        micro_grads.append([p.grad.clone() for p in reference.parameters()])
+    owners = [oss.owner_of(p) for p in model.parameters()]
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    expected = []
+    for group in oss.param_groups:
+        ids = [index[id(p)] for p in group["params"]]
+        own_sq = sum(float(micro_grads[m][i].pow(2).sum()) for i in ids for m in range(num) if m // accum == owners[i])
+        mean_sq = sum(float(torch.stack([g[i] for g in micro_grads]).mean(0).pow(2).sum()) for i in ids)
+        obs = observe(world * own_sq, mean_sq, num, num)
+        expected.append(gain(obs.sigma2, obs.mu2, num))
+    first_gains, losses = None, []
+    for step in range(STEPS):
+        oss.zero_grad()
+        for k in range(accum):
+            x, y = _batch(step, rank * accum + k)
+            with sdp.no_sync() if k < accum - 1 else torch.enable_grad():
+                loss = nn.functional.mse_loss(sdp(x), y)
+                (loss / accum).backward()
+        oss.step()
+        losses.append(loss.item())
+        if step == 0:
+            first_gains = [inner.gain(i) for i in range(2)]
+    return expected, first_gains, [p.detach().clone() for p in model.parameters()], inner.scale_invariant_steps
+
+
+def test_adascale_wrapper_inside_oss():
+    results = run_distributed(_wrapper_in_oss, 2)
+    for expected, first_gains, _, _ in results:
+        assert first_gains == pytest.approx(expected, rel=1e-6)
+        assert all(1 <= g <= 4 for g in first_gains)
+    (_, g0, p0, s0), (_, g1, p1, s1) = results
+    assert g0 == g1 and s0 == s1  # the same gain on every rank
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))  # replicas equal
+
+
+# -- checkpoints and errors across ranks ---------------------------------------------------------------------------
+
+
+def _oss_checkpoint_and_errors(rank, world):
+    def run(model, opt, sdp, steps):
+        for step in steps:
+            opt.zero_grad()
+            x, y = _batch(step, rank)
+            nn.functional.mse_loss(sdp(x), y).backward()
+            opt.step()
+
+    model = _toy()
+    opt = AdaScale(OSS(_groups(model), optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM))
+    sdp = ShardedDataParallel(model, opt.optimizer)
+    run(model, opt, sdp, range(3))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(all_ranks=True)))
+    run(model, opt, sdp, range(3, 6))
+    model2 = _toy(seed=3)
+    model2.load_state_dict(saved[0])
+    opt2 = AdaScale(OSS(_groups(model2), optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM))
+    opt2.load_state_dict(saved[1])
+    run(model2, opt2, ShardedDataParallel(model2, opt2.optimizer), range(3, 6))
+    resumed_equal = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+    errors = {}
+    for name, make in {
+        "world_size": lambda: AdaScale(_sgd(_toy().parameters()), world_size=3),
+        "oss_world": lambda: AdaScale(OSS(_toy().parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2),
+    }.items():
+        try:
+            make()
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return resumed_equal, opt.scale_invariant_steps == opt2.scale_invariant_steps, errors
+
+
+def test_oss_checkpoint_resumes_exactly_and_world_size_errors():
+    for resumed_equal, same_progress, errors in run_distributed(_oss_checkpoint_and_errors, 2):
+        assert resumed_equal and same_progress
+        assert "world_size=3 but the process group has 2 ranks" in errors["world_size"]
+        assert "the wrapped OSS shards over 2 ranks" in errors["oss_world"]
