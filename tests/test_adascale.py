@@ -237,7 +237,7 @@ def test_closure_zero_grad_frozen_and_unused_parameters():
     # gradients measured, then cleared by zero_grad: the next update starts afresh
     nn.functional.mse_loss(model(x), y).backward()
     opt.zero_grad()
-    assert not opt._micro_sq
+    assert not opt._meter.pending
     # a group that gets no gradient keeps its estimates (and gain)
     before = opt.estimates(0)
     model[2].weight.requires_grad_(False)

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ddpkit.distributed import comm
-from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size
+from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank
+from ddpkit.optim.adascale_checks import check_options, check_scale, is_int, resolve_world_size
 from ddpkit.optim.adascale_math import SmoothedEstimate, combined_gain, default_smoothing, gain, observe
+from ddpkit.optim.adascale_meter import MicroGradientMeter, square_norm
 from ddpkit.optim.oss import OSS
 
 __all__ = ["AdaScale", "AdaScaleWrapper"]
@@ -57,8 +56,9 @@ class AdaScale(Optimizer):
     `ddpkit.distributed.comm` on ``comm_device(group)``; nothing when the world size is 1. The group is
     `process_group`, else the wrapped OSS's group, else the default group.
 
-    Memory: a few Python floats per parameter group, one float64 scalar per group accumulating the micro-gradient
-    norms, and a transient copy-free norm per gradient; no copy of any gradient or parameter.
+    Memory: a few Python floats per parameter group and one float64 scalar per group accumulating the
+    micro-gradient norms; norms are dot products over the gradients as they are (a transient float32 copy only for
+    half-precision or non-contiguous gradients). No gradient or parameter is kept or copied.
 
     Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale only sees the parameters that
     rank owns, so each parameter's spread is measured from its owner's micro-gradients only: the gain is still an
@@ -89,7 +89,7 @@ class AdaScale(Optimizer):
         debias_ewma: bool = True,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        _check_options(scale, smoothing, num_gradients_to_accumulate, is_scaled_loss, debias_ewma)
+        check_options(scale, smoothing, num_gradients_to_accumulate, is_scaled_loss, debias_ewma)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "AdaScale: optimizer must be a torch.optim.Optimizer instance (e.g. torch.optim.SGD(params, lr=0.1)), "
@@ -98,7 +98,7 @@ class AdaScale(Optimizer):
         group = process_group
         if group is None and isinstance(optimizer, OSS):
             group = optimizer.group
-        self._world_size = _resolve_world_size(world_size, group)
+        self._world_size = resolve_world_size(world_size, group)
         if isinstance(optimizer, OSS) and self._world_size != optimizer.world_size:
             raise ValueError(
                 f"AdaScale: world_size={self._world_size} but the wrapped OSS shards over {optimizer.world_size} "
@@ -124,15 +124,11 @@ class AdaScale(Optimizer):
         self._estimates: list[SmoothedEstimate] = []
         self._scale_invariant_steps = 0.0
         self._updates = 0
-        self._micro_sq: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()
-        self._handles: list[Any] = []
-        self._hooked_signature: tuple[tuple[int, int], ...] | None = None
-        self._unhooked = False
+        self._meter = MicroGradientMeter(self._micro_factor)
         self._grads_divided = False
         self._init_optimizer_base()
         self._sync_groups()
-        self._refresh_hooks()
+        self._meter.watch(self.param_groups)
 
     def _init_optimizer_base(self) -> None:
         """What torch.optim.Optimizer.__init__ sets up besides groups and state (hook registries, step profiling),
@@ -214,7 +210,7 @@ class AdaScale(Optimizer):
         scale was declared wrongly and the batch did not change. The scale no longer follows
         `set_num_gradients_to_accumulate` afterwards.
         """
-        _check_scale(scale, "set_scale")
+        check_scale(scale, "set_scale")
         if not update_estimate:
             for estimate in self._estimates:
                 estimate.rescale_sigma2(float(scale) / self._scale)
@@ -229,14 +225,14 @@ class AdaScale(Optimizer):
         the constructor is recomputed for the new S; a given smoothing is always kept.
         """
         n = num_gradients_to_accumulate
-        if not _is_int(n) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"set_num_gradients_to_accumulate: expected an int >= 1, got {n!r}")
         if self._world_size * n < 2:
             raise ValueError(
                 "set_num_gradients_to_accumulate: a single worker needs num_gradients_to_accumulate >= 2 "
                 f"(there is no spread of gradients to measure otherwise), got {n}"
             )
-        if self._micro_sq:
+        if self._meter.pending:
             raise RuntimeError(
                 "set_num_gradients_to_accumulate: micro-gradients of the current update were already measured; "
                 "call it between updates (after step() or zero_grad())"
@@ -264,38 +260,14 @@ class AdaScale(Optimizer):
 
     # -- hooks -------------------------------------------------------------------------------------------------------
 
-    def _trainable(self) -> list[tuple[int, torch.Tensor]]:
-        return [(i, p) for i, group in enumerate(self.param_groups) for p in group["params"] if p.requires_grad]
-
-    def _refresh_hooks(self) -> None:
-        """(Re)registers the micro-gradient hooks when the trainable parameters or their groups changed."""
-        if self._unhooked:
-            return
-        trainable = self._trainable()
-        signature = tuple((i, id(p)) for i, p in trainable)
-        if signature == self._hooked_signature:
-            return
-        for handle in self._handles:
-            handle.remove()
-        self._handles = [p.register_hook(functools.partial(self._on_micro_grad, i)) for i, p in trainable]
-        self._hooked_signature = signature
-
-    def _on_micro_grad(self, group_index: int, grad: torch.Tensor) -> None:
-        square = _square_norm(grad)
-        if self._is_scaled_loss and self._num_grads_to_accum > 1:
-            square = square * float(self._num_grads_to_accum**2)
-        with self._lock:  # hooks of parameters on different devices may run on different autograd threads
-            total = self._micro_sq.get(group_index)
-            self._micro_sq[group_index] = square if total is None else total + square.to(total.device)
+    def _micro_factor(self) -> float:
+        """Each micro-batch loss was divided by n when ``is_scaled_loss``: its gradient's squared norm times n^2."""
+        n = self._num_grads_to_accum
+        return float(n * n) if self._is_scaled_loss else 1.0
 
     def unhook(self) -> None:
         """Removes the gradient hooks (e.g. when training is over); `step()` is an error afterwards."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._hooked_signature = None
-        self._unhooked = True
-        self._micro_sq.clear()
+        self._meter.close()
 
     # -- the update ----------------------------------------------------------------------------------------------
 
@@ -337,7 +309,7 @@ class AdaScale(Optimizer):
         return loss
 
     def _check_can_step(self) -> None:
-        if self._unhooked:
+        if self._meter.closed:
             raise RuntimeError("AdaScale.step: unhook() was called, so no gradient is measured any more")
         if not self._is_scaled_loss and self._num_grads_to_accum > 1 and not self._grads_divided:
             raise RuntimeError(
@@ -357,13 +329,11 @@ class AdaScale(Optimizer):
         n_groups = len(self.param_groups)
         device = comm_device(self._group) if self._world_size > 1 else torch.device("cpu")
         norms = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
-        with self._lock:
-            for i, total in self._micro_sq.items():
-                norms[i] += total.to(device)
+        self._meter.totals_into(norms)
         for i, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.requires_grad and p.grad is not None and self._counts_average(p):
-                    norms[n_groups + i] += _square_norm(p.grad).to(device)
+                    norms[n_groups + i] += square_norm(p.grad).to(device)
         if self._world_size > 1:
             comm.all_reduce(norms, self._group)
         values = norms.tolist()
@@ -380,10 +350,9 @@ class AdaScale(Optimizer):
                 estimate.update(observation, self._smoothing)
 
     def _start_next_update(self) -> None:
-        with self._lock:
-            self._micro_sq.clear()
+        self._meter.clear()
         self._grads_divided = False
-        self._refresh_hooks()
+        self._meter.watch(self.param_groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (through the wrapped optimizer) and starts a new update's measurements."""
@@ -394,7 +363,7 @@ class AdaScale(Optimizer):
         """Adds a group to the wrapped optimizer; it gets its own estimates and hooks."""
         self._optimizer.add_param_group(param_group)
         self._sync_groups()
-        self._refresh_hooks()
+        self._meter.watch(self.param_groups)
 
     def _sync_groups(self) -> None:
         while len(self._estimates) < len(self.param_groups):
@@ -485,7 +454,7 @@ class AdaScaleWrapper(AdaScale):
         is_scaled_loss: bool = True,
         **optim_args: Any,
     ) -> None:
-        _check_options(scale, smoothing, num_gradients_to_accumulate, is_scaled_loss, debias_ewma)
+        check_options(scale, smoothing, num_gradients_to_accumulate, is_scaled_loss, debias_ewma)
         if not (inspect.isclass(optim_cls) and issubclass(optim_cls, Optimizer)):
             raise TypeError(
                 f"AdaScaleWrapper: optim_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.SGD), "
@@ -500,64 +469,6 @@ class AdaScaleWrapper(AdaScale):
             is_scaled_loss=is_scaled_loss,
             debias_ewma=debias_ewma,
         )
-
-
-# -- helpers ---------------------------------------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_scale(scale: Any, where: str) -> None:
-    if not _is_real(scale) or scale < 1:
-        raise ValueError(f"{where}: scale must be a finite number >= 1 (base batches per update), got {scale!r}")
-
-
-def _check_options(
-    scale: float | None, smoothing: float | None, num_gradients_to_accumulate: int, is_scaled_loss: bool, debias: bool
-) -> None:
-    """Raises a ValueError/TypeError naming the argument, before anything is built or sent."""
-    if scale is not None:
-        _check_scale(scale, "AdaScale")
-    if smoothing is not None and (not _is_real(smoothing) or not 0 <= smoothing < 1):
-        raise ValueError(f"AdaScale: smoothing must be None or a number in [0, 1), got {smoothing!r}")
-    if not _is_int(num_gradients_to_accumulate) or num_gradients_to_accumulate < 1:
-        raise ValueError(
-            f"AdaScale: num_gradients_to_accumulate must be an int >= 1, got {num_gradients_to_accumulate!r}"
-        )
-    for name, value in (("is_scaled_loss", is_scaled_loss), ("debias_ewma", debias)):
-        if not isinstance(value, bool):
-            raise TypeError(f"AdaScale: {name} must be a bool, got {value!r}")
-
-
-def _resolve_world_size(world_size: int | None, group: ProcessGroup | None) -> int:
-    """`world_size`, checked against the process group (None: the group's size, 1 without a process group)."""
-    initialized = dist.is_available() and dist.is_initialized()
-    actual = group_size(group) if initialized else 1
-    if world_size is None:
-        return actual
-    if not _is_int(world_size) or world_size < 1:
-        raise ValueError(f"AdaScale: world_size must be None or an int >= 1, got {world_size!r}")
-    if world_size not in (1, actual):
-        where = f"the process group has {actual} ranks" if initialized else "no process group is initialised"
-        raise ValueError(
-            f"AdaScale: world_size={world_size} but {where}; pass None (the group's size), the group's size, or 1 "
-            "for a purely local AdaScale"
-        )
-    return world_size
-
-
-def _square_norm(tensor: torch.Tensor) -> torch.Tensor:
-    """``||tensor||^2`` as a float64 scalar on the tensor's device (summed in at least float32, no square root)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype not in (torch.float32, torch.float64):
-        flat = flat.float()
-    return torch.dot(flat, flat).double()
 
 
 @contextlib.contextmanager
