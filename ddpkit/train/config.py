@@ -134,6 +134,8 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         raise ValueError(f"--adascale scales SGD's learning rate: use --optimizer sgd (got {cfg.optimizer})")
     if cfg.adascale and cfg.strategy == "slowmo":
         raise ValueError("--adascale needs gradients averaged every step; it does not combine with --strategy slowmo")
+    if cfg.adascale and cfg.amp == "fp16":
+        raise ValueError("--adascale measures unscaled gradients: it does not combine with --amp fp16 (use bf16)")
     if cfg.adascale and cfg.world_size * cfg.grad_accum < 2:
         raise ValueError("--adascale needs at least two gradients per step: use 2+ processes or --grad-accum >= 2")
     if cfg.data == "mnist":
