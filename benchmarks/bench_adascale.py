@@ -21,7 +21,9 @@ ranks and one process accumulating the same micro-batches agree within 1e-6).
 
 Reported per method and scale, as the mean over `--seeds` seeds (each seed its own data order): updates taken
 and their ratio to T / S, the final training loss (cross-entropy over the whole training set) and its gap to the
-baseline's, test accuracy and the mean gain. A PNG plots training loss against scale-invariant iterations.
+baseline's (and the range of the gaps per seed, each against the baseline of the same seed), how many seeds
+diverged (the loss rose above twice its initial value at some point), test accuracy and the mean gain. A PNG
+plots training loss and AdaScale's gain against scale-invariant iterations.
 
     python benchmarks/bench_adascale.py                          # the figures in benchmarks/adascale.md
     python benchmarks/bench_adascale.py --seeds 1 --steps 1600   # quicker
@@ -190,13 +192,16 @@ def train(args: argparse.Namespace, data: Data, method: str, scale: int, seed: i
 
 
 def summarize(runs: list[Run], steps: int) -> list[dict]:
-    base = statistics.fmean(r.final_loss for r in runs if r.method == "baseline")
+    """One row per (method, S): means over seeds; gaps per seed are against the baseline of the same seed."""
+    base_of = {r.seed: r.final_loss for r in runs if r.method == "baseline"}
+    base = statistics.fmean(base_of.values())
     rows = []
     order = {"baseline": 0, **{m: i + 1 for i, m in enumerate(METHODS)}}
     for method, scale in sorted({(r.method, r.scale) for r in runs}, key=lambda k: (order[k[0]], k[1])):
         chosen = [r for r in runs if (r.method, r.scale) == (method, scale)]
         loss = statistics.fmean(r.final_loss for r in chosen)
         updates = statistics.fmean(r.updates for r in chosen)
+        seed_gaps = [r.final_loss / base_of[r.seed] - 1.0 for r in chosen]
         rows.append(
             {
                 "method": method,
@@ -206,6 +211,8 @@ def summarize(runs: list[Run], steps: int) -> list[dict]:
                 "final_loss": loss,
                 "gap_to_baseline": loss / base - 1.0,
                 "final_loss_per_seed": [r.final_loss for r in chosen],
+                "gap_per_seed": seed_gaps,
+                "diverged": sum(max(loss for _, loss in r.curve) > 2 * r.curve[0][1] for r in chosen),
                 "test_accuracy": statistics.fmean(r.test_accuracy for r in chosen),
                 "mean_gain": statistics.fmean(r.mean_gain for r in chosen),
             }
@@ -215,13 +222,16 @@ def summarize(runs: list[Run], steps: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| method | S | updates | updates / (T/S) | final train loss | vs S = 1 | test acc. | mean gain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | S | updates | updates / (T/S) | final train loss | vs S = 1 | per seed | diverged | test acc. "
+        "| mean gain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['S']} | {r['updates']:.0f} | {r['updates_over_T_over_S']:.2f} | "
-            f"{r['final_loss']:.5f} | {100 * r['gap_to_baseline']:+.1f}% | {r['test_accuracy']:.3f} | "
+            f"{r['final_loss']:.5f} | {100 * r['gap_to_baseline']:+.1f}% | "
+            f"{100 * min(r['gap_per_seed']):+.1f}% .. {100 * max(r['gap_per_seed']):+.1f}% | "
+            f"{r['diverged']}/{len(r['gap_per_seed'])} | {r['test_accuracy']:.3f} | "
             f"{r['mean_gain']:.2f} |"
         )
     return "\n".join(lines)
@@ -244,7 +254,7 @@ def plot(runs: list[Run], path: str, args: argparse.Namespace) -> None:
     colors = [plt.get_cmap("viridis")(0.1 + 0.25 * i) for i in range(len(SCALES))]
     base = next(r for r in runs if r.method == "baseline" and r.seed == seed)
     pick = {(r.method, r.scale): r for r in runs if r.seed == seed}
-    low = min(loss for r in runs for _, loss in r.curve) * 0.8
+    low = min(loss for r in pick.values() for _, loss in r.curve) * 0.8
     for ax, method in zip(axes[0], METHODS, strict=True):
         ax.plot(*zip(*base.curve, strict=True), color="black", lw=2.5, label="S = 1 (baseline)")
         for color, scale in zip(colors, SCALES, strict=True):

@@ -521,3 +521,26 @@ def test_oss_checkpoint_resumes_exactly_and_world_size_errors():
         assert resumed_equal and same_progress
         assert "world_size=3 but the process group has 2 ranks" in errors["world_size"]
         assert "the wrapped OSS shards over 2 ranks" in errors["oss_world"]
+
+
+def test_add_param_group_and_step_hooks():
+    model = _toy()
+    opt = AdaScale(_sgd([model[0].weight, model[0].bias]), num_gradients_to_accumulate=2)
+    calls = []
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(optimizer is opt))
+
+    def update(step):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = _batch(step, micro)
+            (nn.functional.mse_loss(model(x), y) / 2).backward()
+        opt.step()
+
+    update(0)
+    frozen_before = model[2].weight.detach().clone()
+    opt.add_param_group({"params": [model[2].weight, model[2].bias], "lr": BIAS_LR})
+    update(1)
+    # the new group is measured (its own estimates) and updated; the first group keeps its estimates' history
+    assert opt._estimates[0].count == 2 and opt._estimates[1].count == 1
+    assert 1 < opt.gain(1) <= 2 and not torch.equal(frozen_before, model[2].weight)
+    assert opt.param_groups[1]["lr"] == BIAS_LR and calls == [True, True]

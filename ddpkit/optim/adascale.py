@@ -60,6 +60,10 @@ class AdaScale(Optimizer):
     micro-gradient norms; norms are dot products over the gradients as they are (a transient float32 copy only for
     half-precision or non-contiguous gradients). No gradient or parameter is kept or copied.
 
+    Not accounted for: a loss scale (mixed-precision ``GradScaler``: the micro-gradients carry it, the unscaled
+    ``.grad`` does not) and gradient clipping before `step()` (it changes the averaged gradient, not the measured
+    micro-gradients); both bias the estimates. An update whose norms are not finite leaves the estimates unchanged.
+
     Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale only sees the parameters that
     rank owns, so each parameter's spread is measured from its owner's micro-gradients only: the gain is still an
     unbiased estimate and is the same on every rank, but noisier, and `estimates()` report the model's values
