@@ -1,5 +1,5 @@
 """AdaScale: the estimator against hand-computed values, and training against single-process accumulation, torch
-DDP, OSS and ShardedDataParallel on 2 gloo ranks."""
+DDP, OSS and ShardedDataParallel on 2 and 4 gloo ranks."""
 
 import copy
 import math
@@ -397,7 +397,7 @@ def _max_diff(values, reference):
 
 
 def _parity(rank, world):
-    """Every strategy at 2 ranks (x 1 or 2 accumulated micro-batches) against one process accumulating them all."""
+    """Every strategy (x 1 or 2 accumulated micro-batches per rank) against one process accumulating them all."""
     warnings.simplefilter("ignore")  # ShardedDataParallel warns about the branch's missing gradients
     out = {}
     for branchy in (False, True):
@@ -414,8 +414,9 @@ def _parity(rank, world):
     return out
 
 
-def test_data_parallel_matches_single_process_accumulation():
-    results = run_distributed(_parity, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_matches_single_process_accumulation(world):
+    results = run_distributed(_parity, world)
     for rank_results in results:
         for case, (param_diff, gain_diff, est_diff, all_reduces, gains) in rank_results.items():
             assert param_diff < TOL, (case, param_diff)
@@ -425,7 +426,7 @@ def test_data_parallel_matches_single_process_accumulation():
             assert all(a == (1, 2 * 2 * 8) for a in all_reduces), (case, all_reduces)
             assert any(abs(g[2] - 1.0) > 1e-3 for g in gains), case  # the gains were not trivially 1
     for case in results[0]:  # every rank computed the same gains
-        assert results[0][case][4] == results[1][case][4], case
+        assert all(r[case][4] == results[0][case][4] for r in results), case
 
 
 # -- inside OSS: AdaScaleWrapper as OSS's optimizer class ----------------------------------------------------------
