@@ -1,9 +1,10 @@
 """Checkpoints that let `ddpkit train --resume` continue exactly where a run stopped.
 
-Layout of ``OUT/checkpoint/``: ``rank{r}.pt`` per rank (its model replica, which SlowMo lets differ between
-nodes, and its scaler), ``shared.pt`` written by rank 0 (the whole optimizer state in torch's format, SlowMo's
-slow buffers and counters, the trainer's counters and history) and ``meta.json`` written last. On resume rank 0
-reads ``shared.pt`` and sends it to the others, so only the per-rank files need to be on every machine.
+Layout of ``OUT/checkpoint/``: ``rank{r}.pt`` per rank (its model replica, its scaler and, for SlowMo, its
+optimizer state: SlowMo lets replicas and optimizer states differ between nodes), ``shared.pt`` written by rank 0
+(the whole optimizer state in torch's format, consolidated when sharded, for every other strategy; SlowMo's slow
+buffers and counters; the trainer's counters and history) and ``meta.json`` written last. On resume rank 0 reads
+``shared.pt`` and sends it to the others, so only the per-rank files need to be on every machine.
 Saving and loading are collectives: every rank calls them.
 """
 
@@ -48,6 +49,11 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     return optimizer.state_dict() if group_rank() == 0 else None
 
 
+def _per_rank_optimizer(strategy: Strategy) -> bool:
+    """SlowMo nodes step their own optimizers on their own gradients, so the optimizer states differ per node."""
+    return isinstance(strategy.model, SlowMoDistributedDataParallel)
+
+
 def _save(obj: Any, path: str) -> None:
     tmp = path + ".tmp"
     torch.save(obj, tmp)
@@ -59,10 +65,13 @@ def save_checkpoint(out: str, strategy: Strategy, state: TrainerState) -> None:
     folder = checkpoint_dir(out)
     os.makedirs(folder, exist_ok=True)
     rank = group_rank()
-    optimizer_state = _optimizer_state(strategy.optimizer)
+    per_rank = _per_rank_optimizer(strategy)
+    mine: dict[str, Any] = {"model": strategy.module.state_dict()}
+    mine["scaler"] = strategy.scaler.state_dict() if strategy.scaler is not None else None
+    mine["optimizer"] = strategy.optimizer.state_dict() if per_rank else None
+    optimizer_state = None if per_rank else _optimizer_state(strategy.optimizer)
     slowmo = strategy.model.slowmo_state_dict() if isinstance(strategy.model, SlowMoDistributedDataParallel) else None
-    scaler = strategy.scaler.state_dict() if strategy.scaler is not None else None
-    _save({"model": strategy.module.state_dict(), "scaler": scaler}, os.path.join(folder, f"rank{rank}.pt"))
+    _save(mine, os.path.join(folder, f"rank{rank}.pt"))
     if rank == 0:
         shared = {"optimizer": optimizer_state, "slowmo": slowmo, "trainer": dataclasses.asdict(state)}
         _save(shared, os.path.join(folder, "shared.pt"))
@@ -88,7 +97,8 @@ def load_checkpoint(out: str, strategy: Strategy) -> TrainerState:
     strategy.module.load_state_dict(mine["model"])
     if strategy.scaler is not None and mine["scaler"] is not None:
         strategy.scaler.load_state_dict(mine["scaler"])
-    strategy.optimizer.load_state_dict(shared["optimizer"])
+    per_rank = _per_rank_optimizer(strategy)
+    strategy.optimizer.load_state_dict(mine["optimizer"] if per_rank else shared["optimizer"])
     if isinstance(strategy.model, SlowMoDistributedDataParallel):
         strategy.model.load_slowmo_state_dict(shared["slowmo"])
     return TrainerState(**shared["trainer"])
