@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,12 +58,85 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def join(placement: Placement, backend: str, timeout: float) -> None:
+JOIN_GRACE_SECONDS = 5.0
+"""How long past `timeout` a join may take before the watchdog ends the process (torch's own retries overshoot)."""
+
+
+def route_source_address(host: str, port: int) -> str | None:
+    """The local address this machine sends from to reach `host` (a UDP connect: no packet is sent), or None."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of the network interface holding the IPv4 `address` (Linux), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue  # no IPv4 address on this interface
+                if socket.inet_ntoa(raw[20:24]) == address:
+                    return name
+    except (ImportError, OSError):
+        return None
+    return None
+
+
+def choose_gloo_interface(master_addr: str, master_port: int) -> str | None:
+    """Points gloo at the interface that routes to the master, unless GLOO_SOCKET_IFNAME is already set.
+
+    By default gloo advertises the address this machine's hostname resolves to, which on many machines and in
+    containers is 127.0.0.1 (``/etc/hosts``): peers on other machines then cannot connect, and the join only
+    fails after gloo's connect timeout (five times the process-group timeout). Returns the interface used.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return os.environ["GLOO_SOCKET_IFNAME"]
+    source = route_source_address(master_addr, master_port)
+    name = interface_with_address(source) if source else None
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name  # read by ProcessGroupGloo when the group is created
+    return name
+
+
+def _join_failure(placement: Placement, timeout: float, reason: str) -> str:
+    return (
+        f"rank {placement.rank} could not join the job at {placement.master_addr}:{placement.master_port} "
+        f"within {timeout:g} s: {reason.rstrip('.')}. "
+        "Check that the master (rank 0 / node rank 0) runs, that --master-addr/--host is its address as seen "
+        "from here, that the port is open, and that every process was given the same world size."
+    )
+
+
+def join(placement: Placement, backend: str, timeout: float, *, multi_node: bool = False) -> None:
     """Joins the process group; fails with a clear LaunchError after `timeout` seconds instead of hanging.
 
     `timeout` also bounds every later collective: if a rank dies or stops answering, the others fail with an
-    error instead of waiting forever.
+    error instead of waiting forever. A join that torch itself lets run longer (gloo waits up to five times the
+    timeout for a peer's connection) is ended by a watchdog `JOIN_GRACE_SECONDS` after the timeout, with the same
+    message and exit code 1. With `multi_node` (the job spans machines) gloo uses the interface that routes to the
+    master unless GLOO_SOCKET_IFNAME says otherwise.
     """
+    interface = choose_gloo_interface(placement.master_addr, placement.master_port) if multi_node else None
+    where = f" (gloo on interface {interface})" if interface and backend == "gloo" else ""
+    joined = threading.Event()
+
+    def watchdog() -> None:
+        if not joined.wait(timeout + JOIN_GRACE_SECONDS):
+            reason = f"not every peer connected{where}"
+            print(f"ddpkit: {_join_failure(placement, timeout, reason)}", file=sys.stderr, flush=True)
+            os._exit(1)  # the stuck call inside torch cannot be interrupted
+
+    threading.Thread(target=watchdog, name="ddpkit-join-watchdog", daemon=True).start()
     try:
         dist.init_process_group(
             backend,
@@ -72,12 +146,10 @@ def join(placement: Placement, backend: str, timeout: float) -> None:
             timeout=timedelta(seconds=timeout),
         )
     except Exception as exc:
-        raise LaunchError(
-            f"rank {placement.rank} could not join the job at {placement.master_addr}:{placement.master_port} "
-            f"within {timeout:.0f} s: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
-            "Check that the master (rank 0 / node rank 0) runs, that --master-addr/--host is its address as seen "
-            "from here, that the port is open, and that every process was given the same world size."
-        ) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise LaunchError(_join_failure(placement, timeout, f"{type(exc).__name__}: {first}{where}")) from exc
+    finally:
+        joined.set()
 
 
 def leave() -> None:
@@ -85,14 +157,20 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+STOP_GRACE_SECONDS = 3.0
+"""After one local process fails, how long the others get to end by themselves, then to end on SIGTERM, before
+SIGKILL (torch's default is 30 s each, far past --timeout for a rank that hangs or was stopped)."""
+
+
 def spawn(worker: Callable[..., Any], nprocs: int, args: tuple) -> None:
     """Runs ``worker(local_rank, *args)`` in `nprocs` spawned processes and waits for all of them.
 
-    If one fails, the others are stopped and a LaunchError names it; Ctrl-C stops every local process.
+    If one fails, the others are stopped (within 2 x `STOP_GRACE_SECONDS`) and a LaunchError names it; Ctrl-C
+    stops every local process.
     """
     context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
     try:
-        while not context.join():
+        while not context.join(grace_period=STOP_GRACE_SECONDS):
             pass
     except KeyboardInterrupt:
         _stop(context.processes)
@@ -107,7 +185,7 @@ def _stop(processes: list[Any]) -> None:
         if p.is_alive():
             p.terminate()
     for p in processes:
-        p.join(timeout=10)
+        p.join(timeout=STOP_GRACE_SECONDS)
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
 

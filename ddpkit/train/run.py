@@ -134,7 +134,7 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.nproc_per_node, 1)))
     backend = pick_backend(cfg.backend)
     try:
-        join(placement, backend, cfg.timeout)
+        join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         return train(cfg, placement, backend)
     except LaunchError as exc:
         print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
