@@ -2,16 +2,24 @@
 
 Ranks given to these functions (`src`, `dst`) are ranks *inside* `group`, which is what every caller in ddpkit
 thinks in (the owner of a shard is a rank of the optimizer's group). They are translated to the global ranks
-torch expects. With ``async_op=True`` the torch work handle is returned; the bytes are counted when the
+torch expects. With ``async_op=True`` a work handle is returned (``.wait()``); the bytes are counted when the
 collective is issued.
+
+`reduce` on gloo is done here, point to point: gloo's own reduce sends 1.8x the tensor between two ranks and 3.8x
+between four (measured on an isolated loopback), where sending each rank's tensor to the root once is the least
+possible, (N-1) x the tensor in all. With it, a reduce to the owner plus a broadcast from the owner (sharded data
+parallelism) puts exactly the bytes of DDP's ring all-reduce on the wire.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessGroup, global_rank, group_label, group_size
+from ddpkit.distributed.env import ProcessGroup, global_rank, group_label, group_rank, group_size
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 
 Work = object  # torch's work handle (torch.distributed.Work), kept opaque
@@ -21,9 +29,47 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _record(kind: str, group: ProcessGroup | None, payload: int, is_root: bool = False) -> None:
+def _record(
+    kind: str, group: ProcessGroup | None, payload: int, is_root: bool = False, sent: float | None = None
+) -> None:
     n = group_size(group)
-    comm_stats.record(kind, group_label(group), payload, wire_bytes(kind, payload, n, is_root))
+    comm_stats.record(
+        kind, group_label(group), payload, wire_bytes(kind, payload, n, is_root) if sent is None else sent
+    )
+
+
+_p2p_tags: dict[str, itertools.count] = defaultdict(itertools.count)
+
+
+class _PointToPointReduce:
+    """The pending sends (non-roots) or receives (root) of a point-to-point reduce; `wait()` sums on the root."""
+
+    def __init__(self, tensor: torch.Tensor, works: list, received: list[torch.Tensor]) -> None:
+        self.tensor, self.works, self.received = tensor, works, received
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        for part in self.received:  # in rank order: the same sum on every run
+            self.tensor.add_(part)
+        self.received = []
+        return True
+
+
+def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup | None) -> _PointToPointReduce:
+    """Every non-root sends its tensor to `dst` once; `dst` receives and adds them (SUM)."""
+    tag = next(_p2p_tags[group_label(group)]) % (2**31 - 1)  # every rank issues reduces in the same order
+    me, n = group_rank(group), group_size(group)
+    if me != dst:
+        _record("reduce", group, _nbytes(tensor), sent=float(_nbytes(tensor)))
+        return _PointToPointReduce(tensor, [dist.isend(tensor, global_rank(group, dst), group=group, tag=tag)], [])
+    _record("reduce", group, _nbytes(tensor), sent=0.0)
+    received = [torch.empty_like(tensor) for _ in range(n - 1)]
+    sources = [r for r in range(n) if r != me]
+    works = [
+        dist.irecv(buf, global_rank(group, r), group=group, tag=tag) for r, buf in zip(sources, received, strict=True)
+    ]
+    return _PointToPointReduce(tensor, works, received)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
@@ -39,7 +85,16 @@ def reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
 ) -> Work | None:
-    """Reduces `tensor` from every rank into group rank `dst` (only `dst`'s tensor holds the result)."""
+    """Reduces `tensor` from every rank into group rank `dst` (only `dst`'s tensor holds the result).
+
+    On gloo a SUM goes point to point (see the module doc); other tensors must not be changed until it is waited for.
+    """
+    if op == dist.ReduceOp.SUM and group_size(group) > 1 and "gloo" in str(dist.get_backend(group)).lower():
+        pending = _reduce_point_to_point(tensor.view(-1) if tensor.is_contiguous() else tensor, dst, group)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
     _record("reduce", group, _nbytes(tensor))
     return dist.reduce(tensor, global_rank(group, dst), op=op, group=group, async_op=async_op)
 
