@@ -8,7 +8,8 @@ the same synthetic data, in a fresh pair of spawned processes (so peak memory is
   ranks start each step together; median over the timed steps, then the max over ranks;
 * optimizer state: bytes of the tensors in the optimizer state held on the rank (for sharded optimizers, their
   local optimizer's state), max over ranks;
-* peak memory: ``ru_maxrss`` of the rank's process (max over ranks), and its growth since the rank started;
+* peak memory: the peak resident set (VmHWM) of the rank's process, max over ranks, and its growth over the
+  resident set the rank had when it started (torch imported, process group up);
 * bytes sent per step and rank, in the bandwidth-optimal wire model of `ddpkit.distributed.stats.wire_bytes`:
   ddpkit's collectives count themselves in `comm_stats`; DDP's C++ all-reduce is routed through
   `counting_allreduce_hook`; collectives that torch's ZeroRedundancyOptimizer and fairscale call from Python
@@ -27,7 +28,6 @@ import inspect
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -49,6 +49,7 @@ LR = 1e-3
 DIM_IN, DIM_HIDDEN, DIM_OUT = 1024, 2048, 1024
 SHIMMED = ("broadcast", "reduce", "all_reduce", "all_gather")
 DDPKIT_COMM = "ddpkit.distributed.comm"
+LABEL_WIDTH = 47
 
 
 # -- the model and the data ------------------------------------------------------------------------------------------
@@ -161,12 +162,12 @@ def build_oss_ddp(model: nn.Module) -> Setup:
     return Setup(_counted_ddp(model), optimizer, optimizer.optim)
 
 
-def _build_oss_sdp(model: nn.Module, **adam: Any) -> Setup:
+def _build_oss_sdp(model: nn.Module, sdp: dict[str, Any] | None = None, **adam: Any) -> Setup:
     from ddpkit.nn import ShardedDataParallel
     from ddpkit.optim import OSS
 
     optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=LR, **adam)
-    return Setup(ShardedDataParallel(model, optimizer), optimizer, optimizer.optim)
+    return Setup(ShardedDataParallel(model, optimizer, **(sdp or {})), optimizer, optimizer.optim)
 
 
 def build_oss_sdp(model: nn.Module) -> Setup:
@@ -175,6 +176,10 @@ def build_oss_sdp(model: nn.Module) -> Setup:
 
 def build_oss_sdp_unfused(model: nn.Module) -> Setup:
     return _build_oss_sdp(model, fused=False)
+
+
+def build_oss_sdp_unbucketed(model: nn.Module) -> Setup:
+    return _build_oss_sdp(model, sdp={"reduce_buffer_size": 0})
 
 
 def build_no_comm(model: nn.Module) -> Setup:
@@ -199,6 +204,7 @@ STRATEGIES = [
     Strategy("oss_ddp", "ddpkit OSS(Adam) + torch DDP", build_oss_ddp),
     Strategy("oss_sdp", "ddpkit OSS(Adam) + ShardedDataParallel", build_oss_sdp),
     Strategy("oss_sdp_unfused", "ddpkit OSS(Adam, fused=False) + SDP", build_oss_sdp_unfused, extra=True),
+    Strategy("oss_sdp_rbs0", "ddpkit OSS(Adam) + SDP(reduce_buffer_size=0)", build_oss_sdp_unbucketed, extra=True),
     Strategy("no_comm", "reference: no communication, Adam(fused)", build_no_comm, extra=True, reference=True),
 ]
 BY_KEY = {s.key: s for s in STRATEGIES}
@@ -272,8 +278,17 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+def memory_mb(field_name: str) -> float:
+    """`VmHWM` (peak resident set) or `VmRSS` (current) of this process, in MiB, from /proc/self/status.
+
+    Not ``getrusage().ru_maxrss``: Linux carries that over from the parent across fork + exec, so a spawned rank
+    would report the benchmark parent's size; VmHWM belongs to the process's own address space.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"{field_name} not found in /proc/self/status")
 
 
 def rank_divergence(params: torch.Tensor) -> float:
@@ -289,7 +304,7 @@ def run_rank(rank: int, world_size: int, key: str, config: dict[str, Any]) -> di
     torch.set_num_threads(1)
     python_stats = CommStats()
     install_counting_shim(python_stats)
-    base_rss = max_rss_mb()
+    base_rss = memory_mb("VmRSS")
     steps, warmup = config["steps"], config["warmup"]
     batches = make_batches(config["seed"], rank, warmup + steps, config["batch"])
     setup = BY_KEY[key].build(make_model(config["seed"]))
@@ -310,8 +325,8 @@ def run_rank(rank: int, world_size: int, key: str, config: dict[str, Any]) -> di
     result = {
         "phases_ms": {name: statistics.median(v) * 1e3 for name, v in timer.phases.items()},
         "state_bytes": state_bytes(setup.local_optimizer),
-        "peak_rss_mb": max_rss_mb(),
-        "rss_growth_mb": max_rss_mb() - base_rss,
+        "peak_rss_mb": memory_mb("VmHWM"),
+        "rss_growth_mb": memory_mb("VmHWM") - base_rss,
         "sent_bytes_per_step": sent / steps,
         "calls_per_step": calls / steps,
         "rank_divergence": rank_divergence(params),
@@ -358,14 +373,14 @@ def add_comparisons(rows: list[dict[str, Any]], tolerance: float) -> None:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
-        f"{'strategy':<44}{'step ms':>9}{'x DDP':>7}{'opt state MB':>14}{'peak RSS MB':>13}{'RSS +MB':>9}"
+        f"{'strategy':<{LABEL_WIDTH}}{'step ms':>8}{'x DDP':>7}{'opt state MB':>14}{'peak RSS MB':>13}{'RSS +MB':>9}"
         f"{'sent MB/step':>14}{'x DDP':>7}{'max |dp|':>10}  same?"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         ratio_bytes = f"{r['bytes_vs_ddp']:.2f}" if r["bytes_vs_ddp"] is not None else "-"
         lines.append(
-            f"{r['label']:<44}{r['step_ms']:>9.1f}{r['step_vs_ddp']:>7.2f}{r['state_mb']:>14.1f}"
+            f"{r['label']:<{LABEL_WIDTH}}{r['step_ms']:>8.1f}{r['step_vs_ddp']:>7.2f}{r['state_mb']:>14.1f}"
             f"{r['peak_rss_mb']:>13.0f}{r['rss_growth_mb']:>9.0f}{r['sent_mb_per_step']:>14.1f}{ratio_bytes:>7}"
             f"{r['max_param_diff_vs_ddp']:>10.1e}  {_same(r['matches_ddp'])}"
         )
@@ -378,10 +393,10 @@ def _same(matches: bool | None) -> str:
 
 def format_phases(rows: list[dict[str, Any]]) -> str:
     names = ["forward", "backward", "optimizer", "local_update", "optimizer_other"]
-    header = f"{'strategy':<44}" + "".join(f"{n:>17}" for n in names)
+    header = f"{'strategy':<{LABEL_WIDTH}}" + "".join(f"{n:>17}" for n in names)
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['label']:<44}" + "".join(f"{r['phases_ms'][n]:>17.1f}" for n in names))
+        lines.append(f"{r['label']:<{LABEL_WIDTH}}" + "".join(f"{r['phases_ms'][n]:>17.1f}" for n in names))
     return "\n".join(lines)
 
 
@@ -404,6 +419,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per strategy (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole list this many times, round-robin, and keep each strategy's fastest round (default 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument(
@@ -415,8 +436,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tol", type=float, default=1e-4, help="max |param difference| from DDP counted as same")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
-        parser.error("--steps and --batch must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.rounds < 1:
+        parser.error("--steps, --batch and --rounds must be >= 1, --warmup >= 0")
     return args
 
 
@@ -428,25 +449,50 @@ def selected_strategies(args: argparse.Namespace) -> list[Strategy]:
     return [BY_KEY[k] for k in keys if not (args.no_extra and BY_KEY[k].extra)]
 
 
-def run_all(strategies: list[Strategy], config: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    rows, skipped = [], {}
-    for i, strategy in enumerate(strategies, 1):
-        reason = fairscale_unavailable() if strategy.key == "fairscale" else None
+def run_all(
+    strategies: list[Strategy], config: dict[str, Any], rounds: int
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Runs every strategy `rounds` times (round-robin); keeps, per strategy, the round with the lowest step time."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    skipped: dict[str, str] = {}
+    total = rounds * len(strategies)
+    for r in range(rounds):
+        for i, strategy in enumerate(strategies, 1):
+            if strategy.key in skipped:
+                continue
+            print(f"[{r * len(strategies) + i}/{total}] round {r + 1}/{rounds}: {strategy.label} ...", flush=True)
+            row, reason = run_one(strategy, config)
+            if reason:
+                print(f"    {reason}", flush=True)
+                skipped[strategy.key] = reason
+                continue
+            tries = runs.setdefault(strategy.key, [])
+            if tries and not torch.equal(row["params"], tries[0]["params"]):
+                print("    note: final parameters differ from this strategy's first round", flush=True)
+            tries.append(row)
+    return [best_round(tries) for tries in runs.values()], skipped
+
+
+def best_round(tries: list[dict[str, Any]]) -> dict[str, Any]:
+    best = dict(min(tries, key=lambda row: row["step_ms"]))
+    best["step_ms_rounds"] = [row["step_ms"] for row in tries]
+    return best
+
+
+def run_one(strategy: Strategy, config: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(row, None), or (None, why it was skipped or failed)."""
+    if strategy.key == "fairscale":
+        reason = fairscale_unavailable()
         if reason:
-            print(f"[{i}/{len(strategies)}] {strategy.label}: skipped: {reason}", flush=True)
-            skipped[strategy.key] = reason
-            continue
-        print(f"[{i}/{len(strategies)}] {strategy.label} ...", flush=True)
-        start = time.monotonic()
-        try:
-            rows.append(run_strategy(strategy.key, config))
-        except Exception as exc:  # e.g. fairscale on a torch it does not support: report, go on
-            reason = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            print(f"    {reason}", flush=True)
-            skipped[strategy.key] = reason
-            continue
-        print(f"    done in {time.monotonic() - start:.1f} s: {rows[-1]['step_ms']:.1f} ms/step", flush=True)
-    return rows, skipped
+            return None, f"skipped: {reason}"
+    start = time.monotonic()
+    try:
+        row = run_strategy(strategy.key, config)
+    except Exception as exc:  # e.g. fairscale on a torch it does not support: report it and go on
+        lines = str(exc).strip().splitlines()
+        return None, f"failed: {type(exc).__name__}: {lines[-1] if lines else ''}"
+    print(f"    done in {time.monotonic() - start:.1f} s: {row['step_ms']:.1f} ms/step", flush=True)
+    return row, None
 
 
 def machine() -> dict[str, Any]:
@@ -465,6 +511,7 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seed": args.seed}
+    config["rounds"] = args.rounds
     config["timeout"] = args.timeout
     n_params = count_parameters()
     print(
@@ -473,7 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.warmup} warm-up + {args.steps} timed steps",
         flush=True,
     )
-    rows, skipped = run_all(selected_strategies(args), config)
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}", flush=True)
+    rows, skipped = run_all(selected_strategies(args), config, args.rounds)
     if not rows:
         print("nothing ran")
         return 1
@@ -485,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_phases(rows))
     for key, reason in skipped.items():
         print(f"skipped {key}: {reason}")
-    print()
+    load_end = os.getloadavg()
+    print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     print(verdict(rows))
     if args.json:
         for row in rows:
@@ -493,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {"config": config, "parameters": n_params, "machine": machine(), "results": rows}
         report["skipped"] = skipped
         report["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        report["load_average"] = list(os.getloadavg())
+        report["load_average_start"] = list(load_start)
+        report["load_average_end"] = list(os.getloadavg())
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
         print(f"wrote {args.json}")
