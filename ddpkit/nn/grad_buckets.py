@@ -99,24 +99,23 @@ def build_buckets(
 ) -> list[GradBucket]:
     """Packs `params` (in the order their gradients are expected) into buckets of at most `max_numel` elements.
 
-    Parameters at least `max_numel` large (all of them when `max_numel` is 0) travel alone. Buckets are ordered
-    by when their last gradient is expected, which is the order in which every rank launches them.
+    A bucket holds a run of *consecutive* parameters with the same owner, device type and dtype, so it is complete
+    as soon as backward has passed them and its reduce overlaps the rest of backward (a bucket gathering one
+    owner's parameters from the whole model would only be ready at the end). Parameters at least `max_numel` large
+    (all of them when `max_numel` is 0) travel alone, reduced in place. The list order is the launch order on
+    every rank.
     """
-    closed: list[tuple[int, GradBucket]] = []
-    open_buckets: dict[tuple[int, str, torch.dtype], tuple[int, GradBucket]] = {}
-    for position, p in enumerate(params):
-        owner = owner_of[p]
-        if max_numel == 0 or p.numel() >= max_numel:
-            closed.append((position, GradBucket(owner, [p])))
-            continue
-        key = (owner, p.device.type, p.dtype)
-        if key in open_buckets and open_buckets[key][1].numel + p.numel() > max_numel:
-            closed.append(open_buckets.pop(key))
-        bucket = open_buckets.setdefault(key, (position, GradBucket(owner, [])))[1]
-        bucket.params.append(p)
-        open_buckets[key] = (position, bucket)
-    closed.extend(open_buckets.values())
-    buckets = [bucket for _, bucket in sorted(closed, key=lambda item: item[0])]
+    buckets: list[GradBucket] = []
+    current: GradBucket | None = None
+    current_key: tuple[int, str, torch.dtype] | None = None
+    for p in params:
+        key = (owner_of[p], p.device.type, p.dtype)
+        alone = max_numel == 0 or p.numel() >= max_numel
+        if alone or key != current_key or current is None or current.numel + p.numel() > max_numel:
+            current = GradBucket(key[0], [])
+            buckets.append(current)
+            current_key = None if alone else key
+        current.params.append(p)
     for bucket in buckets:
         bucket.reset()
     return buckets
