@@ -391,3 +391,31 @@ def test_gradients_and_state_are_sharded(world):
     for grads, state, _, n in results:
         assert grads <= total / n + largest
         assert state == 2 * grads  # Adam: two moments per owned element
+
+
+def _two_backwards(rank, world):
+    """Gradients accumulated over backwards that communicate (no no_sync, no zero_grad between) equal DDP's."""
+    worst = {}
+    for pattern in (("sync", "sync"), ("sync", "no_sync", "sync"), ("no_sync", "sync", "sync")):
+        ref, model = _mlp(), _mlp()
+        ddp = DDP(ref)
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=50)
+        for i, mode in enumerate(pattern):
+            x, y = _batch(rank, i)
+            for m in (ddp, sdp):
+                with m.no_sync() if mode == "no_sync" else torch.enable_grad():
+                    nn.functional.mse_loss(m(x), y).backward()
+        worst[pattern] = max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+            if opt.owner_of(p) == rank
+        )
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_accumulating_over_synced_backwards_matches_ddp(world):
+    for worst in run_distributed(_two_backwards, world):
+        for pattern, diff in worst.items():
+            assert diff < 1e-6, (pattern, diff)

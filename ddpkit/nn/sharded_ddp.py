@@ -91,6 +91,7 @@ class ShardedDataParallel(nn.Module):
         self._next_bucket = 0
         self._warned_unused = False
         self._hooks: list[Any] = []
+        self._holding_average: dict[nn.Parameter, tuple[int, int]] = {}
         self._buckets: list[GradBucket] = []
         self._bucket_of: dict[nn.Parameter, GradBucket] = {}
         if sync_models_at_startup:
@@ -118,6 +119,7 @@ class ShardedDataParallel(nn.Module):
         self._buckets = build_buckets(expected_order, owner_of, self.reduce_buffer_size)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        self._hooks += [p.register_hook(self._keep_average_hook(p)) for p in self._bucket_of]
         self._trainable_signature = self._signature()
 
     def _signature(self) -> tuple[bool, ...]:
@@ -171,6 +173,23 @@ class ShardedDataParallel(nn.Module):
             self._launch(self._buckets[self._next_bucket])
             self._next_bucket += 1
 
+    def _keep_average_hook(self, param: nn.Parameter) -> Any:
+        """A gradient hook for a second backward before the gradients were cleared (accumulating without no_sync).
+
+        The owner's ``.grad`` then still holds the average A of the last reduce while the other ranks dropped
+        theirs; DDP's answer is A + average(new). Adding (N-1) A to the owner's incoming gradient makes the next
+        reduce give exactly that. The version counter tells whether ``.grad`` is still untouched since the reduce.
+        """
+
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            mark = self._holding_average.pop(param, None)
+            held = param.grad
+            if mark is None or held is None or mark != (id(held), held._version) or self.world_size == 1:
+                return None
+            return grad + (self.world_size - 1) * held
+
+        return hook
+
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launch(self.world_size, self.process_group, self.reduce_fp16, self.find_unused_parameters)
 
@@ -185,6 +204,9 @@ class ShardedDataParallel(nn.Module):
         for bucket in self._buckets:
             unused_here += [p for p, used in zip(bucket.params, bucket.used_here, strict=True) if not used]
             bucket.finish(bucket.owner == self.rank, self.world_size, self.find_unused_parameters)
+            for p in bucket.params:
+                if bucket.owner == self.rank and p.grad is not None:
+                    self._holding_average[p] = (id(p.grad), p.grad._version)
             bucket.reset()
         self._next_bucket = 0
         if unused_here and not self.find_unused_parameters and not self._warned_unused:
