@@ -25,7 +25,7 @@ baseline's (and the range of the gaps per seed, each against the baseline of the
 diverged (the loss rose above twice its initial value at some point), test accuracy and the mean gain. A PNG
 plots training loss and AdaScale's gain against scale-invariant iterations.
 
-    python benchmarks/bench_adascale.py                          # the figures in benchmarks/adascale.md
+    python benchmarks/bench_adascale.py                          # the figures in benchmarks/README.md
     python benchmarks/bench_adascale.py --seeds 1 --steps 1600   # quicker
 """
 
