@@ -40,6 +40,8 @@ def test_sharded_sends_exactly_ddp_bytes_on_the_wire(namespace, world):
     ideal = 2 * (world - 1) * payload  # a ring all-reduce of every gradient
     for name in ("ddp", "sharded"):
         assert result[name]["counted"] == pytest.approx(ideal), result  # CommStats, summed over ranks
-        # the kernel's count adds TCP/IP headers and the fencing barriers: a few percent at most
-        assert ideal <= result[name]["wire"] <= ideal * 1.05, (name, result[name]["wire"] / ideal, result)
+        assert result[name]["wire"] >= ideal, result  # nothing escapes the count
+    # ours: the kernel's count adds only TCP/IP headers and the fencing barriers, a few percent at most. (torch
+    # DDP's own traffic is not bounded above here: under load it was seen 9% above its all-reduce, once.)
+    assert result["sharded"]["wire"] <= ideal * 1.05, (result["sharded"]["wire"] / ideal, result)
     assert result["sharded"]["wire"] <= result["ddp"]["wire"] * 1.01, result
