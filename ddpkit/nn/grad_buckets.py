@@ -94,6 +94,11 @@ class GradBucket:
         return unused
 
 
+ALONE_NUMEL = 2**18
+"""Gradients of at least this many elements (1 MiB in fp32) are reduced alone and in place: bucketing only saves
+per-message latency, which is negligible at that size, while copying into a bucket costs a pass over the data."""
+
+
 def build_buckets(
     params: list[torch.nn.Parameter], owner_of: dict[torch.nn.Parameter, int], max_numel: int
 ) -> list[GradBucket]:
@@ -101,16 +106,16 @@ def build_buckets(
 
     A bucket holds a run of *consecutive* parameters with the same owner, device type and dtype, so it is complete
     as soon as backward has passed them and its reduce overlaps the rest of backward (a bucket gathering one
-    owner's parameters from the whole model would only be ready at the end). Parameters at least `max_numel` large
-    (all of them when `max_numel` is 0) travel alone, reduced in place. The list order is the launch order on
-    every rank.
+    owner's parameters from the whole model would only be ready at the end). Parameters of at least
+    ``min(max_numel, ALONE_NUMEL)`` elements (all of them when `max_numel` is 0) travel alone, reduced in place.
+    The list order is the launch order on every rank.
     """
     buckets: list[GradBucket] = []
     current: GradBucket | None = None
     current_key: tuple[int, str, torch.dtype] | None = None
     for p in params:
         key = (owner_of[p], p.device.type, p.dtype)
-        alone = max_numel == 0 or p.numel() >= max_numel
+        alone = max_numel == 0 or p.numel() >= min(max_numel, ALONE_NUMEL)
         if alone or key != current_key or current is None or current.numel + p.numel() > max_numel:
             current = GradBucket(key[0], [])
             buckets.append(current)
