@@ -15,10 +15,11 @@ from ddpkit.distributed import comm
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
 from ddpkit.nn.grad_buckets import GradBucket, build_buckets
+from ddpkit.nn.wrapper import ModuleWrapper
 from ddpkit.optim.oss import OSS
 
 
-class ShardedDataParallel(nn.Module):
+class ShardedDataParallel(ModuleWrapper):
     """Data parallelism in which each gradient is reduced only to the rank that owns its optimizer state.
 
     Algorithm (ZeRO stage 2): OSS gives every trainable parameter one owner. During backward, as soon as the
@@ -238,12 +239,6 @@ class ShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the module's gradients (to None by default, like torch)."""
         self.module.zero_grad(set_to_none=set_to_none)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
 
 
 ShardedDDP = ShardedDataParallel

@@ -19,6 +19,7 @@ from ddpkit.distributed.groups import check_nprocs_per_node, make_node_groups
 from ddpkit.distributed.hooks import counting_allreduce_hook
 from ddpkit.distributed.objects import gather_objects
 from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
+from ddpkit.nn.wrapper import ModuleWrapper
 
 _DDP_BUFFER_FLAG = (
     "forward_sync_buffers"
@@ -34,7 +35,7 @@ class SlowMoBaseAlgorithm(str, Enum):
     SGP = "sgp"
 
 
-class SlowMoDistributedDataParallel(nn.Module):
+class SlowMoDistributedDataParallel(ModuleWrapper):
     """Local SGD with slow momentum for clusters whose nodes are joined by slow links.
 
     Algorithm (SlowMo, Wang, Tantia, Ballas, Rabbat, ICLR 2020): ranks ``[k*n, (k+1)*n)`` form node k
@@ -270,12 +271,6 @@ class SlowMoDistributedDataParallel(nn.Module):
             if "x0" not in state:
                 raise ValueError("load_slowmo_state_dict: the checkpoint has no slow buffers (SlowMo was off)")
             self.slow_buffers.load_whole(state["x0"], state["u"])
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
 
 
 SlowMoDDP = SlowMoDistributedDataParallel
