@@ -7,13 +7,14 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
 
-from ddpkit.distributed import comm_stats
+from ddpkit.distributed import comm, comm_stats
 from ddpkit.distributed.launch import Placement, free_port, join, leave, pick_backend, spawn
 from ddpkit.optim import OSS
 from ddpkit.train.config import STRATEGIES, TrainConfig
@@ -68,8 +69,17 @@ def _bench_process(local_rank: int, cfg: TrainConfig, port: int, steps: int, war
         if local_rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
-    finally:
+        comm.barrier()
+    except BaseException:
         leave()
+        raise
+    # Tearing the gloo group down while a peer is still finishing the barrier, or destroying it at the same
+    # moment as the peer, makes torch 2.13 abort in C++ now and then ("terminate called without an active
+    # exception"). The results are written and every rank reached the barrier: give the peers a moment to leave
+    # it, then end the process without the teardown; the operating system closes the connections.
+    time.sleep(0.5)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
