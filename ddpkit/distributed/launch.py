@@ -153,14 +153,11 @@ def join(placement: Placement, backend: str, timeout: float, *, multi_node: bool
         joined.set()
 
 
-def leave(synchronize: bool = False) -> None:
-    """Leaves the process group. With `synchronize` (after a successful run) every rank first waits for the
-    others, so no rank tears its connections down while a peer still uses them; objects that still reference
-    the group (a DDP reducer in a reference cycle) are collected before the group goes."""
+def leave() -> None:
+    """Leaves the process group; objects that still reference it (a DDP reducer in a reference cycle) are
+    collected first, so they do not outlive it."""
     if dist.is_initialized():
         gc.collect()
-        if synchronize:
-            dist.barrier()
         dist.destroy_process_group()
 
 
