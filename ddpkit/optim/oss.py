@@ -168,11 +168,15 @@ class OSS(Optimizer):
             self.optim.add_param_group(self._local_group(self.param_groups[-1]))
             self._pull_hyperparameters()
 
+    def _own_new_trainable(self) -> None:
+        """Refreshes ownership when a parameter became trainable since (no collective: all ranks see the same)."""
+        if any(p.requires_grad and p not in self._owner for p in self._all_params()):
+            self.refresh_trainable()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Updates this rank's shard with the local optimizer, then receives every other shard from its owner."""
-        if any(p.requires_grad and p not in self._owner for p in self._all_params()):
-            self.refresh_trainable()
+        self._own_new_trainable()
         self._push_hyperparameters()
         if closure is not None:
             with torch.enable_grad():
@@ -237,8 +241,7 @@ class OSS(Optimizer):
         params = [p for p in self._all_params() if p.grad is not None]
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
-        if any(p.requires_grad and p not in self._owner for p in self._all_params()):
-            self.refresh_trainable()
+        self._own_new_trainable()
         # Each gradient is counted by exactly one rank: its owner, or rank 0 for a parameter without one (a frozen
         # parameter that still holds a gradient).
         counted = [p.grad for p in params if self._owner.get(p, 0) == self.rank]
