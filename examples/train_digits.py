@@ -13,7 +13,6 @@ replica holds the same parameters.
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 from datetime import timedelta
 
@@ -22,34 +21,26 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
+from ddpkit.distributed.launch import free_port
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS
+from ddpkit.train.bench import optimizer_state_bytes
+from ddpkit.train.data import digits
+from ddpkit.train.report import gather_digests
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def digits() -> tuple[TensorDataset, TensorDataset]:
-    """The 1,797 8x8 digits, standardised, split 80/20 with a fixed seed."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    y = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    split = int(0.8 * len(x))
-    train, test = order[:split], order[split:]
-    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
-
-
 def build(strategy: str, optimizer: str, lr: float) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
     cls = OPTIMIZERS[optimizer]
     if strategy == "ddp":
         wrapped = DDP(model)
@@ -63,24 +54,13 @@ def build(strategy: str, optimizer: str, lr: float) -> tuple[nn.Module, nn.Modul
     return model, ShardedDataParallel(model, opt), opt
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-
-
-def checksum(model: nn.Module) -> list[float]:
-    """Every rank's sum of parameters, gathered: equal numbers mean equal replicas."""
-    mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
-    all_sums = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(all_sums, mine)
-    return [s.item() for s in all_sums]
-
-
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc, timeout=timedelta(seconds=60)
     )
-    train, test = digits()
+    data = digits()
+    train, test = data.train, data.test
     sampler = DistributedSampler(train, shuffle=True, seed=0)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
     model, wrapped, optimizer = build(args.strategy, args.optimizer, args.lr)
@@ -101,22 +81,16 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     elapsed = time.perf_counter() - start
     with torch.no_grad():
         accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-    sums = checksum(model)
+    digests = gather_digests(model)
     per_rank_state = [torch.zeros(1, dtype=torch.int64) for _ in range(args.nproc)]
-    dist.all_gather(per_rank_state, torch.tensor([state_bytes(optimizer)]))
+    dist.all_gather(per_rank_state, torch.tensor([optimizer_state_bytes(optimizer)]))
     if rank == 0:
         print(f"test accuracy        {accuracy:.3f}")
         print(f"wall time            {elapsed:.1f} s ({steps * args.batch_size * args.nproc / elapsed:.0f} samples/s)")
         print(f"sent per step        {sent.sent_bytes() / 1e3:.1f} kB (this rank, modelled wire bytes)")
         print(f"optimizer state      {', '.join(f'{int(s.item()) / 1e3:.0f} kB' for s in per_rank_state)} per rank")
-        print(f"replicas equal       {len(set(sums)) == 1} (parameter sums {sums})")
+        print(f"replicas equal       {len(set(digests)) == 1} (parameter digests {digests})")
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
