@@ -442,6 +442,76 @@ def test_memory_is_sharded_and_each_parameter_is_broadcast_once(world):
     assert not_rounded and all(not_rounded), "owners must keep their own fp32 values (not rounded to fp16)"
 
 
+# -- 5b. parameters live in the broadcast messages -------------------------------------------------------------------
+
+
+def _storages(params):
+    return [p.untyped_storage().data_ptr() for p in params]
+
+
+def _in_place_messages(rank, world):
+    """OSS against torch Adam, gradients averaged by hand, while the parameters' storage is tampered with between
+    steps (not under DDP: DDP computes wrong gradients once a parameter's strides changed after its construction)."""
+    out = {}
+    ref_net, net = _mlp(), _mlp()
+    ref_opt = torch.optim.Adam(ref_net.parameters(), lr=1e-2)
+    opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=1e-2)
+    params = list(net.parameters())
+    step = 0
+
+    def steps(n):
+        nonlocal step
+        for _ in range(n):
+            x, y = _data(1000 * step + rank)
+            for model, optimizer in ((ref_net, ref_opt), (net, opt)):
+                optimizer.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                for p in model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+                optimizer.step()
+            step += 1
+
+    steps(2)
+    owners = {opt.owner_of(p) for p in params}
+    out["one storage per owner"] = len(set(_storages(params))) == len(owners)
+    pointers = [p.data_ptr() for p in params]
+    steps(2)
+    out["no new storage per step"] = pointers == [p.data_ptr() for p in params]
+    # The user gives a parameter storage of its own, and makes another one non-contiguous (same values).
+    net[0].weight.data = net[0].weight.data.clone()
+    net[2].weight.data = net[2].weight.data.t().contiguous().t()
+    steps(3)
+    out["diff after storage changes"] = _max_diff(net.parameters(), ref_net.parameters())
+    out["clone adopted again"] = net[0].weight.data_ptr() in pointers
+    out["non-contiguous kept"] = not net[2].weight.is_contiguous()
+    # Freezing a parameter takes it out of the messages: it gets storage of its own and stays as it is.
+    net[4].weight.requires_grad_(False)
+    ref_net[4].weight.requires_grad_(False)
+    frozen = net[4].weight.detach().clone()
+    steps(3)
+    others = [p for p in params if p is not net[4].weight]
+    w = net[4].weight
+    out["frozen has own storage"] = w.untyped_storage().data_ptr() not in _storages(others)
+    out["old message freed"] = w.untyped_storage().nbytes() == w.numel() * w.element_size()
+    out["frozen unchanged"] = torch.equal(net[4].weight, frozen)
+    out["diff after freezing"] = _max_diff(net.parameters(), ref_net.parameters())
+    out["replicas equal"] = _all_same([p.detach().tolist() for p in net.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parameters_live_in_the_broadcast_messages(world):
+    """OSS broadcasts each owner's parameters in place (they are views of one flat buffer per owner) and stays exact
+    when the user replaces a parameter's storage, makes it non-contiguous or freezes it."""
+    for rank, r in enumerate(run_distributed(_in_place_messages, world)):
+        for name in ("diff after storage changes", "diff after freezing"):
+            assert r[name] <= TOL, f"rank {rank}: {name}: {r[name]:.3e}"
+        failed = [name for name, value in r.items() if value is False]
+        assert not failed, f"rank {rank}: {failed}"
+
+
 # -- 6. partition ------------------------------------------------------------------------------------------------------
 
 

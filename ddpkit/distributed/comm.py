@@ -8,13 +8,15 @@ collective is issued.
 `reduce` on gloo is done here, point to point: gloo's own reduce sends 1.8x the tensor between two ranks and 3.8x
 between four (measured on an isolated loopback), where sending each rank's tensor to the root once is the least
 possible, (N-1) x the tensor in all. With it, a reduce to the owner plus a broadcast from the owner (sharded data
-parallelism) puts exactly the bytes of DDP's ring all-reduce on the wire.
+parallelism) puts exactly the bytes of DDP's ring all-reduce on the wire. The root receives into CPU buffers
+it keeps for the next reduce of the same shape (`_ScratchPool`): a new buffer of many megabytes per reduce costs
+a page fault per 4 KiB on first touch, which took longer than the transfer on the benchmark machine.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,39 @@ def _record(
 _p2p_tags: dict[str, itertools.count] = defaultdict(itertools.count)
 
 
+class _ScratchPool:
+    """Receive buffers kept for reuse, per (shape, dtype), on CPU only (CUDA's caching allocator already reuses).
+
+    Small tensors are not kept (allocating them is cheap), nor more than `MAX_SHAPES` shapes (least recently used
+    dropped first), so the pool holds at most what the reduces of the most recent shapes had in flight at once.
+    """
+
+    MIN_NUMEL = 2**16
+    MAX_SHAPES = 64
+
+    def __init__(self) -> None:
+        self._free: OrderedDict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = OrderedDict()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.shape, like.dtype)
+        if like.device.type == "cpu" and self._free.get(key):
+            self._free.move_to_end(key)
+            return self._free[key].pop()
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu" or tensor.numel() < self.MIN_NUMEL:
+            return
+        key = (tensor.shape, tensor.dtype)
+        self._free.setdefault(key, []).append(tensor)
+        self._free.move_to_end(key)
+        while len(self._free) > self.MAX_SHAPES:
+            self._free.popitem(last=False)
+
+
+_scratch = _ScratchPool()
+
+
 class _PointToPointReduce:
     """The pending sends (non-roots) or receives (root) of a point-to-point reduce; `wait()` sums on the root."""
 
@@ -52,6 +87,7 @@ class _PointToPointReduce:
             work.wait()
         for part in self.received:  # in rank order: the same sum on every run
             self.tensor.add_(part)
+            _scratch.give(part)
         self.received = []
         return True
 
@@ -64,7 +100,7 @@ def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup |
         _record("reduce", group, _nbytes(tensor), sent=float(_nbytes(tensor)))
         return _PointToPointReduce(tensor, [dist.isend(tensor, global_rank(group, dst), group=group, tag=tag)], [])
     _record("reduce", group, _nbytes(tensor), sent=0.0)
-    received = [torch.empty_like(tensor) for _ in range(n - 1)]
+    received = [_scratch.take(tensor) for _ in range(n - 1)]
     sources = [r for r in range(n) if r != me]
     works = [
         dist.irecv(buf, global_rank(group, r), group=group, tag=tag) for r, buf in zip(sources, received, strict=True)

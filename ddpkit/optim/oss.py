@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ddpkit.distributed import comm
-from ddpkit.distributed.buckets import flatten, unflatten_into
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size, require_initialized
 from ddpkit.distributed.objects import broadcast_object, gather_objects
+from ddpkit.optim.param_messages import ParamBroadcaster
 from ddpkit.optim.partition import assign_owners
 from ddpkit.optim.state_dict import (
     check_compatible,
@@ -37,14 +37,17 @@ class OSS(Optimizer):
     LR schedulers write) into that local optimizer, which updates the shard; then each owner broadcasts its
     updated parameters to all ranks.
 
-    Communication per `step()`: one broadcast per (owner, device type, dtype) of the owner's trainable
-    parameters packed into a flat buffer, all in flight together, i.e. every trainable parameter crosses the
-    network once (in fp16 with `broadcast_fp16`: the owner keeps its own fp32 values). Gradients are not
+    Communication per `step()`: one broadcast per (owner, device, dtype) of the owner's trainable parameters,
+    all in flight together, i.e. every trainable parameter crosses the network once (in fp16 with
+    `broadcast_fp16`: the owner keeps its own fp32 values). At the first step (world size > 1) each such group
+    of parameters is moved into one flat buffer and the parameters become views of it (``param.data``), so the
+    message is sent and received in place, without a copy (see `ddpkit.optim.param_messages`). Gradients are not
     touched: pair OSS with torch's DDP (all-reduce) or with `ShardedDataParallel` (reduce to the owner only).
     `clip_grad_norm` adds one all-reduce of one number; `consolidate_state_dict` gathers the shards' state.
 
     Memory: optimizer state for about 1/N of the parameters per rank (within the largest parameter's share
-    of a perfect split), plus a transient flat buffer the size of the largest shard during the broadcast.
+    of a perfect split); the broadcast needs no memory of its own (with `broadcast_fp16`: a persistent fp16
+    copy of the parameters).
 
     Speed: unless the user chose an implementation (`fused=` or `foreach=` in the arguments or groups), OSS asks
     optimizers that have one for their fused kernel (torch's Adam, AdamW, SGD, ...) on devices that support it:
@@ -84,6 +87,7 @@ class OSS(Optimizer):
         self._owner: dict[torch.Tensor, int] = {}
         self._loads = [0] * self.world_size
         self._consolidated: dict[str, Any] | None = None
+        self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16)
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
         self._assign_new_trainable()
@@ -178,6 +182,7 @@ class OSS(Optimizer):
         """Updates this rank's shard with the local optimizer, then receives every other shard from its owner."""
         self._own_new_trainable()
         self._push_hyperparameters()
+        self._match_fused_layouts()
         if closure is not None:
             with torch.enable_grad():
                 loss = self.optim.step(closure, **kwargs)
@@ -186,6 +191,24 @@ class OSS(Optimizer):
         self._pull_hyperparameters()
         self._broadcast_params()
         return loss
+
+    def _match_fused_layouts(self) -> None:
+        """Gives gradients and state the memory layout of their parameter where the local optimizer is fused.
+
+        torch's fused CPU kernels walk parameter, gradient and state memory in step and silently compute a wrong
+        update when their strides differ (CUDA raises); that happens when a parameter's layout changes after its
+        state was created (``channels_last``, a transposed copy) or a gradient arrives in another layout.
+        """
+        for local in self.optim.param_groups:
+            if not local.get("fused"):
+                continue
+            for p in local["params"]:
+                if p.grad is not None and not _same_layout(p, p.grad):
+                    p.grad = _copy_in_layout_of(p, p.grad)
+                state = self.optim.state.get(p, {})
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.shape == p.shape and not _same_layout(p, value):
+                        state[key] = _copy_in_layout_of(p, value)
 
     def _push_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
@@ -198,28 +221,15 @@ class OSS(Optimizer):
             group.update(group_hyperparameters(local))
 
     def _broadcast_params(self) -> None:
-        if self.world_size == 1:
-            return
-        works, receives = [], []
-        for owner, params in self._broadcast_plan():
-            wire_dtype = torch.float16 if self.broadcast_fp16 and params[0].dtype == torch.float32 else None
-            if owner == self.rank:
-                flat = flatten([p.detach() for p in params], dtype=wire_dtype)
-            else:
-                numel = sum(p.numel() for p in params)
-                flat = torch.empty(numel, dtype=wire_dtype or params[0].dtype, device=params[0].device)
-                receives.append((flat, params))
-            works.append(comm.broadcast(flat, owner, self.group, async_op=True))
-        comm.wait_all(works)
-        for flat, params in receives:
-            unflatten_into(flat, [p.detach() for p in params])
+        if self.world_size > 1:
+            self._broadcaster.broadcast(self._broadcast_plan())
 
     def _broadcast_plan(self) -> list[tuple[int, list[torch.Tensor]]]:
-        """(owner, parameters) per message: trainable parameters by owner, device type and dtype, in a fixed order."""
-        messages: dict[tuple[int, str, torch.dtype], list[torch.Tensor]] = {}
+        """(owner, parameters) per message: trainable parameters by owner, device and dtype, in a fixed order."""
+        messages: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in self._all_params():
             if p.requires_grad:
-                messages.setdefault((self._owner[p], p.device.type, p.dtype), []).append(p)
+                messages.setdefault((self._owner[p], p.device, p.dtype), []).append(p)
         return [(key[0], params) for key, params in messages.items()]
 
     # -- gradient clipping -------------------------------------------------------------------------------------------
@@ -329,6 +339,15 @@ def _check_one_device_type(params: list[torch.Tensor]) -> None:
             f"OSS: the parameters are on several device types ({', '.join(kinds)}); move the whole model to one "
             "device type (e.g. model.to('cuda')) before building the optimizer"
         )
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same strides wherever they matter (dimensions of size 1 can have any stride)."""
+    return all(sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if size > 1)
+
+
+def _copy_in_layout_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 def _may_use_fused(optim: type[Optimizer], param_groups: list[dict[str, Any]]) -> bool:
