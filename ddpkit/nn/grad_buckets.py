@@ -26,6 +26,7 @@ class GradBucket:
     work: object | None = None
     used_here: list[bool] = field(default_factory=list)
     in_place: bool = False
+    divide_on_owner: bool = False
 
     @property
     def numel(self) -> int:
@@ -37,6 +38,7 @@ class GradBucket:
         self.work = None
         self.used_here = []
         self.in_place = False
+        self.divide_on_owner = False
 
     def launch(self, world_size: int, group: ProcessGroup | None, reduce_fp16: bool, count_users: bool) -> None:
         """Starts the async reduce of this bucket's (pre-divided) gradients to the owner."""
@@ -51,12 +53,16 @@ class GradBucket:
         self.in_place = direct
         if direct:  # one large gradient: reduce it in place, no copy
             message = self.params[0].grad.view(-1)
-            message.div_(world_size)
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
             if count_users:
                 grads.append(torch.tensor(self.used_here, dtype=grads[0].dtype, device=grads[0].device))
             message = flatten(grads)
+        # A sum of N fp32/fp64 gradients cannot overflow where their average does not: only the owner divides,
+        # once, instead of every rank dividing what it sends (the same result when N is a power of two). Narrow
+        # types are divided before they travel, as DDP does.
+        self.divide_on_owner = message.dtype in (torch.float32, torch.float64) and not reduce_fp16
+        if not self.divide_on_owner:
             message.div_(world_size)
             if reduce_fp16 and message.dtype == torch.float32:
                 message = message.half()
@@ -76,6 +82,8 @@ class GradBucket:
             for p in self.params:
                 p.grad = None
             return unused
+        if self.divide_on_owner:
+            self.message.div_(world_size)
         if self.in_place:
             return unused  # the owner's gradient already holds the average
         shapes = [p.shape for p in self.params]
