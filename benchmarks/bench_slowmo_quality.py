@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -85,11 +86,20 @@ def make_model(seed: int) -> nn.Module:
 
 
 class Shard:
-    """digits: this worker's part of the training set, visited in a new random order every epoch."""
+    """digits: this worker's part of the training set, visited in a new random order every epoch.
 
-    def __init__(self, rank: int, seed: int) -> None:
+    ``iid``: every 4th sample (each worker sees every class); ``by-label``: the training set sorted by label and cut
+    into 4 contiguous parts, so each worker sees 2-3 classes (heterogeneous workers, where local models drift).
+    """
+
+    def __init__(self, rank: int, seed: int, split: str = "iid") -> None:
         x, y, _, _ = digits()
-        self.x, self.y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
+        if split == "by-label":
+            order = torch.sort(y, stable=True).indices
+            part = order.tensor_split(WORLD_SIZE)[rank]
+            self.x, self.y = x[part], y[part]
+        else:
+            self.x, self.y = x[rank::WORLD_SIZE], y[rank::WORLD_SIZE]
         self.generator = torch.Generator().manual_seed(seed * 100 + rank)
         self.order = torch.empty(0, dtype=torch.long)
 
@@ -114,11 +124,13 @@ class TeacherStream:
         return x, (torch.tanh(x @ self.w1) @ self.w2).argmax(dim=1)
 
 
-def data(name: str, rank: int, seed: int) -> tuple[Any, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def data(
+    name: str, rank: int, seed: int, split: str = "iid"
+) -> tuple[Any, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """(this worker's sampler, the data the loss is measured on, the test data)."""
     if name == "digits":
         x_train, y_train, x_test, y_test = digits()
-        return Shard(rank, seed), (x_train, y_train), (x_test, y_test)
+        return Shard(rank, seed, split), (x_train, y_train), (x_test, y_test)
     stream = TeacherStream(rank, seed)
     held_out = stream.batch(8192, torch.Generator().manual_seed(999))
     return stream, held_out, held_out
@@ -131,7 +143,16 @@ def loss_on(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, 
 
 
 def train(
-    rank: int, world_size: int, dataset: str, name: str, lr: float, seed: int, steps: int, batch: int
+    rank: int,
+    world_size: int,
+    dataset: str,
+    name: str,
+    lr: float,
+    seed: int,
+    steps: int,
+    batch: int,
+    split: str = "iid",
+    schedule: str = "constant",
 ) -> dict[str, Any]:
     """One run on this rank; rank 0 returns the training-loss curve and the final test metrics."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -152,7 +173,10 @@ def train(
             slowmo_lr=cfg.get("slowmo_lr", 1.0),
         )
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
-    sampler, (x_train, y_train), (x_test, y_test) = data(dataset, rank, seed)
+    # cosine: from lr down to lr/100 at the last step (the slow step divides by the current lr, so never 0)
+    decay = (lambda t: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * t / steps))) if schedule == "cosine" else None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay) if decay else None
+    sampler, (x_train, y_train), (x_test, y_test) = data(dataset, rank, seed, split)
     curve = [(0, loss_on(model, x_train, y_train)[0])] if rank == 0 else []
     for step in range(1, steps + 1):
         x, y = sampler.batch(batch)
@@ -162,6 +186,8 @@ def train(
         if name != "sync":
             wrapped.zero_grad(set_to_none=True)
             wrapped.perform_slowmo(optimizer)
+        if scheduler is not None:
+            scheduler.step()
         if rank == 0 and step % FREQUENCY == 0:
             curve.append((step, loss_on(model, x_train, y_train)[0]))
     if rank != 0:
@@ -259,14 +285,17 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=None, help="a multiple of 12 (default: digits 300, teacher 600)")
     parser.add_argument("--batch", type=int, default=16, help="samples per worker and step")
+    parser.add_argument("--split", choices=["iid", "by-label"], default="iid", help="digits: how workers share data")
+    parser.add_argument("--schedule", choices=["constant", "cosine"], default="constant", help="base lr schedule")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--plot", default=None, help="default: benchmarks/figures/slowmo_quality_<data>.png")
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--from-json", default=None, help="print the tables and plot from saved results")
     args = parser.parse_args()
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        for key in ("data", "seeds", "steps", "batch"):
-            setattr(args, key, saved["args"][key])
+        for key in ("data", "seeds", "steps", "batch", "split", "schedule"):
+            setattr(args, key, saved["args"].get(key, getattr(args, key)))
         results = {float(lr): by_config for lr, by_config in saved["results"].items()}
     else:
         args.steps = args.steps or (300 if args.data == "digits" else 600)
@@ -285,12 +314,12 @@ def run_all(args: argparse.Namespace) -> dict[float, dict[str, list[dict[str, An
     from ddpkit.testing import run_distributed
 
     results: dict[float, dict[str, list[dict[str, Any]]]] = {}
-    total, done, began = len(args.lrs) * len(CONFIGS) * len(args.seeds), 0, time.monotonic()
+    total, done, began = len(args.lrs) * len(args.configs) * len(args.seeds), 0, time.monotonic()
     for lr in args.lrs:
-        results[lr] = {name: [] for name in CONFIGS}
+        results[lr] = {name: [] for name in args.configs}
         for seed in args.seeds:
-            for name in CONFIGS:
-                job = (args.data, name, lr, seed, args.steps, args.batch)
+            for name in args.configs:
+                job = (args.data, name, lr, seed, args.steps, args.batch, args.split, args.schedule)
                 out = run_distributed(train, WORLD_SIZE, *job, timeout=600.0, pg_timeout=120.0)[0]
                 results[lr][name].append(out)
                 done += 1
