@@ -10,6 +10,11 @@ Parameters that cannot be views (not contiguous, or replaced by the user since, 
 their own storage and are copied into their slot before sending / out of it after receiving, and are adopted again
 when possible. When the set of trainable parameters, their devices or their dtypes change, the messages are
 rebuilt; parameters that leave every message get back storage of their own.
+
+Memory: building the messages (first step) briefly holds one message's parameters twice, then nothing extra.
+Because parameters share storage, ``torch.save`` of *some* parameters (e.g. one layer's ``state_dict()``) writes
+the whole buffer they are views of; save ``{k: v.clone() ...}`` for a part of the model (a whole model's
+``state_dict()`` is no larger than usual).
 """
 
 from __future__ import annotations
