@@ -108,8 +108,47 @@ def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup |
     return _PointToPointReduce(tensor, works, received)
 
 
+class _PointToPointBroadcast:
+    """The pending sends (root) or receive (others) of a point-to-point broadcast."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def _broadcast_point_to_point(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> _PointToPointBroadcast:
+    """`src` sends its tensor to every other rank once; the others receive it in place."""
+    tag = next(_p2p_tags[group_label(group)]) % (2**31 - 1)
+    me, n, nbytes = group_rank(group), group_size(group), _nbytes(tensor)
+    if me == src:
+        _record("broadcast", group, nbytes, sent=float((n - 1) * nbytes))
+        peers = [r for r in range(n) if r != me]
+        return _PointToPointBroadcast([dist.isend(tensor, global_rank(group, r), group=group, tag=tag) for r in peers])
+    _record("broadcast", group, nbytes, sent=0.0)
+    return _PointToPointBroadcast([dist.irecv(tensor, global_rank(group, src), group=group, tag=tag)])
+
+
+def _is_gloo(group: ProcessGroup | None) -> bool:
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Sends `tensor` from group rank `src` to every rank of `group` (in place on receivers)."""
+    """Sends `tensor` from group rank `src` to every rank of `group` (in place on receivers).
+
+    On gloo a contiguous tensor goes point to point: gloo runs a process group's collectives one after the other,
+    so broadcasts from different roots issued together (OSS's shards, SlowMo's slices) took turns on the link
+    (two 4.7 MB broadcasts in opposite directions over 100 Mbit/s: 784 ms as collectives, 402 ms point to point).
+    """
+    if group_size(group) > 1 and tensor.is_contiguous() and _is_gloo(group):
+        pending = _broadcast_point_to_point(tensor, src, group)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
     _record("broadcast", group, _nbytes(tensor))
     return dist.broadcast(tensor, global_rank(group, src), group=group, async_op=async_op)
 
@@ -125,7 +164,7 @@ def reduce(
 
     On gloo a SUM goes point to point (see the module doc); other tensors must not be changed until it is waited for.
     """
-    if op == dist.ReduceOp.SUM and group_size(group) > 1 and "gloo" in str(dist.get_backend(group)).lower():
+    if op == dist.ReduceOp.SUM and group_size(group) > 1 and _is_gloo(group):
         pending = _reduce_point_to_point(tensor.view(-1) if tensor.is_contiguous() else tensor, dst, group)
         if async_op:
             return pending
