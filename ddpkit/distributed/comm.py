@@ -76,15 +76,27 @@ class _ScratchPool:
 _scratch = _ScratchPool()
 
 
-class _PointToPointReduce:
-    """The pending sends (non-roots) or receives (root) of a point-to-point reduce; `wait()` sums on the root."""
+class _PointToPointWorks:
+    """Pending point-to-point sends and receives that `wait()` completes together (an async collective's handle)."""
 
-    def __init__(self, tensor: torch.Tensor, works: list, received: list[torch.Tensor]) -> None:
-        self.tensor, self.works, self.received = tensor, works, received
+    def __init__(self, works: list) -> None:
+        self.works = works
 
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
+        return True
+
+
+class _PointToPointReduce(_PointToPointWorks):
+    """The pending sends (non-roots) or receives (root) of a point-to-point reduce; `wait()` sums on the root."""
+
+    def __init__(self, tensor: torch.Tensor, works: list, received: list[torch.Tensor]) -> None:
+        super().__init__(works)
+        self.tensor, self.received = tensor, received
+
+    def wait(self) -> bool:
+        super().wait()
         for part in self.received:  # in rank order: the same sum on every run
             self.tensor.add_(part)
             _scratch.give(part)
@@ -108,28 +120,16 @@ def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup |
     return _PointToPointReduce(tensor, works, received)
 
 
-class _PointToPointBroadcast:
-    """The pending sends (root) or receive (others) of a point-to-point broadcast."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-
-def _broadcast_point_to_point(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> _PointToPointBroadcast:
+def _broadcast_point_to_point(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> _PointToPointWorks:
     """`src` sends its tensor to every other rank once; the others receive it in place."""
     tag = next(_p2p_tags[group_label(group)]) % (2**31 - 1)
     me, n, nbytes = group_rank(group), group_size(group), _nbytes(tensor)
     if me == src:
         _record("broadcast", group, nbytes, sent=float((n - 1) * nbytes))
         peers = [r for r in range(n) if r != me]
-        return _PointToPointBroadcast([dist.isend(tensor, global_rank(group, r), group=group, tag=tag) for r in peers])
+        return _PointToPointWorks([dist.isend(tensor, global_rank(group, r), group=group, tag=tag) for r in peers])
     _record("broadcast", group, nbytes, sent=0.0)
-    return _PointToPointBroadcast([dist.irecv(tensor, global_rank(group, src), group=group, tag=tag)])
+    return _PointToPointWorks([dist.irecv(tensor, global_rank(group, src), group=group, tag=tag)])
 
 
 def _is_gloo(group: ProcessGroup | None) -> bool:
