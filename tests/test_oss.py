@@ -8,6 +8,8 @@ differences, byte counts, flags); the assertions happen here in the parent, wher
 from __future__ import annotations
 
 import copy
+import glob
+import os
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import StepLR
 
 from ddpkit.distributed import comm_stats
+from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed
 
@@ -356,36 +359,72 @@ def _clone_params(params):
     return [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
 
 
+def _steps_measured(opt, ref_opt, trainable, ref, seeds):
+    """Steps OSS and the reference once per seed; CommStats of OSS's last step (the first one builds messages)."""
+    for seed in seeds:
+        _set_grads(trainable, seed=seed)
+        _set_grads(ref, seed=seed)
+        with comm_stats.measure() as m:
+            opt.step()
+        ref_opt.step()
+    return m
+
+
+def _transport_traffic(rank, opt, trainable, m, wire_bytes_of):
+    """Per transport: (measured, expected) calls and payload of one steady-state step on this rank."""
+    messages = {(opt.owner_of(p), p.device.type, p.dtype) for p in trainable}
+    if os.environ[SHARED_MEMORY_ENV] == "0":
+        return {
+            "kinds": (sorted({kind for kind, _ in m.snapshot()}), ["broadcast"]),
+            "calls": (m.calls("broadcast"), len(messages)),
+            "payload": (m.payload_bytes("broadcast"), sum(wire_bytes_of(p) for p in trainable)),
+        }
+    theirs = [p for p in trainable if opt.owner_of(p) != rank]
+    return {
+        "kinds": (sorted({kind for kind, _ in m.snapshot()}), ["barrier", "shared_memory"]),
+        "calls": ((m.calls("barrier"), m.calls("shared_memory")), (2, len({k for k in messages if k[0] != rank}))),
+        "payload": (m.payload_bytes("shared_memory"), sum(wire_bytes_of(p) for p in theirs)),
+        "sent": (m.sent_bytes(), 0.0),
+    }
+
+
 def _memory_and_traffic(rank, world):
+    out = {}
+    try:
+        for transport in ("0", "1"):  # DDPKIT_SHARED_MEMORY: broadcast over gloo, then shared memory (one host)
+            os.environ[SHARED_MEMORY_ENV] = transport
+            out[transport] = _memory_and_traffic_of_transport(rank)
+    finally:
+        os.environ.pop(SHARED_MEMORY_ENV, None)  # the worker processes serve the next tests too
+    return out
+
+
+def _memory_and_traffic_of_transport(rank):
     out = {}
     params = _mixed_params()
     trainable = [p for p in params if p.requires_grad]
     ref = _clone_params(trainable)
     opt = OSS(params, optim=torch.optim.Adam, lr=0.1)
     ref_opt = torch.optim.Adam(ref, lr=0.1)
-    _set_grads(trainable, seed=3)
-    _set_grads(ref, seed=3)
     frozen_before = [p.detach().clone() for p in params if not p.requires_grad]
-    with comm_stats.measure() as m:
-        opt.step()
-    ref_opt.step()
+    m = _steps_measured(opt, ref_opt, trainable, ref, seeds=(3, 5))
 
     # Memory: this rank's optimizer state against the plain optimizer's.
     out["state_bytes"] = _state_bytes(opt.optim.state)
     out["full_state_bytes"] = _state_bytes(ref_opt.state)
     out["largest_param_state"] = max(_state_bytes({0: s}) for s in ref_opt.state.values())
 
-    # Traffic: one broadcast per (owner, device type, dtype) of the trainable parameters, nothing else.
-    messages = {(opt.owner_of(p), p.device.type, p.dtype) for p in trainable}
-    param_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    out["kinds"] = sorted({kind for kind, _ in m.snapshot()})
-    out["calls"] = (m.calls("broadcast"), len(messages))
-    out["payload"] = (m.payload_bytes("broadcast"), param_bytes)
+    # Traffic: per (owner, device type, dtype) of the trainable parameters one broadcast, or one copy out of
+    # shared memory on the ranks that do not own it (and two barriers), nothing else.
+    out["traffic"] = _transport_traffic(rank, opt, trainable, m, lambda p: p.numel() * p.element_size())
     out["frozen untouched"] = all(
         torch.equal(p, before) and opt.owner_of(p) is None
         for p, before in zip([p for p in params if not p.requires_grad], frozen_before, strict=True)
     )
     out["diff"] = _max_diff(trainable, ref)
+    segments = opt._broadcaster._segments
+    dist.barrier()
+    out["segment files left"] = [] if segments is None else glob.glob(f"/dev/shm/ddpkit-{segments.token}-*")
 
     # broadcast_fp16: half the fp32 payload; owners keep their exact fp32 values, receivers get them rounded.
     params = _mixed_params()
@@ -393,15 +432,10 @@ def _memory_and_traffic(rank, world):
     ref = _clone_params(trainable)
     opt = OSS(params, optim=torch.optim.Adam, lr=0.1, broadcast_fp16=True)
     ref_opt = torch.optim.Adam(ref, lr=0.1)
-    _set_grads(trainable, seed=4)
-    _set_grads(ref, seed=4)
-    with comm_stats.measure() as m:
-        opt.step()
-    ref_opt.step()
-    fp32 = sum(p.numel() * 4 for p in trainable if p.dtype == torch.float32)
-    fp64 = sum(p.numel() * 8 for p in trainable if p.dtype == torch.float64)
-    out["fp16 payload"] = (m.payload_bytes("broadcast"), fp32 // 2 + fp64)
-    out["fp16 calls"] = (m.calls("broadcast"), len({(opt.owner_of(p), p.dtype) for p in trainable}))
+    m = _steps_measured(opt, ref_opt, trainable, ref, seeds=(4, 6))
+    out["fp16 traffic"] = _transport_traffic(
+        rank, opt, trainable, m, lambda p: p.numel() * (2 if p.dtype == torch.float32 else p.element_size())
+    )
     owner_exact, receivers_rounded, owner_not_rounded = [], [], []
     for p, r in zip(trainable, ref, strict=True):
         owner = opt.owner_of(p)
@@ -422,24 +456,27 @@ def _memory_and_traffic(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_memory_is_sharded_and_each_parameter_is_broadcast_once(world):
-    results = run_distributed(_memory_and_traffic, world)
-    full = results[0]["full_state_bytes"]
-    largest = results[0]["largest_param_state"]
-    per_rank = [r["state_bytes"] for r in results]
-    assert sum(per_rank) == full, f"the shards must add up to the full state: {per_rank} vs {full}"
-    assert max(per_rank) <= full / world + largest, f"unbalanced: {per_rank}, full {full}, largest {largest}"
-    for rank, r in enumerate(results):
-        assert r["kinds"] == ["broadcast"], r["kinds"]
-        assert r["calls"][0] == r["calls"][1], f"rank {rank}: broadcasts (sent, expected) {r['calls']}"
-        assert r["payload"][0] == r["payload"][1], f"rank {rank}: payload (sent, expected) {r['payload']}"
-        assert r["frozen untouched"], f"rank {rank}: a frozen parameter was changed or given an owner"
-        assert r["diff"] <= TOL and r["fp16 owner diff"] <= TOL, r
-        assert r["fp16 payload"][0] == r["fp16 payload"][1], f"rank {rank}: fp16 payload {r['fp16 payload']}"
-        assert r["fp16 calls"][0] == r["fp16 calls"][1], r["fp16 calls"]
-        assert r["fp16 receivers rounded"], f"rank {rank}: receivers must get the owner's fp16-rounded values"
-    not_rounded = [flag for r in results for flag in r["fp16 owner not rounded"]]
-    assert not_rounded and all(not_rounded), "owners must keep their own fp32 values (not rounded to fp16)"
+def test_memory_is_sharded_and_each_parameter_is_sent_once(world):
+    """Over gloo (DDPKIT_SHARED_MEMORY=0) and through shared memory (the default on one host)."""
+    everything = run_distributed(_memory_and_traffic, world)
+    for transport in ("0", "1"):
+        results = [r[transport] for r in everything]
+        full = results[0]["full_state_bytes"]
+        largest = results[0]["largest_param_state"]
+        per_rank = [r["state_bytes"] for r in results]
+        assert sum(per_rank) == full, f"the shards must add up to the full state: {per_rank} vs {full}"
+        assert max(per_rank) <= full / world + largest, f"unbalanced: {per_rank}, full {full}, largest {largest}"
+        for rank, r in enumerate(results):
+            where = f"{SHARED_MEMORY_ENV}={transport}, rank {rank}"
+            for name in ("traffic", "fp16 traffic"):
+                for key, (measured, expected) in r[name].items():
+                    assert measured == expected, f"{where}: {name} {key}: measured {measured}, expected {expected}"
+            assert r["frozen untouched"], f"{where}: a frozen parameter was changed or given an owner"
+            assert r["diff"] <= TOL and r["fp16 owner diff"] <= TOL, r
+            assert r["fp16 receivers rounded"], f"{where}: receivers must get the owner's fp16-rounded values"
+            assert not r["segment files left"], f"{where}: shared-memory files not unlinked: {r['segment files left']}"
+        not_rounded = [flag for r in results for flag in r["fp16 owner not rounded"]]
+        assert not_rounded and all(not_rounded), "owners must keep their own fp32 values (not rounded to fp16)"
 
 
 # -- 5b. parameters live in the broadcast messages -------------------------------------------------------------------
@@ -743,8 +780,9 @@ def _api(rank, world):
             _train_step(model, opt, x, y)
             _train_step(ref_model, ref_opt, x, y)
     out["mixed dtypes diff"] = _max_diff(model.parameters(), ref_model.parameters())
-    out["mixed dtypes payload"] = m.payload_bytes("broadcast") == 10 * sum(
-        p.numel() * p.element_size() for p in model.parameters()
+    # On one host the messages go through shared memory: each rank copies those it does not own.
+    out["mixed dtypes payload"] = m.payload_bytes("broadcast") == 0 and m.payload_bytes("shared_memory") == 10 * sum(
+        p.numel() * p.element_size() for p in model.parameters() if opt.owner_of(p) != rank
     )
 
     # A model cast after the optimizer was built.
@@ -761,8 +799,8 @@ def _api(rank, world):
         _train_step(ref_model, ref_opt, x, y)
     out["cast after build diff"] = _max_diff(model.parameters(), ref_model.parameters())
     out["cast after build dtype"] = all(p.dtype == torch.float64 for p in model.parameters()) and m.payload_bytes(
-        "broadcast"
-    ) == sum(p.numel() * 8 for p in model.parameters())
+        "shared_memory"
+    ) == sum(p.numel() * 8 for p in model.parameters() if opt.owner_of(p) != rank)
 
     # A tensor learning rate and a scheduler: loading a state dict must not tie it to the argument.
     model = _mlp()

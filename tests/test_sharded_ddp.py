@@ -1,5 +1,7 @@
 """ShardedDataParallel + OSS against torch's DDP + the plain optimizer, on 2 and 4 gloo ranks."""
 
+import itertools
+import os
 import warnings
 
 import pytest
@@ -9,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
+from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.nn import ShardedDataParallel, ShardedDDP
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed
@@ -93,56 +96,71 @@ def test_parity_with_ddp(world, name):
 
 
 def _bytes_per_step(rank, world):
-    """Per-step traffic of DDP (counted through a comm hook) and of SDP + OSS, with a frozen layer."""
+    """Per-step traffic of DDP (counted through a comm hook) and of SDP + OSS, with a frozen layer, with the
+    parameters broadcast over gloo (as between hosts) and through shared memory (one host, the default)."""
     out = {}
-    for frozen in (False, True):
-        ref, model = _mlp(), _mlp()
-        for m in (ref, model):
-            m[2].weight.requires_grad_(not frozen)
-        ddp = DDP(ref)
-        ddp.register_comm_hook(None, counting_allreduce_hook)
-        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
-        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=64)
-        x, y = _batch(rank, 0)
-        for _ in range(2):  # the second step is the steady state
-            with comm_stats.measure() as d_ddp:
-                nn.functional.mse_loss(ddp(x), y).backward()
-                ref_opt.step()
-            with comm_stats.measure() as d_sdp:
-                nn.functional.mse_loss(sdp(x), y).backward()
-                opt.step()
-        trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
-        out[frozen] = {
-            "ddp_sent": d_ddp.sent_bytes(),
-            "ddp_payload": d_ddp.payload_bytes(),
-            "sdp_sent": d_sdp.sent_bytes(),
-            "reduce_payload": d_sdp.payload_bytes("reduce"),
-            "broadcast_payload": d_sdp.payload_bytes("broadcast"),
-            "reduce_calls": d_sdp.calls("reduce"),
-            "buckets": len(sdp._buckets),
-            "trainable": trainable,
-            "all_reduce_calls": d_sdp.calls("all_reduce"),
-        }
+    try:
+        for transport, frozen in itertools.product(("0", "1"), (False, True)):
+            os.environ[SHARED_MEMORY_ENV] = transport
+            ref, model = _mlp(), _mlp()
+            for m in (ref, model):
+                m[2].weight.requires_grad_(not frozen)
+            ddp = DDP(ref)
+            ddp.register_comm_hook(None, counting_allreduce_hook)
+            ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+            opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+            sdp = ShardedDataParallel(model, opt, reduce_buffer_size=64)
+            x, y = _batch(rank, 0)
+            for _ in range(2):  # the second step is the steady state
+                with comm_stats.measure() as d_ddp:
+                    nn.functional.mse_loss(ddp(x), y).backward()
+                    ref_opt.step()
+                with comm_stats.measure() as d_sdp:
+                    nn.functional.mse_loss(sdp(x), y).backward()
+                    opt.step()
+            trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+            out[transport, frozen] = {
+                "ddp_sent": d_ddp.sent_bytes(),
+                "ddp_payload": d_ddp.payload_bytes(),
+                "sdp_sent": d_sdp.sent_bytes(),
+                "reduce_payload": d_sdp.payload_bytes("reduce"),
+                "broadcast_payload": d_sdp.payload_bytes("broadcast"),
+                "shared_payload": d_sdp.payload_bytes("shared_memory"),
+                "not_owned": sum(
+                    p.numel() * 4 for p in model.parameters() if p.requires_grad and opt.owner_of(p) != rank
+                ),
+                "reduce_calls": d_sdp.calls("reduce"),
+                "buckets": len(sdp._buckets),
+                "trainable": trainable,
+                "all_reduce_calls": d_sdp.calls("all_reduce"),
+            }
+    finally:
+        os.environ.pop(SHARED_MEMORY_ENV, None)  # the worker processes serve the next tests too
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sends_no_more_than_ddp(world):
     results = run_distributed(_bytes_per_step, world)
-    for frozen in (False, True):
-        per_rank = [result[frozen] for result in results]
+    for transport, frozen in itertools.product(("0", "1"), (False, True)):
+        case = f"{SHARED_MEMORY_ENV}={transport}, frozen={frozen}"
+        per_rank = [result[transport, frozen] for result in results]
         for r in per_rank:
-            assert r["ddp_payload"] == r["trainable"], frozen  # DDP all-reduces every trainable gradient once
-            assert r["reduce_payload"] == r["trainable"], frozen  # every trainable gradient reduced once
-            assert r["broadcast_payload"] == r["trainable"], frozen  # every trainable parameter broadcast once
+            assert r["ddp_payload"] == r["trainable"], case  # DDP all-reduces every trainable gradient once
+            assert r["reduce_payload"] == r["trainable"], case  # every trainable gradient reduced once
+            if transport == "0":
+                assert r["broadcast_payload"] == r["trainable"], case  # every trainable parameter broadcast once
+                assert r["shared_payload"] == 0, case
+            else:  # each rank copies, out of shared memory, exactly the parameters it does not own
+                assert r["broadcast_payload"] == 0 and r["shared_payload"] == r["not_owned"], case
             assert r["reduce_calls"] == r["buckets"] and r["all_reduce_calls"] == 0
         # the wire carries the sum over ranks: a rank owning little sends more reduce and less broadcast traffic
         sdp_total = sum(r["sdp_sent"] for r in per_rank)
         ddp_total = sum(r["ddp_sent"] for r in per_rank)
-        assert ddp_total == pytest.approx(2 * (world - 1) * per_rank[0]["trainable"]), frozen
-        assert sdp_total <= ddp_total * (1 + 1e-12), frozen
-        assert sdp_total == pytest.approx(ddp_total), frozen
+        assert ddp_total == pytest.approx(2 * (world - 1) * per_rank[0]["trainable"]), case
+        assert sdp_total <= ddp_total * (1 + 1e-12), case
+        # over gloo exactly DDP's bytes; through shared memory only the reduces, half of them
+        assert sdp_total == pytest.approx(ddp_total / (1 if transport == "0" else 2)), case
 
 
 class _Routed(nn.Module):

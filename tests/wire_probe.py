@@ -5,6 +5,7 @@ Prints one JSON object; used by tests/test_wire_bytes.py.
 """
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
+from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed
@@ -44,9 +46,11 @@ def probe(rank: int, world: int) -> dict:
     ddp = DDP(_model())
     ddp.register_comm_hook(None, counting_allreduce_hook)
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-    module = _model()
-    oss = OSS(module.parameters(), optim=torch.optim.Adam, lr=1e-3)
-    sdp = ShardedDataParallel(module, oss, reduce_buffer_size=2**16)
+    variants = {"ddp": (ddp, ddp_opt, None)}
+    for name, shared_memory in (("sharded", "0"), ("sharded_shm", "1")):  # parameters over gloo / shared memory
+        module = _model()
+        oss = OSS(module.parameters(), optim=torch.optim.Adam, lr=1e-3)
+        variants[name] = (ShardedDataParallel(module, oss, reduce_buffer_size=2**16), oss, shared_memory)
 
     def step(model, opt):
         def run():
@@ -56,8 +60,10 @@ def probe(rank: int, world: int) -> dict:
 
         return run
 
-    out = {"payload": sum(p.numel() * 4 for p in module.parameters())}
-    for name, model, opt in (("ddp", ddp, ddp_opt), ("sharded", sdp, oss)):
+    out = {"payload": sum(p.numel() * 4 for p in _model().parameters())}
+    for name, (model, opt, shared_memory) in variants.items():
+        if shared_memory is not None:  # read at OSS's first step
+            os.environ[SHARED_MEMORY_ENV] = shared_memory
         for _ in range(2):  # warm up: allocations, connection set-up, DDP's bucket rebuild on its 2nd step
             step(model, opt)()
         wire, counted = _measure(rank, step(model, opt))
@@ -71,7 +77,7 @@ if __name__ == "__main__":
     world = int(sys.argv[1])
     results = run_distributed(probe, world, fresh=True)
     summary = {"payload": results[0]["payload"]}
-    for name in ("ddp", "sharded"):
+    for name in ("ddp", "sharded", "sharded_shm"):
         summary[name] = {
             "wire": results[0][name]["wire"],  # the loopback counter is shared: rank 0's reading covers all ranks
             "counted": sum(r[name]["counted"] for r in results),

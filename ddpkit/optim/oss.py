@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ddpkit.distributed import comm
+from ddpkit.distributed import comm, shared_memory
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size, require_initialized
 from ddpkit.distributed.objects import broadcast_object, gather_objects
 from ddpkit.optim.param_messages import ParamBroadcaster
@@ -77,6 +77,7 @@ class OSS(Optimizer):
             raise TypeError(
                 f"OSS: optim must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), got {optim!r}"
             )
+        shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         self._ready = False
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = group_size(self.group)

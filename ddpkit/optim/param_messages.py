@@ -15,6 +15,11 @@ Memory: building the messages (first step) briefly holds one message's parameter
 Because parameters share storage, ``torch.save`` of *some* parameters (e.g. one layer's ``state_dict()``) writes
 the whole buffer they are views of; save ``{k: v.clone() ...}`` for a part of the model (a whole model's
 ``state_dict()`` is no larger than usual).
+
+On one host (see `ddpkit.distributed.shared_memory`), a CPU message is not sent at all: the owner's buffer (its
+fp16 copy with `broadcast_fp16`) is a shared-memory segment, so the owner's optimizer step writes it in place; after
+a barrier every other rank copies it into its own parameters' buffer, and a second barrier tells the owner it may
+write again. Every rank still holds its own replica, exactly as with a broadcast.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ddpkit.distributed import comm
+from ddpkit.distributed import comm, shared_memory
 from ddpkit.distributed.buckets import views
 from ddpkit.distributed.env import ProcessGroup
+from ddpkit.distributed.shared_memory import SharedSegments
 
 Plan = list[tuple[int, list[torch.Tensor]]]
 """(owner, parameters) per message, in the same order on every rank."""
@@ -49,22 +55,18 @@ class ParamMessage:
     params: list[torch.Tensor]
     flat: torch.Tensor
     slots: list[torch.Tensor]
-    wire: torch.Tensor  # `flat` itself, or a persistent fp16 copy when sending in fp16
+    wire: torch.Tensor  # `flat` itself, a persistent fp16 copy with `broadcast_fp16`, or the owner's segment
+    shared: bool = False  # `wire` is a shared-memory segment (owner: its own; others: the owner's, mapped)
 
     @classmethod
-    def build(cls, owner: int, params: list[torch.Tensor], fp16: bool) -> ParamMessage:
-        """Copies the parameters' current values into a new flat buffer and makes them views of it."""
-        first = params[0]
-        flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+    def build(cls, owner: int, params: list[torch.Tensor], flat: torch.Tensor, wire: torch.Tensor) -> ParamMessage:
+        """Copies the parameters' current values into `flat` and makes them views of it."""
         slots = views(flat, [p.shape for p in params])
-        message = cls(owner, params, flat, slots, flat)
-        if fp16 and first.dtype == torch.float32:
-            message.wire = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
         for p, slot in zip(params, slots, strict=True):
             slot.copy_(p.detach())
             if p.is_contiguous():
                 p.data = slot
-        return message
+        return cls(owner, params, flat, slots, wire)
 
     def stage(self) -> None:
         """Owner, before sending: stray parameters go into their slots (and everything into the fp16 wire)."""
@@ -97,9 +99,12 @@ class ParamMessage:
 
 
 class ParamBroadcaster:
-    """Keeps the messages of a plan and broadcasts them: every owner's message to every rank, all in flight at once.
+    """Keeps the messages of a plan and delivers them: every owner's message to every rank, all in flight at once.
 
-    Communication: one broadcast per message (owner, device, dtype). Memory: none beyond the parameters
+    Communication per step: one broadcast per message (owner, device, dtype); on one host, CPU messages instead
+    go through shared memory (two barriers, and each rank copies the messages it does not own; CommStats kind
+    ``shared_memory``). A rebuild (first step, or when the plan changes) costs an object all-gather (on a gloo
+    group) to agree on shared memory, and two barriers when it is used. Memory: none beyond the parameters
     themselves (their storage *is* the messages), plus a persistent fp16 copy of each message with `fp16`.
     """
 
@@ -107,6 +112,7 @@ class ParamBroadcaster:
         self.rank, self.group, self.fp16 = rank, group, fp16
         self.messages: list[ParamMessage] = []
         self._signature: tuple = ()
+        self._segments: SharedSegments | None = None
 
     def broadcast(self, plan: Plan) -> None:
         # A message's parameters share a device and dtype: moving them (``module.to(...)``) changes the signature.
@@ -117,14 +123,58 @@ class ParamBroadcaster:
         for message in self.messages:
             if message.owner == self.rank:
                 message.stage()
-        works = [comm.broadcast(m.wire, m.owner, self.group, async_op=True) for m in self.messages]
+        works = [comm.broadcast(m.wire, m.owner, self.group, async_op=True) for m in self.messages if not m.shared]
         comm.wait_all(works)
+        any_shared = any(m.shared for m in self.messages)
+        if any_shared:
+            comm.barrier(self.group)  # every owner's segment holds its new values
         for message in self.messages:
             if message.owner != self.rank:
                 message.unpack()
+                if message.shared:
+                    shared_memory.record_copy(message.wire.numel() * message.wire.element_size(), self.group)
+        if any_shared:
+            comm.barrier(self.group)  # every rank has copied: owners may write their parameters again
 
     def _rebuild(self, plan: Plan) -> None:
         keep = {p for _, params in plan for p in params}
         for message in self.messages:
             message.release(keep)
-        self.messages = [ParamMessage.build(owner, params, self.fp16) for owner, params in plan]
+        segments = self._segments = self._segments_for(plan)
+        self.messages = [self._build(index, owner, params, segments) for index, (owner, params) in enumerate(plan)]
+        if segments is not None:
+            comm.barrier(self.group)  # every owner has created and filled its segments
+            for index, message in enumerate(self.messages):
+                if message.shared and message.owner != self.rank:
+                    message.wire = segments.attach(
+                        self._segment_name(index), message.flat.numel(), self._wire_dtype(message.flat.dtype)
+                    )
+            comm.barrier(self.group)  # every segment is mapped by every rank that reads it
+            segments.unlink_created()
+
+    def _segments_for(self, plan: Plan) -> SharedSegments | None:
+        """Shared segments for this plan's CPU messages, or None (collective: every rank decides the same)."""
+        nbytes = sum(p.numel() * p.element_size() for _, params in plan for p in params if p.device.type == "cpu")
+        return SharedSegments.agree(self.group, nbytes) if nbytes else None
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float16 if self.fp16 and dtype == torch.float32 else dtype
+
+    def _segment_name(self, index: int) -> str:
+        return str(index)
+
+    def _build(
+        self, index: int, owner: int, params: list[torch.Tensor], segments: SharedSegments | None
+    ) -> ParamMessage:
+        first = params[0]
+        numel, dtype, wire_dtype = sum(p.numel() for p in params), first.dtype, self._wire_dtype(first.dtype)
+        shared = segments is not None and first.device.type == "cpu"
+        if shared and owner == self.rank:
+            wire = segments.create(self._segment_name(index), numel, wire_dtype)
+            flat = wire if wire_dtype == dtype else torch.empty(numel, dtype=dtype)
+        else:
+            flat = torch.empty(numel, dtype=dtype, device=first.device)
+            wire = flat if wire_dtype == dtype or shared else torch.empty(numel, dtype=wire_dtype, device=first.device)
+        message = ParamMessage.build(owner, params, flat, wire)
+        message.shared = shared
+        return message

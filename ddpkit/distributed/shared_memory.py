@@ -1,0 +1,115 @@
+"""Shared-memory segments between the ranks of one host: how a tensor reaches a neighbour without a socket.
+
+Between two processes on one machine, gloo moves a tensor through the kernel's TCP loopback: a copy into the
+socket on one side, a copy out on the other, on the same cores that train. Measured on the benchmark machine
+(2 ranks, 16 MB each way): 8.8 ms fastest, 12.8 ms median over gloo point to point, against 2.8 / 3.1 ms for a
+barrier, one memcpy out of a shared segment and a second barrier.
+
+A *segment* is a file in ``/dev/shm`` that one rank (its owner) creates and writes, and every other rank of the
+group maps (``torch.from_file(..., shared=True)``) and only reads. Once all have mapped it the owner unlinks the
+file: the mappings live on and nothing is left behind when the processes end. Segments are used only when
+
+* every rank of the group runs on one host: same boot, hostname, network and mount namespace (so ranks in
+  different network namespaces, the way the multi-host tests simulate hosts, count as different hosts);
+* the group's backend is gloo (CPU tensors) and ``/dev/shm`` exists with room for the segments;
+* the environment variable ``DDPKIT_SHARED_MEMORY`` is not ``0`` (``1``, the default, allows them).
+
+CommStats counts a copy out of a segment as kind ``shared_memory``: its payload bytes, and 0 bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed.env import ProcessGroup, group_label, group_size
+from ddpkit.distributed.objects import gather_objects
+from ddpkit.distributed.stats import comm_stats
+
+ENV_VAR = "DDPKIT_SHARED_MEMORY"
+SHM_DIR = "/dev/shm"
+
+
+def enabled_by_environment() -> bool:
+    """Whether ``DDPKIT_SHARED_MEMORY`` allows segments (default yes); raises on a value other than 0 or 1."""
+    value = os.environ.get(ENV_VAR, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {ENV_VAR} must be 0 (off) or 1 (on, the default), got {value!r}")
+    return value == "1"
+
+
+def host_identity() -> str:
+    """A string equal for exactly the processes that can share ``/dev/shm`` and count as one host."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("no-boot-id")
+    for namespace in ("net", "mnt"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{namespace}"))
+        except OSError:
+            parts.append(f"no-{namespace}-ns")
+    return "|".join(parts)
+
+
+def free_bytes() -> int:
+    """Bytes free in ``/dev/shm`` (0 when it does not exist)."""
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
+
+
+def record_copy(nbytes: int, group: ProcessGroup | None) -> None:
+    """Counts one copy of `nbytes` out of another rank's segment (nothing is sent on the wire)."""
+    comm_stats.record("shared_memory", group_label(group), nbytes, 0.0)
+
+
+class SharedSegments:
+    """Names, creates, maps and unlinks the segments of one process group; build with `agree` (collective)."""
+
+    def __init__(self, group: ProcessGroup | None, token: str) -> None:
+        self.group, self.token = group, token
+        self._created: list[str] = []
+
+    @classmethod
+    def agree(cls, group: ProcessGroup | None, nbytes: int) -> SharedSegments | None:
+        """Collective (one object all-gather): segments for `group` when every rank is on one host, may use
+        ``/dev/shm`` and sees room there for `nbytes` (plus 64 MiB to spare); None otherwise, on every rank."""
+        if group_size(group) < 2 or "gloo" not in str(dist.get_backend(group)).lower():
+            return None
+        usable = enabled_by_environment() and free_bytes() >= nbytes + 2**26
+        everyone = gather_objects((host_identity(), usable, uuid.uuid4().hex), dst=-1, group=group)
+        assert everyone is not None
+        if any(identity != everyone[0][0] or not ok for identity, ok, _ in everyone):
+            return None
+        return cls(group, everyone[0][2])
+
+    def _path(self, name: str) -> str:
+        return os.path.join(SHM_DIR, f"ddpkit-{self.token}-{name}")
+
+    def create(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new segment of `numel` elements owned by this rank (unlinked by `unlink_created`)."""
+        path = self._path(name)
+        self._created.append(path)
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+    def attach(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Maps another rank's segment (after a barrier that follows its `create`)."""
+        return torch.from_file(self._path(name), shared=True, size=numel, dtype=dtype)
+
+    def unlink_created(self) -> None:
+        """Removes this rank's segment files (after a barrier that follows every `attach`): mappings stay valid."""
+        for path in self._created:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._created = []
