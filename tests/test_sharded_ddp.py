@@ -1,5 +1,6 @@
 """ShardedDataParallel + OSS against torch's DDP + the plain optimizer, on 2 and 4 gloo ranks."""
 
+import glob
 import itertools
 import os
 import warnings
@@ -133,10 +134,19 @@ def _bytes_per_step(rank, world):
                 "buckets": len(sdp._buckets),
                 "trainable": trainable,
                 "all_reduce_calls": d_sdp.calls("all_reduce"),
+                "diff": _max_diff(ref, model),
+                "files left": _segment_files_left(sdp, opt),
             }
     finally:
         os.environ.pop(SHARED_MEMORY_ENV, None)  # the worker processes serve the next tests too
     return out
+
+
+def _segment_files_left(sdp, opt):
+    """Shared-memory files of this SDP's mailboxes or OSS's messages still in /dev/shm (all ranks past steps)."""
+    dist.barrier()
+    tokens = [x.token for x in (getattr(sdp._mailboxes, "segments", None), opt._broadcaster._segments) if x]
+    return [path for token in tokens for path in glob.glob(f"/dev/shm/ddpkit-{token}-*")]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -146,21 +156,29 @@ def test_sends_no_more_than_ddp(world):
         case = f"{SHARED_MEMORY_ENV}={transport}, frozen={frozen}"
         per_rank = [result[transport, frozen] for result in results]
         for r in per_rank:
+            assert r["diff"] <= TOL, (case, r["diff"])  # same parameters as DDP, either way
+            assert not r["files left"], (case, r["files left"])
             assert r["ddp_payload"] == r["trainable"], case  # DDP all-reduces every trainable gradient once
-            assert r["reduce_payload"] == r["trainable"], case  # every trainable gradient reduced once
+            assert r["all_reduce_calls"] == 0, case
             if transport == "0":
+                assert r["reduce_payload"] == r["trainable"], case  # every trainable gradient reduced once
+                assert r["reduce_calls"] == r["buckets"], case
                 assert r["broadcast_payload"] == r["trainable"], case  # every trainable parameter broadcast once
                 assert r["shared_payload"] == 0, case
-            else:  # each rank copies, out of shared memory, exactly the parameters it does not own
-                assert r["broadcast_payload"] == 0 and r["shared_payload"] == r["not_owned"], case
-            assert r["reduce_calls"] == r["buckets"] and r["all_reduce_calls"] == 0
-        # the wire carries the sum over ranks: a rank owning little sends more reduce and less broadcast traffic
+            else:  # each rank copies into shared memory the gradients it does not own, and out of it those
+                # parameters: a one-way copy of each, no sockets
+                assert r["reduce_payload"] == r["broadcast_payload"] == 0, case
+                assert r["shared_payload"] == 2 * r["not_owned"], case
         sdp_total = sum(r["sdp_sent"] for r in per_rank)
         ddp_total = sum(r["ddp_sent"] for r in per_rank)
         assert ddp_total == pytest.approx(2 * (world - 1) * per_rank[0]["trainable"]), case
-        assert sdp_total <= ddp_total * (1 + 1e-12), case
-        # over gloo exactly DDP's bytes; through shared memory only the reduces, half of them
-        assert sdp_total == pytest.approx(ddp_total / (1 if transport == "0" else 2)), case
+        if transport == "0":
+            # the wire carries the sum over ranks: a rank owning little sends more reduce and less broadcast
+            # traffic; in all exactly DDP's bytes
+            assert sdp_total == pytest.approx(ddp_total), case
+            assert sdp_total <= ddp_total * (1 + 1e-12), case
+        else:  # one host: only 1-byte signals on the wire, a "full" and an "added" per bucket and sender
+            assert sdp_total == 2 * (world - 1) * per_rank[0]["buckets"], case
 
 
 class _Routed(nn.Module):
@@ -317,26 +335,39 @@ def test_auto_refresh_when_requires_grad_changes():
 
 
 def _fp16_reduce(rank, world):
-    ref = DDP(_mlp())
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    model = _mlp()
-    opt = OSS(model.parameters(), lr=0.1)
-    sdp = ShardedDataParallel(model, opt, reduce_fp16=True, reduce_buffer_size=100)
-    for step in range(5):
-        x, y = _batch(rank, step)
-        for m, o in ((ref, ref_opt), (sdp, opt)):
-            o.zero_grad()
-            with comm_stats.measure() as d:
-                nn.functional.mse_loss(m(x), y).backward()
-            o.step()
-    grads_bytes = sum(p.numel() * 2 for p in model.parameters())
-    return _max_diff(ref.module, model), d.payload_bytes("reduce"), grads_bytes
+    """(difference to DDP, fp16 bytes handed over, expected) over gloo, then through shared memory."""
+    out = []
+    try:
+        for transport in ("0", "1"):
+            os.environ[SHARED_MEMORY_ENV] = transport
+            ref = DDP(_mlp())
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            model = _mlp()
+            opt = OSS(model.parameters(), lr=0.1)
+            sdp = ShardedDataParallel(model, opt, reduce_fp16=True, reduce_buffer_size=100)
+            for step in range(5):
+                x, y = _batch(rank, step)
+                for m, o in ((ref, ref_opt), (sdp, opt)):
+                    o.zero_grad()
+                    with comm_stats.measure() as d:
+                        nn.functional.mse_loss(m(x), y).backward()
+                    o.step()
+            if transport == "0":  # every rank hands every gradient to the reduce
+                handed, expected = d.payload_bytes("reduce"), sum(p.numel() * 2 for p in model.parameters())
+            else:  # each rank copies the gradients it does not own into its mailboxes
+                handed = d.payload_bytes("shared_memory")
+                expected = sum(p.numel() * 2 for p in model.parameters() if opt.owner_of(p) != rank)
+            out.append((_max_diff(ref.module, model), handed, expected))
+    finally:
+        os.environ.pop(SHARED_MEMORY_ENV, None)
+    return out
 
 
 def test_reduce_fp16():
-    for diff, sent, fp16_bytes in run_distributed(_fp16_reduce, 2):
-        assert diff < 1e-3
-        assert sent == fp16_bytes  # half the bytes of fp32 gradients
+    for per_transport in run_distributed(_fp16_reduce, 2):
+        for diff, handed, fp16_bytes in per_transport:
+            assert diff < 1e-3
+            assert handed == fp16_bytes  # half the bytes of fp32 gradients
 
 
 def _api_and_errors(rank, world):

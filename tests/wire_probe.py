@@ -47,7 +47,8 @@ def probe(rank: int, world: int) -> dict:
     ddp.register_comm_hook(None, counting_allreduce_hook)
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     variants = {"ddp": (ddp, ddp_opt, None)}
-    for name, shared_memory in (("sharded", "0"), ("sharded_shm", "1")):  # parameters over gloo / shared memory
+    for name, shared_memory in (("sharded", "0"), ("sharded_shm", "1")):  # over gloo / through shared memory
+        os.environ[SHARED_MEMORY_ENV] = shared_memory  # read by ShardedDataParallel now, by OSS at its first step
         module = _model()
         oss = OSS(module.parameters(), optim=torch.optim.Adam, lr=1e-3)
         variants[name] = (ShardedDataParallel(module, oss, reduce_buffer_size=2**16), oss, shared_memory)
@@ -60,9 +61,12 @@ def probe(rank: int, world: int) -> dict:
 
         return run
 
-    out = {"payload": sum(p.numel() * 4 for p in _model().parameters())}
+    out = {
+        "payload": sum(p.numel() * 4 for p in _model().parameters()),
+        "buckets": len(variants["sharded"][0]._buckets),
+    }
     for name, (model, opt, shared_memory) in variants.items():
-        if shared_memory is not None:  # read at OSS's first step
+        if shared_memory is not None:  # OSS reads it at its first step
             os.environ[SHARED_MEMORY_ENV] = shared_memory
         for _ in range(2):  # warm up: allocations, connection set-up, DDP's bucket rebuild on its 2nd step
             step(model, opt)()
@@ -76,7 +80,7 @@ if __name__ == "__main__":
 
     world = int(sys.argv[1])
     results = run_distributed(probe, world, fresh=True)
-    summary = {"payload": results[0]["payload"]}
+    summary = {"payload": results[0]["payload"], "buckets": results[0]["buckets"]}
     for name in ("ddp", "sharded", "sharded_shm"):
         summary[name] = {
             "wire": results[0][name]["wire"],  # the loopback counter is shared: rank 0's reading covers all ranks

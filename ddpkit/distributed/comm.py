@@ -43,6 +43,11 @@ def _record(
 _p2p_tags: dict[str, itertools.count] = defaultdict(itertools.count)
 
 
+def next_p2p_tag(group: ProcessGroup | None) -> int:
+    """The tag of the next point-to-point exchange on `group`: every rank issues them in the same order."""
+    return next(_p2p_tags[group_label(group)]) % (2**31 - 1)
+
+
 class _ScratchPool:
     """Receive buffers kept for reuse, per (shape, dtype), on CPU only (CUDA's caching allocator already reuses).
 
@@ -106,7 +111,7 @@ class _PointToPointReduce(_PointToPointWorks):
 
 def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup | None) -> _PointToPointReduce:
     """Every non-root sends its tensor to `dst` once; `dst` receives and adds them (SUM)."""
-    tag = next(_p2p_tags[group_label(group)]) % (2**31 - 1)  # every rank issues reduces in the same order
+    tag = next_p2p_tag(group)
     me, n = group_rank(group), group_size(group)
     if me != dst:
         _record("reduce", group, _nbytes(tensor), sent=float(_nbytes(tensor)))
@@ -122,7 +127,7 @@ def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup |
 
 def _broadcast_point_to_point(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> _PointToPointWorks:
     """`src` sends its tensor to every other rank once; the others receive it in place."""
-    tag = next(_p2p_tags[group_label(group)]) % (2**31 - 1)
+    tag = next_p2p_tag(group)
     me, n, nbytes = group_rank(group), group_size(group), _nbytes(tensor)
     if me == src:
         _record("broadcast", group, nbytes, sent=float((n - 1) * nbytes))

@@ -5,16 +5,20 @@ socket on one side, a copy out on the other, on the same cores that train. Measu
 (2 ranks, 16 MB each way): 8.8 ms fastest, 12.8 ms median over gloo point to point, against 2.8 / 3.1 ms for a
 barrier, one memcpy out of a shared segment and a second barrier.
 
-A *segment* is a file in ``/dev/shm`` that one rank (its owner) creates and writes, and every other rank of the
-group maps (``torch.from_file(..., shared=True)``) and only reads. Once all have mapped it the owner unlinks the
-file: the mappings live on and nothing is left behind when the processes end. Segments are used only when
+A *segment* is a file in ``/dev/shm`` that one rank (its writer) creates and writes, and the ranks that read it
+map (``torch.from_file(..., shared=True)``). Once all have mapped it the file is unlinked: the mappings live on
+and nothing is left behind when the processes end (a rank killed in the few milliseconds between the creation and
+the unlinking leaves its file behind). Two users: OSS's parameter messages (`ddpkit.optim.param_messages`: one
+writer, every other rank reads) and ShardedDataParallel's gradient reduce (`ddpkit.distributed.mailboxes`: every
+sender writes, the owner reads). Segments are used only when
 
 * every rank of the group runs on one host: same boot, hostname, network and mount namespace (so ranks in
   different network namespaces, the way the multi-host tests simulate hosts, count as different hosts);
 * the group's backend is gloo (CPU tensors) and ``/dev/shm`` exists with room for the segments;
 * the environment variable ``DDPKIT_SHARED_MEMORY`` is not ``0`` (``1``, the default, allows them).
 
-CommStats counts a copy out of a segment as kind ``shared_memory``: its payload bytes, and 0 bytes on the wire.
+CommStats counts a copy into or out of a segment for another rank as kind ``shared_memory``: its payload bytes,
+and on the wire only the 1-byte signals that go with it (barriers count 0, like every barrier).
 """
 
 from __future__ import annotations
@@ -77,7 +81,6 @@ class SharedSegments:
 
     def __init__(self, group: ProcessGroup | None, token: str) -> None:
         self.group, self.token = group, token
-        self._created: list[str] = []
 
     @classmethod
     def agree(cls, group: ProcessGroup | None, nbytes: int) -> SharedSegments | None:
@@ -96,20 +99,16 @@ class SharedSegments:
         return os.path.join(SHM_DIR, f"ddpkit-{self.token}-{name}")
 
     def create(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new segment of `numel` elements owned by this rank (unlinked by `unlink_created`)."""
-        path = self._path(name)
-        self._created.append(path)
-        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
-
-    def attach(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Maps another rank's segment (after a barrier that follows its `create`)."""
+        """A new segment of `numel` elements, written by this rank; `remove` it once every reader mapped it."""
         return torch.from_file(self._path(name), shared=True, size=numel, dtype=dtype)
 
-    def unlink_created(self) -> None:
-        """Removes this rank's segment files (after a barrier that follows every `attach`): mappings stay valid."""
-        for path in self._created:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self._created = []
+    def attach(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Maps another rank's segment (created before this rank learnt of it: after a barrier or a message)."""
+        return torch.from_file(self._path(name), shared=True, size=numel, dtype=dtype)
+
+    def remove(self, name: str) -> None:
+        """Unlinks a segment's file: processes that mapped it keep it, none can map it any more."""
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ddpkit.distributed import comm
 from ddpkit.distributed.buckets import flatten, views
-from ddpkit.distributed.env import ProcessGroup
+
+Reduce = Callable[[torch.Tensor, int, str], object]
+"""Starts the async SUM-reduce of a message to an owner: (message, owner, the bucket's key) -> handle to wait for."""
 
 
 @dataclass
@@ -27,6 +30,7 @@ class GradBucket:
     used_here: list[bool] = field(default_factory=list)
     in_place: bool = False
     divide_on_owner: bool = False
+    key: str = ""  # names this bucket's message, the same every step (shared-memory mailboxes are kept by it)
 
     @property
     def numel(self) -> int:
@@ -40,7 +44,7 @@ class GradBucket:
         self.in_place = False
         self.divide_on_owner = False
 
-    def launch(self, world_size: int, group: ProcessGroup | None, reduce_fp16: bool, count_users: bool) -> None:
+    def launch(self, world_size: int, reduce: Reduce, reduce_fp16: bool, count_users: bool) -> None:
         """Starts the async reduce of this bucket's (pre-divided) gradients to the owner."""
         self.used_here = [p.grad is not None for p in self.params]
         direct = (
@@ -67,7 +71,7 @@ class GradBucket:
             if reduce_fp16 and message.dtype == torch.float32:
                 message = message.half()
         self.message = message
-        self.work = comm.reduce(message, self.owner, group, async_op=True)
+        self.work = reduce(message, self.owner, self.key)
 
     def finish(self, is_owner: bool, world_size: int, count_users: bool) -> list[torch.nn.Parameter]:
         """Waits for the reduce; the owner takes the averaged gradients, others drop theirs.
@@ -129,6 +133,7 @@ def build_buckets(
             buckets.append(current)
             current_key = None if alone else key
         current.params.append(p)
-    for bucket in buckets:
+    for index, bucket in enumerate(buckets):
+        bucket.key = str(index)
         bucket.reset()
     return buckets

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.distributed import comm
+from ddpkit.distributed import comm, shared_memory
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
+from ddpkit.distributed.mailboxes import MailboxReduce
 from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.nn.wrapper import ModuleWrapper
 from ddpkit.optim.oss import OSS
@@ -34,10 +35,15 @@ class ShardedDataParallel(ModuleWrapper):
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
     traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). With `broadcast_buffers`, module buffers are
     broadcast from rank 0 before each forward (not inside `no_sync()`). On gloo, reduce + broadcast is faster than
-    reduce_scatter + all_gather; on NCCL both map to the same ring kernels.
+    reduce_scatter + all_gather; on NCCL both map to the same ring kernels. When every rank runs on one host (gloo,
+    CPU), the reduce goes through shared memory instead (`ddpkit.distributed.mailboxes`: each sender copies its
+    bucket into a mailbox the owner adds from, bit for bit the same sum) and so does OSS's broadcast: only 1-byte
+    signals and barriers touch the network stack. ``DDPKIT_SHARED_MEMORY=0`` keeps the sockets.
 
     Memory: after backward a rank keeps gradients only for the parameters it owns (about 1/N of them), plus the
-    bucket messages in flight during backward (at most the model's gradient size, usually far less).
+    bucket messages in flight during backward (at most the model's gradient size, usually far less). On one host,
+    each rank keeps a mailbox per bucket it does not own (together about (N-1)/N of the gradients' size, in
+    ``/dev/shm``) and owners need no receive buffers.
 
     `find_unused_parameters=True` (beyond fairscale) adds one element per parameter to each message so owners
     know which parameters were unused on every rank and leave their gradients untouched, exactly like DDP's
@@ -77,6 +83,7 @@ class ShardedDataParallel(ModuleWrapper):
                 f"got {reduce_buffer_size!r}"
             )
         _check_one_device_type(module)
+        shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size
@@ -98,6 +105,9 @@ class ShardedDataParallel(ModuleWrapper):
         if sync_models_at_startup:
             self._broadcast_from_rank0([p.detach() for p in module.parameters()])
             self._broadcast_from_rank0(list(module.buffers()))
+        cpu_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type == "cpu")
+        self._mailboxes = MailboxReduce.agree(self.process_group, cpu_bytes)
+        self._bucket_generation = 0
         self.refresh_trainable()
 
     # -- set-up ---------------------------------------------------------------------------------------------------
@@ -118,6 +128,7 @@ class ShardedDataParallel(ModuleWrapper):
         _warn_unoptimized(self.module, owner_of)
         expected_order = [p for p in reversed(module_params) if p in owner_of]  # backward visits layers in reverse
         self._buckets = build_buckets(expected_order, owner_of, self.reduce_buffer_size)
+        self._bucket_generation += 1
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
         self._hooks += [p.register_hook(self._keep_average_hook(p)) for p in self._bucket_of]
@@ -192,7 +203,12 @@ class ShardedDataParallel(ModuleWrapper):
         return hook
 
     def _launch(self, bucket: GradBucket) -> None:
-        bucket.launch(self.world_size, self.process_group, self.reduce_fp16, self.find_unused_parameters)
+        bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
+
+    def _reduce(self, message: torch.Tensor, owner: int, key: str) -> object:
+        if self._mailboxes is not None:  # one host: through shared memory
+            return self._mailboxes.reduce(message, owner, f"{self._bucket_generation}.{key}")
+        return comm.reduce(message, owner, self.process_group, async_op=True)
 
     def _finish_backward(self) -> None:
         self._callback_queued = False

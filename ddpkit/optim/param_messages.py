@@ -143,6 +143,11 @@ class ParamBroadcaster:
         segments = self._segments = self._segments_for(plan)
         self.messages = [self._build(index, owner, params, segments) for index, (owner, params) in enumerate(plan)]
         if segments is not None:
+            self._attach(segments)
+
+    def _attach(self, segments: SharedSegments) -> None:
+        """Every rank maps the segments of the messages it receives; the files go once all are mapped."""
+        try:
             comm.barrier(self.group)  # every owner has created and filled its segments
             for index, message in enumerate(self.messages):
                 if message.shared and message.owner != self.rank:
@@ -150,7 +155,10 @@ class ParamBroadcaster:
                         self._segment_name(index), message.flat.numel(), self._wire_dtype(message.flat.dtype)
                     )
             comm.barrier(self.group)  # every segment is mapped by every rank that reads it
-            segments.unlink_created()
+        finally:  # also when a peer failed: leave nothing in /dev/shm
+            for index, message in enumerate(self.messages):
+                if message.shared and message.owner == self.rank:
+                    segments.remove(self._segment_name(index))
 
     def _segments_for(self, plan: Plan) -> SharedSegments | None:
         """Shared segments for this plan's CPU messages, or None (collective: every rank decides the same)."""

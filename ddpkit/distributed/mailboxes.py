@@ -1,0 +1,134 @@
+"""Reduce to one rank through shared-memory mailboxes, for the ranks of one host (ShardedDataParallel's gradients).
+
+Over gloo, a point-to-point reduce moves each sender's tensor through the kernel's TCP loopback: a copy into the
+socket, a copy out into the root's receive buffer, then the root adds it. On one host the sender can instead copy
+the tensor into a *mailbox*, a shared-memory segment it owns (one per message key and root, reused every step),
+and tell the root with a one-byte message; the root adds straight out of the mailbox (in rank order, so the sum is
+bit for bit the one of the socket path) and answers with a one-byte acknowledgement. A sender waits for that
+acknowledgement before it writes the same mailbox again, normally long after it arrived.
+
+Per reduce and sender: one memcpy of the tensor, 1 byte each way on the wire. Memory: each sender keeps a mailbox
+per key it sends (together about the gradients it does not own); the root maps them and needs no receive buffers.
+Mailbox files are unlinked by the root as soon as it mapped them.
+
+CommStats: kind ``shared_memory``; a sender's payload is the tensor, each side's sent bytes are its signals.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.env import ProcessGroup, global_rank, group_label, group_rank, group_size
+from ddpkit.distributed.shared_memory import SharedSegments
+from ddpkit.distributed.stats import comm_stats
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Sent:
+    """A sender's pending signal: `wait()` returns once the root has been told the mailbox is full."""
+
+    def __init__(self, work: object, signal: torch.Tensor) -> None:
+        self.work, self.signal = work, signal
+
+    def wait(self) -> bool:
+        self.work.wait()  # type: ignore[attr-defined]
+        return True
+
+
+class _Collected:
+    """The root's pending receipt of every sender's signal: `wait()` adds the mailboxes and acknowledges them."""
+
+    def __init__(self, owner: MailboxReduce, tensor: torch.Tensor, key: str, tag: int, works: list, flags: list):
+        self.owner, self.tensor, self.key, self.tag = owner, tensor, key, tag
+        self.works, self.flags = works, flags
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.works:
+            self.owner.add_and_acknowledge(self.tensor, self.key, self.tag)
+            self.works = []
+        return True
+
+
+class MailboxReduce:
+    """SUM-reduces CPU tensors to a root of the same host through shared-memory mailboxes (see the module doc).
+
+    Build it with `agree` (collective); `reduce` must then be called in the same order on every rank, like any
+    collective, with a `key` naming the message (the same key for the same message every step).
+    """
+
+    def __init__(self, group: ProcessGroup | None, segments: SharedSegments) -> None:
+        self.group, self.segments = group, segments
+        self.rank, self.world_size = group_rank(group), group_size(group)
+        self._outbox: dict[tuple[str, int], tuple[torch.Tensor, _Sent | None, torch.Tensor]] = {}
+        self._inbox: dict[tuple[str, int], torch.Tensor] = {}
+        self._acks_in_flight: list[tuple[object, torch.Tensor]] = []
+
+    @classmethod
+    def agree(cls, group: ProcessGroup | None, nbytes: int) -> MailboxReduce | None:
+        """Collective: a MailboxReduce when every rank of `group` is on one host with room for `nbytes`, else None."""
+        segments = SharedSegments.agree(group, nbytes) if nbytes else None
+        return cls(group, segments) if segments is not None else None
+
+    def reduce(self, tensor: torch.Tensor, dst: int, key: str) -> object:
+        """Starts the reduce of `tensor` into group rank `dst`'s `tensor`; returns a handle to `wait()` for."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return comm.reduce(tensor, dst, self.group, async_op=True)
+        key = f"{key}-{tensor.numel()}-{str(tensor.dtype).removeprefix('torch.')}"
+        tag = comm.next_p2p_tag(self.group)
+        if self.rank != dst:
+            return self._post(tensor, dst, key, tag)
+        flags = [torch.zeros(1, dtype=torch.uint8) for _ in range(self.world_size - 1)]
+        works = [
+            dist.irecv(flag, global_rank(self.group, src), group=self.group, tag=tag)
+            for src, flag in zip(self._senders(), flags, strict=True)
+        ]
+        return _Collected(self, tensor, key, tag, works, flags)
+
+    def _senders(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    def _name(self, key: str, sender: int) -> str:
+        return f"mailbox-{key}-{sender}"
+
+    def _post(self, tensor: torch.Tensor, dst: int, key: str, tag: int) -> _Sent:
+        box, ack, ack_flag = self._outbox.get((key, dst), (None, None, None))
+        if box is None:
+            box = self.segments.create(self._name(key, self.rank), tensor.numel(), tensor.dtype)
+            ack_flag = torch.zeros(1, dtype=torch.uint8)
+        elif ack is not None:
+            ack.wait()  # the root has added what this mailbox held last time
+        box.copy_(tensor.view(-1))
+        peer = global_rank(self.group, dst)
+        signal = torch.ones(1, dtype=torch.uint8)
+        sent = _Sent(dist.isend(signal, peer, group=self.group, tag=tag), signal)
+        ack_work = _Sent(dist.irecv(ack_flag, peer, group=self.group, tag=tag), ack_flag)
+        self._outbox[(key, dst)] = (box, ack_work, ack_flag)
+        comm_stats.record("shared_memory", group_label(self.group), _nbytes(tensor), 1.0)
+        return sent
+
+    def add_and_acknowledge(self, tensor: torch.Tensor, key: str, tag: int) -> None:
+        """Root: adds every sender's mailbox into `tensor` in rank order, then tells each sender it may refill."""
+        flat = tensor.view(-1)
+        for sender in self._senders():
+            flat.add_(self._mailbox(key, sender, flat))
+        self._acks_in_flight = [(w, f) for w, f in self._acks_in_flight if not w.is_completed()]  # type: ignore
+        for sender in self._senders():
+            ack = torch.ones(1, dtype=torch.uint8)
+            work = dist.isend(ack, global_rank(self.group, sender), group=self.group, tag=tag)
+            self._acks_in_flight.append((work, ack))
+        comm_stats.record("shared_memory", group_label(self.group), 0, float(self.world_size - 1))
+
+    def _mailbox(self, key: str, sender: int, like: torch.Tensor) -> torch.Tensor:
+        box = self._inbox.get((key, sender))
+        if box is None:
+            name = self._name(key, sender)
+            box = self._inbox[(key, sender)] = self.segments.attach(name, like.numel(), like.dtype)
+            self.segments.remove(name)
+        return box
