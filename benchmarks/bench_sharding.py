@@ -15,6 +15,8 @@ the same synthetic data, in a fresh pair of spawned processes (so peak memory is
   `counting_allreduce_hook`; collectives that torch's ZeroRedundancyOptimizer and fairscale call from Python
   (``torch.distributed.broadcast/reduce/all_reduce/all_gather``) are counted by a shim installed in the rank
   processes, which skips calls made by ddpkit's own `comm` module so nothing is counted twice;
+* bytes handed over through shared memory per step and rank (ddpkit on one host: OSS's parameters and
+  ShardedDataParallel's gradients; CommStats kind ``shared_memory``), which do not touch the network;
 * final parameters: max absolute difference from the DDP baseline's (and between the two ranks), so the
   comparison is between runs that computed the same thing.
 
@@ -182,6 +184,11 @@ def build_oss_sdp_unbucketed(model: nn.Module) -> Setup:
     return _build_oss_sdp(model, sdp={"reduce_buffer_size": 0})
 
 
+def build_oss_sdp_sockets(model: nn.Module) -> Setup:
+    os.environ["DDPKIT_SHARED_MEMORY"] = "0"  # as between hosts: every byte over gloo (fresh processes per run)
+    return _build_oss_sdp(model)
+
+
 def build_no_comm(model: nn.Module) -> Setup:
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
     return Setup(model, optimizer, optimizer)
@@ -205,6 +212,7 @@ STRATEGIES = [
     Strategy("oss_sdp", "ddpkit OSS(Adam) + ShardedDataParallel", build_oss_sdp),
     Strategy("oss_sdp_unfused", "ddpkit OSS(Adam, fused=False) + SDP", build_oss_sdp_unfused, extra=True),
     Strategy("oss_sdp_rbs0", "ddpkit OSS(Adam) + SDP(reduce_buffer_size=0)", build_oss_sdp_unbucketed, extra=True),
+    Strategy("oss_sdp_sockets", "ddpkit OSS(Adam) + SDP, no shared memory", build_oss_sdp_sockets, extra=True),
     Strategy("no_comm", "reference: no communication, Adam(fused)", build_no_comm, extra=True, reference=True),
 ]
 BY_KEY = {s.key: s for s in STRATEGIES}
@@ -320,6 +328,7 @@ def run_rank(rank: int, world_size: int, key: str, config: dict[str, Any]) -> di
         if rank == 0 and (i + 1) % 5 == 0:
             print(f"    {key}: step {i + 1}/{len(batches)}", flush=True)
     sent = comm_stats.total().sent_bytes + python_stats.total().sent_bytes
+    shared = comm_stats.payload_bytes("shared_memory")
     calls = comm_stats.total().calls + python_stats.total().calls
     params = torch.cat([p.detach().reshape(-1) for p in setup.model.parameters()])
     result = {
@@ -328,6 +337,7 @@ def run_rank(rank: int, world_size: int, key: str, config: dict[str, Any]) -> di
         "peak_rss_mb": memory_mb("VmHWM"),
         "rss_growth_mb": memory_mb("VmHWM") - base_rss,
         "sent_bytes_per_step": sent / steps,
+        "shared_bytes_per_step": shared / steps,
         "calls_per_step": calls / steps,
         "rank_divergence": rank_divergence(params),
     }
@@ -354,6 +364,7 @@ def run_strategy(key: str, config: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "rss_growth_mb": max(r["rss_growth_mb"] for r in ranks),
         "sent_mb_per_step": max(r["sent_bytes_per_step"] for r in ranks) / 2**20,
+        "shared_mb_per_step": max(r["shared_bytes_per_step"] for r in ranks) / 2**20,
         "calls_per_step": max(r["calls_per_step"] for r in ranks),
         "rank_divergence": max(r["rank_divergence"] for r in ranks),
         "params": ranks[0]["params"],
@@ -376,7 +387,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'strategy':<{LABEL_WIDTH}}{'step ms':>8}{'x DDP':>7}{'rounds med':>11}{'x DDP':>7}"
         f"{'opt state MB':>14}{'peak RSS MB':>13}{'RSS +MB':>9}"
-        f"{'sent MB/step':>14}{'x DDP':>7}{'max |dp|':>10}  same?"
+        f"{'sent MB/step':>14}{'x DDP':>7}{'shm MB/step':>13}{'max |dp|':>10}  same?"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -385,6 +396,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['label']:<{LABEL_WIDTH}}{r['step_ms']:>8.1f}{r['step_vs_ddp']:>7.2f}"
             f"{r['step_ms_median_rounds']:>11.1f}{r['median_rounds_vs_ddp']:>7.2f}{r['state_mb']:>14.1f}"
             f"{r['peak_rss_mb']:>13.0f}{r['rss_growth_mb']:>9.0f}{r['sent_mb_per_step']:>14.1f}{ratio_bytes:>7}"
+            f"{r['shared_mb_per_step']:>13.1f}"
             f"{r['max_param_diff_vs_ddp']:>10.1e}  {_same(r['matches_ddp'])}"
         )
     return "\n".join(lines)

@@ -118,7 +118,9 @@ class MailboxReduce:
         flat = tensor.view(-1)
         for sender in self._senders():
             flat.add_(self._mailbox(key, sender, flat))
-        self._acks_in_flight = [(w, f) for w, f in self._acks_in_flight if not w.is_completed()]  # type: ignore
+        for work, _ in self._acks_in_flight:  # sent one reduce ago to receives posted before that: long done
+            work.wait()  # type: ignore[attr-defined]
+        self._acks_in_flight = []
         for sender in self._senders():
             ack = torch.ones(1, dtype=torch.uint8)
             work = dist.isend(ack, global_rank(self.group, sender), group=self.group, tag=tag)

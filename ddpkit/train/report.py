@@ -55,6 +55,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("samples/s", f"{summary['samples_per_second']:.0f}"),
         ("sent per step", f"{summary['sent_bytes_per_step'] / 1e6:.4f} MB (mean over ranks, modelled wire bytes)"),
         ("sent in total", f"{summary['sent_bytes_total'] / 1e6:.2f} MB (all ranks)"),
+        (
+            "shared memory",
+            f"{summary.get('shared_memory_bytes_per_step', 0.0) / 1e6:.4f} MB per step (mean over ranks, "
+            "same host: not on the wire)",
+        ),
         ("peak memory", f"{memory} MB per rank"),
         ("replicas equal", "yes" if summary["replicas_equal"] else "NO: parameters differ between ranks"),
     ]

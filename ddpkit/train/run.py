@@ -93,6 +93,7 @@ def summarize(
     steps = recorder.steps
     sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
     sent_total = gather_per_rank(sum(r.sent_bytes for r in steps))
+    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
     samples = gather_per_rank(sum(r.samples for r in steps))
     walls = gather_per_rank(wall)
     memory = gather_per_rank(peak_memory_mb())
@@ -111,6 +112,7 @@ def summarize(
         "samples_per_second": sum(samples) / max(max(walls), 1e-9),
         "sent_bytes_per_step": statistics.fmean(sent_per_step),
         "sent_bytes_total": sum(sent_total),
+        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
         "peak_memory_mb": memory,
         "replicas_equal": len(set(digests)) == 1,
         "parameter_digests": digests,

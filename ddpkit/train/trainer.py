@@ -40,6 +40,7 @@ class StepRecord:
     samples: int
     seconds: float
     sent_bytes: float
+    shared_bytes: float = 0.0  # handed to other ranks of this host through shared memory (not on the wire)
 
 
 @dataclass
@@ -136,7 +137,10 @@ class Trainer:
             self._optimizer_step()
         seconds = time.perf_counter() - start
         loss_mean = loss_sum / samples
-        return StepRecord(self.state.epoch, self.state.step, loss_mean, correct, samples, seconds, sent.sent_bytes())
+        shared = float(sent.payload_bytes("shared_memory"))
+        return StepRecord(
+            self.state.epoch, self.state.step, loss_mean, correct, samples, seconds, sent.sent_bytes(), shared
+        )
 
     def _maybe_no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         if sync or not hasattr(self.model, "no_sync"):
