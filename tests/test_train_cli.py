@@ -252,7 +252,8 @@ def check_run(result, out, strategy, epochs=1, world=2, steps=DIGITS_STEPS_PER_E
     assert metrics["epochs"][-1]["steps"] == s["steps"]
     with open(out / "steps.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert set(rows[0]) == {"epoch", "step", "loss", "correct", "samples", "seconds", "sent_bytes"}
+    assert set(rows[0]) == {"epoch", "step", "loss", "correct", "samples", "seconds", "sent_bytes", "shared_bytes"}
+    assert all(float(r["shared_bytes"]) >= 0 for r in rows)  # > 0 with OSS on one host (checked below)
     assert len(rows) == steps * epochs
     assert [int(r["step"]) for r in rows] == list(range(len(rows)))
     assert all(math.isfinite(float(r["loss"])) and int(r["samples"]) > 0 for r in rows)
@@ -329,6 +330,12 @@ def test_strategies_send_what_they_should(one_epoch):
         assert result.returncode == 0, str(result)
         sent[strategy] = json.loads((out / "metrics.json").read_text())["summary"]["sent_bytes_per_step"]
     assert 0 < sent["sharded"] < 0.01 * sent["ddp"]
+    shared = {}
+    for strategy in STRATEGIES:
+        summary = json.loads((one_epoch(strategy)[1] / "metrics.json").read_text())["summary"]
+        shared[strategy] = summary["shared_memory_bytes_per_step"]
+    assert shared["ddp"] == shared["slowmo"] == 0, shared
+    assert shared["sharded"] > shared["oss"] > 0, shared  # gradients and parameters / parameters only
     assert sent["oss"] == pytest.approx(sent["ddp"], rel=0.02)
     assert sent["slowmo"] < 0.5 * sent["ddp"]
 
