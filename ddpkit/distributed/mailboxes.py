@@ -29,8 +29,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class _Sent:
-    """A sender's pending signal: `wait()` returns once the root has been told the mailbox is full."""
+class _Signal:
+    """A 1-byte signal in flight (a sender's "mailbox full", or the acknowledgement it awaits); `wait()` for it."""
 
     def __init__(self, work: object, signal: torch.Tensor) -> None:
         self.work, self.signal = work, signal
@@ -66,7 +66,7 @@ class MailboxReduce:
     def __init__(self, group: ProcessGroup | None, segments: SharedSegments) -> None:
         self.group, self.segments = group, segments
         self.rank, self.world_size = group_rank(group), group_size(group)
-        self._outbox: dict[tuple[str, int], tuple[torch.Tensor, _Sent | None, torch.Tensor]] = {}
+        self._outbox: dict[tuple[str, int], tuple[torch.Tensor, _Signal | None, torch.Tensor]] = {}
         self._inbox: dict[tuple[str, int], torch.Tensor] = {}
         self._acks_in_flight: list[tuple[object, torch.Tensor]] = []
 
@@ -97,7 +97,7 @@ class MailboxReduce:
     def _name(self, key: str, sender: int) -> str:
         return f"mailbox-{key}-{sender}"
 
-    def _post(self, tensor: torch.Tensor, dst: int, key: str, tag: int) -> _Sent:
+    def _post(self, tensor: torch.Tensor, dst: int, key: str, tag: int) -> _Signal:
         box, ack, ack_flag = self._outbox.get((key, dst), (None, None, None))
         if box is None:
             box = self.segments.create(self._name(key, self.rank), tensor.numel(), tensor.dtype)
@@ -107,8 +107,8 @@ class MailboxReduce:
         box.copy_(tensor.view(-1))
         peer = global_rank(self.group, dst)
         signal = torch.ones(1, dtype=torch.uint8)
-        sent = _Sent(dist.isend(signal, peer, group=self.group, tag=tag), signal)
-        ack_work = _Sent(dist.irecv(ack_flag, peer, group=self.group, tag=tag), ack_flag)
+        sent = _Signal(dist.isend(signal, peer, group=self.group, tag=tag), signal)
+        ack_work = _Signal(dist.irecv(ack_flag, peer, group=self.group, tag=tag), ack_flag)
         self._outbox[(key, dst)] = (box, ack_work, ack_flag)
         comm_stats.record("shared_memory", group_label(self.group), _nbytes(tensor), 1.0)
         return sent
