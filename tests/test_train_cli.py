@@ -10,13 +10,16 @@ imported by the launcher and by every process), so runs are short (1 epoch of di
 from __future__ import annotations
 
 import csv
+import errno
 import gzip
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -85,10 +88,12 @@ class Proc:
                 start_new_session=True,
             )  # fmt: skip
         self.pid = self.popen.pid
-        self.seen: set[int] = set()  # every descendant ever seen, to check none outlives the run
+        self.seen: set[tuple[int, int]] = set()  # (pid, start time) of every descendant ever seen: none may outlive
 
     def watch(self):
-        self.seen |= descendants(self.pid)
+        if self.popen.returncode is None:  # once reaped, its pid may belong to another process
+            table = _proc_table()
+            self.seen |= {(pid, table[pid][3]) for pid in descendants(self.pid, table)}
         return self.seen
 
     def wait(self, timeout):
@@ -109,7 +114,7 @@ class Proc:
         )
 
     def kill(self):
-        for pid in self.watch():
+        for pid, _ in alive(self.watch()):
             _signal(pid, signal.SIGCONT)
             _signal(pid, signal.SIGKILL)
         try:
@@ -126,7 +131,8 @@ def _signal(pid, sig):
 
 
 def _proc_table():
-    """{pid: (parent pid, state, command line)} of every process."""
+    """{pid: (parent pid, state, command line, start time)} of every process. A pid alone does not name a process:
+    pids are reused (pid_max is often 32768), a pid and its start time (in clock ticks since boot) do."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -137,30 +143,31 @@ def _proc_table():
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(fields[1]), fields[0], cmdline)
+        table[int(entry)] = (int(fields[1]), fields[0], cmdline, int(fields[19]))
     return table
 
 
-def descendants(pid):
-    table = _proc_table()
+def descendants(pid, table=None):
+    table = _proc_table() if table is None else table
     found, frontier = set(), {pid}
     while frontier:
-        children = {p for p, (ppid, _, _) in table.items() if ppid in frontier} - found
+        children = {p for p, (ppid, *_) in table.items() if ppid in frontier} - found
         found |= children
         frontier = children
     return found
 
 
-def alive(pids):
-    """The pids that still run (zombies count as ended)."""
+def alive(processes):
+    """The (pid, start time) pairs whose process still runs (zombies count as ended)."""
     table = _proc_table()
-    return {p for p in pids if p in table and table[p][1] not in ("Z", "X")}
+    return {(p, t) for p, t in processes if p in table and table[p][3] == t and table[p][1] not in ("Z", "X")}
 
 
 def workers(proc):
     """The training processes `ddpkit train` spawned (not the multiprocessing resource tracker)."""
+    seen = proc.watch()
     table = _proc_table()
-    return sorted(p for p in proc.watch() if p in table and "spawn_main" in table[p][2])
+    return sorted(p for p, t in seen if p in table and table[p][3] == t and "spawn_main" in table[p][2])
 
 
 @pytest.fixture
@@ -188,6 +195,46 @@ def run(args, timeout, log_dir, name="cmd", **kwargs):
 
 def train(tmp_path, *flags, name="train", timeout=240):
     return run([*DDPKIT, "train", *flags], timeout, tmp_path, name)
+
+
+_PORTS_GIVEN: set[int] = set()
+_PORT_RANDOM = random.Random()  # seeded from the OS, whatever tests do to the global generator
+
+
+def _bindable(port):
+    """Whether `port` is free on every address, IPv4 and IPv6, as torch's TCPStore listens (on `*:port`)."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind((host, port))
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+    return False  # neither family works here
+
+
+def unused_port():
+    """A port for a job's master (--master-port), chosen below the kernel's ephemeral range.
+
+    `free_port()` hands out a port from the ephemeral range that nobody holds right now, but rank 0 binds it only
+    seconds later (after importing torch): meanwhile any socket on the machine (gloo's listeners and connections,
+    other jobs) may be given that same port, and rank 0 fails with "address already in use". Ports below the
+    ephemeral range are never handed out by the kernel, only bound explicitly; torchrun's 29400-29599 are avoided,
+    and no port is given twice in a session (the previous job's connections may linger in TIME_WAIT).
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 1024
+    candidates = [p for p in range(max(1024, low - 8192), low) if not 29400 <= p < 29600 and p not in _PORTS_GIVEN]
+    for port in _PORT_RANDOM.sample(candidates, min(len(candidates), 100)):
+        if _bindable(port):
+            _PORTS_GIVEN.add(port)
+            return port
+    return free_port()  # no room below the ephemeral range here
 
 
 def wait_for(path, procs_running, timeout=180):
@@ -355,9 +402,11 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     resumed = tmp_path / "resumed"
     shutil.copytree(first_out / "checkpoint", resumed / "checkpoint")
     flags = [*TRAIN, *variant_flags(name), "--epochs", "2"]
-    jobs = [  # side by side: the machine has spare time while each job starts
-        procs([*DDPKIT, "train", *flags, "--resume", "--out", resumed], "resumed"),
-        procs([*DDPKIT, "train", *flags, "--out", tmp_path / "straight"], "straight"),
+    # side by side: the machine has spare time while each job starts; each with its own port, as the launcher's
+    # free_port() choice could be taken by the other job's sockets before its rank 0 binds it (see unused_port)
+    jobs = [
+        procs([*DDPKIT, "train", *flags, "--master-port", unused_port(), "--resume", "--out", resumed], "resumed"),
+        procs([*DDPKIT, "train", *flags, "--master-port", unused_port(), "--out", tmp_path / "straight"], "straight"),
     ]
     again, straight = (job.wait(300) for job in jobs)
     check_run(straight, tmp_path / "straight", strategy, epochs=2, steps=per_epoch)
@@ -434,7 +483,7 @@ def test_world_size_rank_host_two_commands_on_tiny_mnist(tmp_path, procs):
     """Two separately started commands, one process each (torchbearer's CPU tutorial), a CNN on IDX files."""
     data = tmp_path / "mnist"
     write_tiny_mnist(data)
-    port = free_port()
+    port = unused_port()
     common = ["--world-size", "2", "--host", "127.0.0.1", "--master-port", port, "--data", "mnist"]
     common += ["--data-dir", data, "--model", "cnn", "--epochs", "1", "--batch-size", "8", "--timeout", "60"]
     ranks = [
@@ -453,7 +502,7 @@ def test_world_size_rank_host_two_commands_on_tiny_mnist(tmp_path, procs):
 
 def test_torchbearer_example_at_two_processes(tmp_path, procs):
     pytest.importorskip("torchbearer")
-    port = free_port()
+    port = unused_port()
     args = [sys.executable, TORCHBEARER_EXAMPLE, "--world-size", "2", "--host", "127.0.0.1", "--port", port]
     args += ["--epochs", "1", "--timeout", "60"]
     ranks = [procs([*args, "--rank", r], f"tb{r}") for r in (0, 1)]
@@ -522,17 +571,27 @@ def test_two_hosts_in_network_namespaces(tmp_path, procs, two_hosts):
 
 
 def listening(pid, port):
-    """Whether a TCP socket listens on `port` in the network namespace of process `pid`."""
+    """Whether a TCP socket listens on `port` in the network namespace `ip netns exec` moved process `pid` into.
+
+    False while `pid` has not moved yet (its tables are then ours, where anything may listen on `port`); None
+    when it cannot be told (the process has ended)."""
+    try:
+        if os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            return False
+    except OSError:
+        return None
+    read = False
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
         except OSError:
             continue
+        read = True
         for line in lines:
             fields = line.split()
             if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":
                 return True
-    return False
+    return False if read else None
 
 
 @pytest.mark.netns
@@ -554,7 +613,7 @@ def test_two_hosts_that_cannot_connect_fail_within_the_timeout(tmp_path, procs, 
     deadline = time.monotonic() + 120
     while True:
         polled = time.monotonic()
-        if hosts[0].popen.poll() is not None or listening(hosts[0].pid, 29500):
+        if hosts[0].popen.poll() is not None or listening(hosts[0].pid, 29500) is not False:  # or cannot tell
             break
         joining = polled
         hosts[0].watch(), hosts[1].watch()
@@ -575,7 +634,7 @@ def test_two_hosts_that_cannot_connect_fail_within_the_timeout(tmp_path, procs, 
 
 def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs):
     timeout = 15
-    port = free_port()
+    port = unused_port()
     common = ["--world-size", "2", "--host", "127.0.0.1", "--master-port", port, *LONG_RUN, "--timeout", timeout]
     ranks = [procs([*DDPKIT, "train", *common, "--rank", r, "--out", tmp_path / f"out{r}"], f"rank{r}") for r in (0, 1)]
     wait_for(tmp_path / "out0" / "checkpoint" / "meta.json", ranks)  # training is under way
@@ -613,7 +672,7 @@ def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path, procs):
 
 def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
     timeout = 3
-    port = free_port()  # nobody listens there
+    port = unused_port()  # nobody listens there, and outside the ephemeral range no socket is given it meanwhile
     flags = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
     flags += ["--master-port", port, "--no-progress", "--timeout", timeout]
     result = train(tmp_path, *flags, timeout=timeout + SLACK + 30)
