@@ -111,3 +111,18 @@ def test_runner_times_out_instead_of_hanging():
 
 def test_runner_without_process_group():
     assert run_distributed(_no_process_group, 2, init=False) == [False, False]
+
+
+def test_free_port_avoids_the_ephemeral_range_and_repeats():
+    """Rank 0 binds the port seconds after it is chosen: no outgoing connection may be given it meanwhile."""
+    import socket
+    from pathlib import Path
+
+    from ddpkit.distributed.launch import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    assert all(1024 <= p < low and not 29400 <= p < 29600 for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", ports[-1]))  # still free

@@ -10,16 +10,13 @@ imported by the launcher and by every process), so runs are short (1 epoch of di
 from __future__ import annotations
 
 import csv
-import errno
 import gzip
 import json
 import math
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -197,46 +194,6 @@ def train(tmp_path, *flags, name="train", timeout=240):
     return run([*DDPKIT, "train", *flags], timeout, tmp_path, name)
 
 
-_PORTS_GIVEN: set[int] = set()
-_PORT_RANDOM = random.Random()  # seeded from the OS, whatever tests do to the global generator
-
-
-def _bindable(port):
-    """Whether `port` is free on every address, IPv4 and IPv6, as torch's TCPStore listens (on `*:port`)."""
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            with socket.socket(family) as s:
-                if family == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                s.bind((host, port))
-            return True
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return False
-    return False  # neither family works here
-
-
-def unused_port():
-    """A port for a job's master (--master-port), chosen below the kernel's ephemeral range.
-
-    `free_port()` hands out a port from the ephemeral range that nobody holds right now, but rank 0 binds it only
-    seconds later (after importing torch): meanwhile any socket on the machine (gloo's listeners and connections,
-    other jobs) may be given that same port, and rank 0 fails with "address already in use". Ports below the
-    ephemeral range are never handed out by the kernel, only bound explicitly; torchrun's 29400-29599 are avoided,
-    and no port is given twice in a session (the previous job's connections may linger in TIME_WAIT).
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 1024
-    candidates = [p for p in range(max(1024, low - 8192), low) if not 29400 <= p < 29600 and p not in _PORTS_GIVEN]
-    for port in _PORT_RANDOM.sample(candidates, min(len(candidates), 100)):
-        if _bindable(port):
-            _PORTS_GIVEN.add(port)
-            return port
-    return free_port()  # no room below the ephemeral range here
-
-
 def wait_for(path, procs_running, timeout=180):
     """Waits until `path` exists while every process in `procs_running` still runs."""
     deadline = time.monotonic() + timeout
@@ -402,11 +359,9 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     resumed = tmp_path / "resumed"
     shutil.copytree(first_out / "checkpoint", resumed / "checkpoint")
     flags = [*TRAIN, *variant_flags(name), "--epochs", "2"]
-    # side by side: the machine has spare time while each job starts; each with its own port, as the launcher's
-    # free_port() choice could be taken by the other job's sockets before its rank 0 binds it (see unused_port)
-    jobs = [
-        procs([*DDPKIT, "train", *flags, "--master-port", unused_port(), "--resume", "--out", resumed], "resumed"),
-        procs([*DDPKIT, "train", *flags, "--master-port", unused_port(), "--out", tmp_path / "straight"], "straight"),
+    jobs = [  # side by side: the machine has spare time while each job starts
+        procs([*DDPKIT, "train", *flags, "--resume", "--out", resumed], "resumed"),
+        procs([*DDPKIT, "train", *flags, "--out", tmp_path / "straight"], "straight"),
     ]
     again, straight = (job.wait(300) for job in jobs)
     check_run(straight, tmp_path / "straight", strategy, epochs=2, steps=per_epoch)
@@ -483,7 +438,7 @@ def test_world_size_rank_host_two_commands_on_tiny_mnist(tmp_path, procs):
     """Two separately started commands, one process each (torchbearer's CPU tutorial), a CNN on IDX files."""
     data = tmp_path / "mnist"
     write_tiny_mnist(data)
-    port = unused_port()
+    port = free_port()
     common = ["--world-size", "2", "--host", "127.0.0.1", "--master-port", port, "--data", "mnist"]
     common += ["--data-dir", data, "--model", "cnn", "--epochs", "1", "--batch-size", "8", "--timeout", "60"]
     ranks = [
@@ -502,7 +457,7 @@ def test_world_size_rank_host_two_commands_on_tiny_mnist(tmp_path, procs):
 
 def test_torchbearer_example_at_two_processes(tmp_path, procs):
     pytest.importorskip("torchbearer")
-    port = unused_port()
+    port = free_port()
     args = [sys.executable, TORCHBEARER_EXAMPLE, "--world-size", "2", "--host", "127.0.0.1", "--port", port]
     args += ["--epochs", "1", "--timeout", "60"]
     ranks = [procs([*args, "--rank", r], f"tb{r}") for r in (0, 1)]
@@ -634,7 +589,7 @@ def test_two_hosts_that_cannot_connect_fail_within_the_timeout(tmp_path, procs, 
 
 def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs):
     timeout = 15
-    port = unused_port()
+    port = free_port()
     common = ["--world-size", "2", "--host", "127.0.0.1", "--master-port", port, *LONG_RUN, "--timeout", timeout]
     ranks = [procs([*DDPKIT, "train", *common, "--rank", r, "--out", tmp_path / f"out{r}"], f"rank{r}") for r in (0, 1)]
     wait_for(tmp_path / "out0" / "checkpoint" / "meta.json", ranks)  # training is under way
@@ -672,7 +627,7 @@ def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path, procs):
 
 def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
     timeout = 3
-    port = unused_port()  # nobody listens there, and outside the ephemeral range no socket is given it meanwhile
+    port = free_port()  # nobody listens there, and outside the ephemeral range no socket is given it meanwhile
     flags = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
     flags += ["--master-port", port, "--no-progress", "--timeout", timeout]
     result = train(tmp_path, *flags, timeout=timeout + SLACK + 30)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
+import random
 import signal
 import socket
 import sys
@@ -11,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,11 +55,47 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORT_CHOOSER = random.Random()  # seeded by the OS: whatever a training script does to the global generator
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now (for single-machine jobs)."""
+    """A TCP port for a single-machine job's rendezvous, free on every address now and likely still free later.
+
+    Rank 0 binds it seconds after it is chosen (once torch is imported). A port from the kernel's ephemeral range
+    could be handed to any outgoing connection meanwhile (gloo opens many) and rank 0 would fail with "address
+    already in use". So the port is drawn at random below that range, where the kernel never assigns ports by
+    itself, avoiding torchrun's 29400-29599 and ports this process gave out before. If none is free there, the
+    kernel picks one.
+    """
+    low = _ephemeral_range_start()
+    candidates = [p for p in range(max(1024, low - 8192), low) if not 29400 <= p < 29600 and p not in _PORTS_GIVEN]
+    for port in _PORT_CHOOSER.sample(candidates, min(len(candidates), 100)):
+        if _bindable_everywhere(port):
+            _PORTS_GIVEN.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere only a guess
+
+
+def _bindable_everywhere(port: int) -> bool:
+    """Whether `port` can be bound on the IPv4 and IPv6 wildcard addresses (torch's TCPStore listens on both)."""
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE or family == socket.AF_INET:
+                return False  # in use, or no IPv4 at all; a host without IPv6 only needs IPv4
+    return True
 
 
 JOIN_GRACE_SECONDS = 5.0
