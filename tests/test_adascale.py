@@ -2,6 +2,7 @@
 DDP, OSS and ShardedDataParallel on 2 and 4 gloo ranks."""
 
 import copy
+import functools
 import math
 import warnings
 
@@ -396,9 +397,21 @@ def _max_diff(values, reference):
     return max(abs(float(a) - float(b)) for a, b in zip(values, reference, strict=True))
 
 
+def _quietly(fn):
+    """`fn` with warnings ignored while it runs only (worker processes are reused by later tests)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn(*args, **kwargs)
+
+    return run
+
+
+@_quietly  # ShardedDataParallel warns about the branch's missing gradients
 def _parity(rank, world):
     """Every strategy (x 1 or 2 accumulated micro-batches per rank) against one process accumulating them all."""
-    warnings.simplefilter("ignore")  # ShardedDataParallel warns about the branch's missing gradients
     out = {}
     for branchy in (False, True):
         for accum in (1, 2):
@@ -432,8 +445,8 @@ def test_data_parallel_matches_single_process_accumulation(world):
 # -- inside OSS: AdaScaleWrapper as OSS's optimizer class ----------------------------------------------------------
 
 
+@_quietly
 def _wrapper_in_oss(rank, world):
-    warnings.simplefilter("ignore")
     accum = 2
     model = _toy()
     reference = copy.deepcopy(model)
