@@ -126,3 +126,50 @@ def test_free_port_avoids_the_ephemeral_range_and_repeats():
     assert all(1024 <= p < low and not 29400 <= p < 29600 for p in ports), ports
     with socket.socket() as s:
         s.bind(("0.0.0.0", ports[-1]))  # still free
+
+
+def test_litter_in_dev_shm_is_swept_only_when_its_writer_is_gone_and_it_is_old(tmp_path):
+    """A rank killed between creating a segment and its peers mapping it leaves the file; later jobs remove it,
+    never a live job's segment (writer alive, or too young to be litter)."""
+    import os
+    import subprocess
+    import uuid
+
+    from ddpkit.distributed.shared_memory import STALE_AFTER_SECONDS, sweep_stale
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    now = 1e9
+    files = {
+        "litter": f"ddpkit-{uuid.uuid4().hex}-{gone.pid}-mailbox-b0-1",
+        "writer alive": f"ddpkit-{uuid.uuid4().hex}-{os.getpid()}-0",
+        "young": f"ddpkit-{uuid.uuid4().hex}-{gone.pid}-1",
+        "not ours": f"other-{uuid.uuid4().hex}-{gone.pid}-1",
+    }
+    for what, name in files.items():
+        (tmp_path / name).write_bytes(b"x")
+        age = 1 if what == "young" else STALE_AFTER_SECONDS + 1
+        os.utime(tmp_path / name, (now - age, now - age))
+    assert sweep_stale(str(tmp_path), now=now) == [files["litter"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for w, n in files.items() if w != "litter")
+
+
+def _missing_segment(rank, world):
+    from ddpkit.distributed.shared_memory import SharedSegments
+
+    segments = SharedSegments.agree(None, 1024)
+    assert segments is not None
+    if rank == 0:
+        segments.create("x", 4, torch.float32)
+    dist.barrier()
+    if rank == 0:
+        segments.remove("x", 0)
+    dist.barrier()
+    if rank == 1:
+        with pytest.raises(RuntimeError, match=r"segment .* of rank 0 is missing.*DDPKIT_SHARED_MEMORY=0"):
+            segments.attach("x", 0, 4, torch.float32)
+    return True
+
+
+def test_a_missing_segment_is_an_error_not_zeros():
+    assert run_distributed(_missing_segment, 2) == [True, True]

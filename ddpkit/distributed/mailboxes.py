@@ -131,6 +131,6 @@ class MailboxReduce:
         box = self._inbox.get((key, sender))
         if box is None:
             name = self._name(key, sender)
-            box = self._inbox[(key, sender)] = self.segments.attach(name, like.numel(), like.dtype)
-            self.segments.remove(name)
+            box = self._inbox[(key, sender)] = self.segments.attach(name, sender, like.numel(), like.dtype)
+            self.segments.remove(name, sender)
         return box

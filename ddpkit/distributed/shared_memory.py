@@ -7,10 +7,11 @@ barrier, one memcpy out of a shared segment and a second barrier.
 
 A *segment* is a file in ``/dev/shm`` that one rank (its writer) creates and writes, and the ranks that read it
 map (``torch.from_file(..., shared=True)``). Once all have mapped it the file is unlinked: the mappings live on
-and nothing is left behind when the processes end (a rank killed in the few milliseconds between the creation and
-the unlinking leaves its file behind). Two users: OSS's parameter messages (`ddpkit.optim.param_messages`: one
-writer, every other rank reads) and ShardedDataParallel's gradient reduce (`ddpkit.distributed.mailboxes`: every
-sender writes, the owner reads). Segments are used only when
+and nothing is left behind when the processes end. A rank killed in the few milliseconds between the creation and
+the unlinking leaves its file behind; its name carries the writer's pid, and the next job on the host removes
+such files once their writer is gone and they are over a minute old (`sweep_stale`). Two users: OSS's parameter
+messages (`ddpkit.optim.param_messages`: one writer, every other rank reads) and ShardedDataParallel's gradient
+reduce (`ddpkit.distributed.mailboxes`: every sender writes, the owner reads). Segments are used only when
 
 * every rank of the group runs on one host: same boot, hostname, network and mount namespace (so ranks in
   different network namespaces, the way the multi-host tests simulate hosts, count as different hosts);
@@ -24,7 +25,9 @@ and on the wire only the 1-byte signals that go with it (barriers count 0, like 
 from __future__ import annotations
 
 import os
+import re
 import socket
+import time
 import uuid
 
 import torch
@@ -36,6 +39,9 @@ from ddpkit.distributed.stats import comm_stats
 
 ENV_VAR = "DDPKIT_SHARED_MEMORY"
 SHM_DIR = "/dev/shm"
+STALE_AFTER_SECONDS = 60.0
+"""A segment file is unlinked milliseconds after its creation; one this old whose writer is gone is litter."""
+_SEGMENT_FILE = re.compile(r"ddpkit-[0-9a-f]{32}-(\d+)-.+")
 
 
 def enabled_by_environment() -> bool:
@@ -76,11 +82,48 @@ def record_copy(nbytes: int, group: ProcessGroup | None) -> None:
     comm_stats.record("shared_memory", group_label(group), nbytes, 0.0)
 
 
-class SharedSegments:
-    """Names, creates, maps and unlinks the segments of one process group; build with `agree` (collective)."""
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
 
-    def __init__(self, group: ProcessGroup | None, token: str) -> None:
-        self.group, self.token = group, token
+
+def sweep_stale(directory: str = SHM_DIR, now: float | None = None) -> list[str]:
+    """Removes ddpkit segment files left by killed processes (writer gone, older than `STALE_AFTER_SECONDS`);
+    returns their names. A writer in another pid namespace looks gone, so the age alone protects its segments."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SEGMENT_FILE.fullmatch(name)
+        if match is None:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if now - os.stat(path).st_mtime > STALE_AFTER_SECONDS and _process_gone(int(match.group(1))):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:  # removed meanwhile (by a neighbour's sweep) or not ours to remove
+            continue
+    return removed
+
+
+class SharedSegments:
+    """Names, creates, maps and unlinks the segments of one process group; build with `agree` (collective).
+
+    A segment is named by the group's token, its writer's pid (so that litter can be told from live segments)
+    and a name the caller chooses, unique among the writer's segments."""
+
+    def __init__(self, group: ProcessGroup | None, token: str, pids: list[int]) -> None:
+        self.group, self.token, self.pids = group, token, pids
+        self.rank = dist.get_rank(group)
 
     @classmethod
     def agree(cls, group: ProcessGroup | None, nbytes: int) -> SharedSegments | None:
@@ -88,27 +131,37 @@ class SharedSegments:
         ``/dev/shm`` and sees room there for `nbytes` (plus 64 MiB to spare); None otherwise, on every rank."""
         if group_size(group) < 2 or "gloo" not in str(dist.get_backend(group)).lower():
             return None
-        usable = enabled_by_environment() and free_bytes() >= nbytes + 2**26
-        everyone = gather_objects((host_identity(), usable, uuid.uuid4().hex), dst=-1, group=group)
+        usable = enabled_by_environment()
+        if usable:
+            sweep_stale()
+            usable = free_bytes() >= nbytes + 2**26
+        everyone = gather_objects((host_identity(), usable, uuid.uuid4().hex, os.getpid()), dst=-1, group=group)
         assert everyone is not None
-        if any(identity != everyone[0][0] or not ok for identity, ok, _ in everyone):
+        if any(identity != everyone[0][0] or not ok for identity, ok, _, _ in everyone):
             return None
-        return cls(group, everyone[0][2])
+        return cls(group, everyone[0][2], [pid for _, _, _, pid in everyone])
 
-    def _path(self, name: str) -> str:
-        return os.path.join(SHM_DIR, f"ddpkit-{self.token}-{name}")
+    def _path(self, name: str, writer: int) -> str:
+        return os.path.join(SHM_DIR, f"ddpkit-{self.token}-{self.pids[writer]}-{name}")
 
     def create(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new segment of `numel` elements, written by this rank; `remove` it once every reader mapped it."""
-        return torch.from_file(self._path(name), shared=True, size=numel, dtype=dtype)
+        return torch.from_file(self._path(name, self.rank), shared=True, size=numel, dtype=dtype)
 
-    def attach(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Maps another rank's segment (created before this rank learnt of it: after a barrier or a message)."""
-        return torch.from_file(self._path(name), shared=True, size=numel, dtype=dtype)
+    def attach(self, name: str, writer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Maps the segment group rank `writer` created (before this rank learnt of it: after a barrier or a
+        message). Raises if it is not there: mapping would create an empty file and read zeros."""
+        path = self._path(name, writer)
+        if not os.path.exists(path):
+            raise RuntimeError(
+                f"shared-memory segment {path} of rank {writer} is missing: it was removed before this rank mapped "
+                f"it (by a cleaner of {SHM_DIR}?). Set {ENV_VAR}=0 to exchange tensors over sockets instead."
+            )
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, writer: int) -> None:
         """Unlinks a segment's file: processes that mapped it keep it, none can map it any more."""
         try:
-            os.unlink(self._path(name))
+            os.unlink(self._path(name, writer))
         except FileNotFoundError:
             pass

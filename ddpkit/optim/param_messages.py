@@ -152,13 +152,16 @@ class ParamBroadcaster:
             for index, message in enumerate(self.messages):
                 if message.shared and message.owner != self.rank:
                     message.wire = segments.attach(
-                        self._segment_name(index), message.flat.numel(), self._wire_dtype(message.flat.dtype)
+                        self._segment_name(index),
+                        message.owner,
+                        message.flat.numel(),
+                        self._wire_dtype(message.flat.dtype),
                     )
             comm.barrier(self.group)  # every segment is mapped by every rank that reads it
         finally:  # also when a peer failed: leave nothing in /dev/shm
             for index, message in enumerate(self.messages):
                 if message.shared and message.owner == self.rank:
-                    segments.remove(self._segment_name(index))
+                    segments.remove(self._segment_name(index), self.rank)
 
     def _segments_for(self, plan: Plan) -> SharedSegments | None:
         """Shared segments for this plan's CPU messages, or None (collective: every rank decides the same)."""
