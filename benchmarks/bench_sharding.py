@@ -9,7 +9,10 @@ the same synthetic data, in a fresh pair of spawned processes (so peak memory is
 * optimizer state: bytes of the tensors in the optimizer state held on the rank (for sharded optimizers, their
   local optimizer's state), max over ranks;
 * peak memory: the peak resident set (VmHWM) of the rank's process, max over ranks, and its growth over the
-  resident set the rank had when it started (torch imported, process group up);
+  resident set the rank had when it started (torch imported, process group up). A page shared between the ranks
+  (ddpkit's shared-memory segments) counts in full in each rank's resident set, so the table also gives the
+  proportional set size (PSS, each shared page split between the processes that map it) after the last step,
+  summed over the ranks: the memory the job occupies;
 * bytes sent per step and rank, in the bandwidth-optimal wire model of `ddpkit.distributed.stats.wire_bytes`:
   ddpkit's collectives count themselves in `comm_stats`; DDP's C++ all-reduce is routed through
   `counting_allreduce_hook`; collectives that torch's ZeroRedundancyOptimizer and fairscale call from Python
@@ -299,6 +302,15 @@ def memory_mb(field_name: str) -> float:
     raise RuntimeError(f"{field_name} not found in /proc/self/status")
 
 
+def proportional_set_mb() -> float:
+    """This process's PSS in MiB (shared pages split between their mappers), from /proc/self/smaps_rollup."""
+    with open("/proc/self/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("Pss not found in /proc/self/smaps_rollup")
+
+
 def rank_divergence(params: torch.Tensor) -> float:
     """Max |difference| between this rank's parameters and any other rank's (a collective)."""
     high, low = params.clone(), params.clone()
@@ -336,6 +348,7 @@ def run_rank(rank: int, world_size: int, key: str, config: dict[str, Any]) -> di
         "state_bytes": state_bytes(setup.local_optimizer),
         "peak_rss_mb": memory_mb("VmHWM"),
         "rss_growth_mb": memory_mb("VmHWM") - base_rss,
+        "pss_mb": proportional_set_mb(),
         "sent_bytes_per_step": sent / steps,
         "shared_bytes_per_step": shared / steps,
         "calls_per_step": calls / steps,
@@ -363,6 +376,7 @@ def run_strategy(key: str, config: dict[str, Any]) -> dict[str, Any]:
         "state_mb_per_rank": [r["state_bytes"] / 2**20 for r in ranks],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "rss_growth_mb": max(r["rss_growth_mb"] for r in ranks),
+        "pss_sum_mb": sum(r["pss_mb"] for r in ranks),
         "sent_mb_per_step": max(r["sent_bytes_per_step"] for r in ranks) / 2**20,
         "shared_mb_per_step": max(r["shared_bytes_per_step"] for r in ranks) / 2**20,
         "calls_per_step": max(r["calls_per_step"] for r in ranks),
@@ -386,7 +400,7 @@ def add_comparisons(rows: list[dict[str, Any]], tolerance: float) -> None:
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'strategy':<{LABEL_WIDTH}}{'step ms':>8}{'x DDP':>7}{'rounds med':>11}{'x DDP':>7}"
-        f"{'opt state MB':>14}{'peak RSS MB':>13}{'RSS +MB':>9}"
+        f"{'opt state MB':>14}{'peak RSS MB':>13}{'RSS +MB':>9}{'PSS sum MB':>12}"
         f"{'sent MB/step':>14}{'x DDP':>7}{'shm MB/step':>13}{'max |dp|':>10}  same?"
     )
     lines = [header, "-" * len(header)]
@@ -395,7 +409,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['label']:<{LABEL_WIDTH}}{r['step_ms']:>8.1f}{r['step_vs_ddp']:>7.2f}"
             f"{r['step_ms_median_rounds']:>11.1f}{r['median_rounds_vs_ddp']:>7.2f}{r['state_mb']:>14.1f}"
-            f"{r['peak_rss_mb']:>13.0f}{r['rss_growth_mb']:>9.0f}{r['sent_mb_per_step']:>14.1f}{ratio_bytes:>7}"
+            f"{r['peak_rss_mb']:>13.0f}{r['rss_growth_mb']:>9.0f}{r.get('pss_sum_mb', float('nan')):>12.0f}"
+            f"{r['sent_mb_per_step']:>14.1f}{ratio_bytes:>7}"
             f"{r['shared_mb_per_step']:>13.1f}"
             f"{r['max_param_diff_vs_ddp']:>10.1e}  {_same(r['matches_ddp'])}"
         )

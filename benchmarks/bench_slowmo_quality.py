@@ -132,7 +132,7 @@ class TeacherStream:
 
     def batch(self, size: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         generator = generator or self.generator
-        xs, ys, have = [], [], 0
+        xs, ys, have = [torch.empty(0, 64)], [torch.empty(0, dtype=torch.long)], 0
         while have < size:
             x = torch.randn(size if self.classes is None else 4 * size, 64, generator=generator)
             y = (torch.tanh(x @ self.w1) @ self.w2).argmax(dim=1)
@@ -269,8 +269,9 @@ def best_lr_verdict(results: dict[float, dict[str, list[dict[str, Any]]]]) -> li
     best: dict[str, tuple[float, list[dict[str, Any]]]] = {}
     for lr, by_config in results.items():
         for name, runs in by_config.items():
-            if name not in best or summary(runs, "train_loss")[0] < summary(best[name][1], "train_loss")[0]:
-                best[name] = (lr, runs)
+            mean = summary(runs, "train_loss")[0]
+            if not math.isnan(mean) and (name not in best or mean < summary(best[name][1], "train_loss")[0]):
+                best[name] = (lr, runs)  # a diverged run (nan) is never the best
     if "sync" not in best:
         return []
     sync_lr, sync_runs = best["sync"]

@@ -113,7 +113,7 @@ def test_runner_without_process_group():
     assert run_distributed(_no_process_group, 2, init=False) == [False, False]
 
 
-def test_free_port_avoids_the_ephemeral_range_and_repeats():
+def test_free_port_avoids_the_ephemeral_range_and_never_repeats():
     """Rank 0 binds the port seconds after it is chosen: no outgoing connection may be given it meanwhile."""
     import socket
     from pathlib import Path
@@ -123,7 +123,7 @@ def test_free_port_avoids_the_ephemeral_range_and_repeats():
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = [free_port() for _ in range(20)]
     assert len(set(ports)) == 20
-    assert all(1024 <= p < low and not 29400 <= p < 29600 for p in ports), ports
+    assert all(1024 <= p < min(low, 30000) and not 29400 <= p < 29600 for p in ports), ports
     with socket.socket() as s:
         s.bind(("0.0.0.0", ports[-1]))  # still free
 
@@ -135,16 +135,18 @@ def test_litter_in_dev_shm_is_swept_only_when_its_writer_is_gone_and_it_is_old(t
     import subprocess
     import uuid
 
-    from ddpkit.distributed.shared_memory import STALE_AFTER_SECONDS, sweep_stale
+    from ddpkit.distributed.shared_memory import STALE_AFTER_SECONDS, pid_namespace, sweep_stale
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    now = 1e9
+    now, ns = 1e9, pid_namespace()
     files = {
-        "litter": f"ddpkit-{uuid.uuid4().hex}-{gone.pid}-mailbox-b0-1",
-        "writer alive": f"ddpkit-{uuid.uuid4().hex}-{os.getpid()}-0",
-        "young": f"ddpkit-{uuid.uuid4().hex}-{gone.pid}-1",
-        "not ours": f"other-{uuid.uuid4().hex}-{gone.pid}-1",
+        "litter": f"ddpkit-{uuid.uuid4().hex}-{ns}-{gone.pid}-mailbox-b0-1",
+        "writer alive": f"ddpkit-{uuid.uuid4().hex}-{ns}-{os.getpid()}-0",
+        "young": f"ddpkit-{uuid.uuid4().hex}-{ns}-{gone.pid}-1",
+        "another pid namespace": f"ddpkit-{uuid.uuid4().hex}-{ns + 1}-{gone.pid}-1",
+        "a pid no kernel has": f"ddpkit-{uuid.uuid4().hex}-{ns}-99999999999-1",
+        "not ours": f"other-{uuid.uuid4().hex}-{ns}-{gone.pid}-1",
     }
     for what, name in files.items():
         (tmp_path / name).write_bytes(b"x")
@@ -158,7 +160,8 @@ def _missing_segment(rank, world):
     from ddpkit.distributed.shared_memory import SharedSegments
 
     segments = SharedSegments.agree(None, 1024)
-    assert segments is not None
+    if segments is None:  # no room in /dev/shm here (e.g. a container's 64 MiB)
+        return None
     if rank == 0:
         segments.create("x", 4, torch.float32)
     dist.barrier()
@@ -172,4 +175,7 @@ def _missing_segment(rank, world):
 
 
 def test_a_missing_segment_is_an_error_not_zeros():
-    assert run_distributed(_missing_segment, 2) == [True, True]
+    results = run_distributed(_missing_segment, 2)
+    if results == [None, None]:
+        pytest.skip("no room for shared-memory segments in /dev/shm here")
+    assert results == [True, True]

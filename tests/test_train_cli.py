@@ -359,9 +359,9 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     resumed = tmp_path / "resumed"
     shutil.copytree(first_out / "checkpoint", resumed / "checkpoint")
     flags = [*TRAIN, *variant_flags(name), "--epochs", "2"]
-    jobs = [  # side by side: the machine has spare time while each job starts
-        procs([*DDPKIT, "train", *flags, "--resume", "--out", resumed], "resumed"),
-        procs([*DDPKIT, "train", *flags, "--out", tmp_path / "straight"], "straight"),
+    jobs = [  # side by side: the machine has spare time while each job starts; ports from one process differ
+        procs([*DDPKIT, "train", *flags, "--master-port", free_port(), "--resume", "--out", resumed], "resumed"),
+        procs([*DDPKIT, "train", *flags, "--master-port", free_port(), "--out", tmp_path / "straight"], "straight"),
     ]
     again, straight = (job.wait(300) for job in jobs)
     check_run(straight, tmp_path / "straight", strategy, epochs=2, steps=per_epoch)

@@ -56,7 +56,7 @@ def pick_backend(requested: str) -> str:
 
 
 _PORTS_GIVEN: set[int] = set()
-_PORT_CHOOSER = random.Random()  # seeded by the OS: whatever a training script does to the global generator
+_PORT_CHOOSER = random.SystemRandom()  # the OS's randomness: forked processes and seeded scripts still differ
 
 
 def free_port() -> int:
@@ -65,11 +65,11 @@ def free_port() -> int:
     Rank 0 binds it seconds after it is chosen (once torch is imported). A port from the kernel's ephemeral range
     could be handed to any outgoing connection meanwhile (gloo opens many) and rank 0 would fail with "address
     already in use". So the port is drawn at random below that range, where the kernel never assigns ports by
-    itself, avoiding torchrun's 29400-29599 and ports this process gave out before. If none is free there, the
-    kernel picks one.
+    itself, and below 30000 (Kubernetes' NodePorts, 30000-32767, are redirected without being bound), avoiding
+    torchrun's 29400-29599 and ports this process gave out before. If none is free there, the kernel picks one.
     """
-    low = _ephemeral_range_start()
-    candidates = [p for p in range(max(1024, low - 8192), low) if not 29400 <= p < 29600 and p not in _PORTS_GIVEN]
+    top = min(_ephemeral_range_start(), 30000)
+    candidates = [p for p in range(max(1024, top - 8192), top) if not 29400 <= p < 29600 and p not in _PORTS_GIVEN]
     for port in _PORT_CHOOSER.sample(candidates, min(len(candidates), 100)):
         if _bindable_everywhere(port):
             _PORTS_GIVEN.add(port)

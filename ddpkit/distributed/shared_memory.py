@@ -8,13 +8,14 @@ barrier, one memcpy out of a shared segment and a second barrier.
 A *segment* is a file in ``/dev/shm`` that one rank (its writer) creates and writes, and the ranks that read it
 map (``torch.from_file(..., shared=True)``). Once all have mapped it the file is unlinked: the mappings live on
 and nothing is left behind when the processes end. A rank killed in the few milliseconds between the creation and
-the unlinking leaves its file behind; its name carries the writer's pid, and the next job on the host removes
-such files once their writer is gone and they are over a minute old (`sweep_stale`). Two users: OSS's parameter
+the unlinking leaves its file behind; its name carries the writer's pid namespace and pid, and a later job on the
+host that uses shared memory removes such files once their writer is gone and they are over a minute old
+(`sweep_stale`). Two users: OSS's parameter
 messages (`ddpkit.optim.param_messages`: one writer, every other rank reads) and ShardedDataParallel's gradient
 reduce (`ddpkit.distributed.mailboxes`: every sender writes, the owner reads). Segments are used only when
 
-* every rank of the group runs on one host: same boot, hostname, network and mount namespace (so ranks in
-  different network namespaces, the way the multi-host tests simulate hosts, count as different hosts);
+* every rank of the group runs on one host: same boot, hostname, and network, mount and pid namespace (so ranks
+  in different network namespaces, the way the multi-host tests simulate hosts, count as different hosts);
 * the group's backend is gloo (CPU tensors) and ``/dev/shm`` exists with room for the segments;
 * the environment variable ``DDPKIT_SHARED_MEMORY`` is not ``0`` (``1``, the default, allows them).
 
@@ -41,7 +42,7 @@ ENV_VAR = "DDPKIT_SHARED_MEMORY"
 SHM_DIR = "/dev/shm"
 STALE_AFTER_SECONDS = 60.0
 """A segment file is unlinked milliseconds after its creation; one this old whose writer is gone is litter."""
-_SEGMENT_FILE = re.compile(r"ddpkit-[0-9a-f]{32}-(\d+)-.+")
+_SEGMENT_FILE = re.compile(r"ddpkit-[0-9a-f]{32}-(\d+)-(\d+)-.+")  # token, pid namespace, pid, name
 
 
 def enabled_by_environment() -> bool:
@@ -60,7 +61,7 @@ def host_identity() -> str:
             parts.append(f.read().strip())
     except OSError:
         parts.append("no-boot-id")
-    for namespace in ("net", "mnt"):
+    for namespace in ("net", "mnt", "pid"):
         try:
             parts.append(os.readlink(f"/proc/self/ns/{namespace}"))
         except OSError:
@@ -82,6 +83,14 @@ def record_copy(nbytes: int, group: ProcessGroup | None) -> None:
     comm_stats.record("shared_memory", group_label(group), nbytes, 0.0)
 
 
+def pid_namespace() -> int:
+    """The inode number of this process's pid namespace (pids mean something only within one), 0 if unknown."""
+    try:
+        return int(re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or 0)
+    except OSError:
+        return 0
+
+
 def _process_gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -93,24 +102,25 @@ def _process_gone(pid: int) -> bool:
 
 
 def sweep_stale(directory: str = SHM_DIR, now: float | None = None) -> list[str]:
-    """Removes ddpkit segment files left by killed processes (writer gone, older than `STALE_AFTER_SECONDS`);
-    returns their names. A writer in another pid namespace looks gone, so the age alone protects its segments."""
+    """Removes ddpkit segment files left by killed processes and returns their names. A file goes when its writer
+    was in this pid namespace and is gone, and the file is older than `STALE_AFTER_SECONDS`. Never raises: it runs
+    just before a collective, and a file it cannot judge is left alone."""
     now = time.time() if now is None else now
-    removed = []
+    ours, removed = pid_namespace(), []
     try:
-        names = os.listdir(directory)
+        names = os.listdir(directory) if ours else []
     except OSError:
         return removed
     for name in names:
         match = _SEGMENT_FILE.fullmatch(name)
-        if match is None:
+        if match is None or int(match.group(1)) != ours:
             continue
         path = os.path.join(directory, name)
         try:
-            if now - os.stat(path).st_mtime > STALE_AFTER_SECONDS and _process_gone(int(match.group(1))):
+            if now - os.stat(path).st_mtime > STALE_AFTER_SECONDS and _process_gone(int(match.group(2))):
                 os.unlink(path)
                 removed.append(name)
-        except OSError:  # removed meanwhile (by a neighbour's sweep) or not ours to remove
+        except (OSError, OverflowError, ValueError):  # removed meanwhile, not ours to remove, or a pid no kernel has
             continue
     return removed
 
@@ -118,12 +128,14 @@ def sweep_stale(directory: str = SHM_DIR, now: float | None = None) -> list[str]
 class SharedSegments:
     """Names, creates, maps and unlinks the segments of one process group; build with `agree` (collective).
 
-    A segment is named by the group's token, its writer's pid (so that litter can be told from live segments)
-    and a name the caller chooses, unique among the writer's segments."""
+    A segment is named by the group's token, the pid namespace and its writer's pid (so that litter can be told
+    from live segments: `sweep_stale`) and a name the caller chooses, unique among the writer's segments.
+    `pids`: the pid of every rank, by group rank (all ranks share one pid namespace: `host_identity`)."""
 
     def __init__(self, group: ProcessGroup | None, token: str, pids: list[int]) -> None:
         self.group, self.token, self.pids = group, token, pids
         self.rank = dist.get_rank(group)
+        self.pid_namespace = pid_namespace()
 
     @classmethod
     def agree(cls, group: ProcessGroup | None, nbytes: int) -> SharedSegments | None:
@@ -142,7 +154,7 @@ class SharedSegments:
         return cls(group, everyone[0][2], [pid for _, _, _, pid in everyone])
 
     def _path(self, name: str, writer: int) -> str:
-        return os.path.join(SHM_DIR, f"ddpkit-{self.token}-{self.pids[writer]}-{name}")
+        return os.path.join(SHM_DIR, f"ddpkit-{self.token}-{self.pid_namespace}-{self.pids[writer]}-{name}")
 
     def create(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new segment of `numel` elements, written by this rank; `remove` it once every reader mapped it."""
