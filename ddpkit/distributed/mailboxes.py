@@ -4,8 +4,10 @@ Over gloo, a point-to-point reduce moves each sender's tensor through the kernel
 socket, a copy out into the root's receive buffer, then the root adds it. On one host the sender can instead copy
 the tensor into a *mailbox*, a shared-memory segment it owns (one per message key and root, reused every step),
 and tell the root with a one-byte message; the root adds straight out of the mailbox (in rank order, so the sum is
-bit for bit the one of the socket path) and answers with a one-byte acknowledgement. A sender waits for that
-acknowledgement before it writes the same mailbox again, normally long after it arrived.
+bit for bit the one of the socket path) and answers with a one-byte acknowledgement. Waiting for a reduce means, on
+a sender, waiting for that acknowledgement too: once every rank has waited for its reduces nothing is left in
+flight, so a process group destroyed afterwards has no pending message (and a mailbox is never refilled before
+the root has read it).
 
 Per reduce and sender: one memcpy of the tensor, 1 byte each way on the wire. Memory: each sender keeps a mailbox
 per key it sends (together about the gradients it does not own); the root maps them and needs no receive buffers.
@@ -29,15 +31,23 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class _Signal:
-    """A 1-byte signal in flight (a sender's "mailbox full", or the acknowledgement it awaits); `wait()` for it."""
+class _Posted:
+    """A sender's reduce in flight: its 1-byte "mailbox full" signal and the root's 1-byte acknowledgement that it
+    added the mailbox. `wait()` returns once both have arrived (the buffers stay referenced until then)."""
 
-    def __init__(self, work: object, signal: torch.Tensor) -> None:
-        self.work, self.signal = work, signal
+    def __init__(self, signal: object, signal_byte: torch.Tensor, ack: object, ack_byte: torch.Tensor) -> None:
+        self.works: list[object] = [signal, ack]
+        self.bytes = (signal_byte, ack_byte)
 
     def wait(self) -> bool:
-        self.work.wait()  # type: ignore[attr-defined]
+        for work in self.works:
+            work.wait()  # type: ignore[attr-defined]
+        self.works = []
         return True
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.works)
 
 
 class _Collected:
@@ -66,9 +76,8 @@ class MailboxReduce:
     def __init__(self, group: ProcessGroup | None, segments: SharedSegments) -> None:
         self.group, self.segments = group, segments
         self.rank, self.world_size = group_rank(group), group_size(group)
-        self._outbox: dict[tuple[str, int], tuple[torch.Tensor, _Signal | None, torch.Tensor]] = {}
+        self._outbox: dict[tuple[str, int], tuple[torch.Tensor, _Posted | None]] = {}
         self._inbox: dict[tuple[str, int], torch.Tensor] = {}
-        self._acks_in_flight: list[tuple[object, torch.Tensor]] = []
 
     @classmethod
     def agree(cls, group: ProcessGroup | None, nbytes: int) -> MailboxReduce | None:
@@ -97,35 +106,40 @@ class MailboxReduce:
     def _name(self, key: str, sender: int) -> str:
         return f"mailbox-{key}-{sender}"
 
-    def _post(self, tensor: torch.Tensor, dst: int, key: str, tag: int) -> _Signal:
-        box, ack, ack_flag = self._outbox.get((key, dst), (None, None, None))
+    def _post(self, tensor: torch.Tensor, dst: int, key: str, tag: int) -> _Posted:
+        box, previous = self._outbox.get((key, dst), (None, None))
         if box is None:
             box = self.segments.create(self._name(key, self.rank), tensor.numel(), tensor.dtype)
-            ack_flag = torch.zeros(1, dtype=torch.uint8)
-        elif ack is not None:
-            ack.wait()  # the root has added what this mailbox held last time
+        elif previous is not None:
+            previous.wait()  # the root has added what this mailbox held last time (normally waited for long ago)
         box.copy_(tensor.view(-1))
         peer = global_rank(self.group, dst)
-        signal = torch.ones(1, dtype=torch.uint8)
-        sent = _Signal(dist.isend(signal, peer, group=self.group, tag=tag), signal)
-        ack_work = _Signal(dist.irecv(ack_flag, peer, group=self.group, tag=tag), ack_flag)
-        self._outbox[(key, dst)] = (box, ack_work, ack_flag)
+        signal, ack = torch.ones(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+        posted = _Posted(
+            dist.isend(signal, peer, group=self.group, tag=tag),
+            signal,
+            dist.irecv(ack, peer, group=self.group, tag=tag),
+            ack,
+        )
+        self._outbox[(key, dst)] = (box, posted)
         comm_stats.record("shared_memory", group_label(self.group), _nbytes(tensor), 1.0)
-        return sent
+        return posted
 
     def add_and_acknowledge(self, tensor: torch.Tensor, key: str, tag: int) -> None:
         """Root: adds every sender's mailbox into `tensor` in rank order, then tells each sender it may refill."""
         flat = tensor.view(-1)
         for sender in self._senders():
             flat.add_(self._mailbox(key, sender, flat))
-        for work, _ in self._acks_in_flight:  # sent one reduce ago to receives posted before that: long done
-            work.wait()  # type: ignore[attr-defined]
-        self._acks_in_flight = []
-        for sender in self._senders():
-            ack = torch.ones(1, dtype=torch.uint8)
-            work = dist.isend(ack, global_rank(self.group, sender), group=self.group, tag=tag)
-            self._acks_in_flight.append((work, ack))
+        ack = torch.ones(1, dtype=torch.uint8)
+        works = [dist.isend(ack, global_rank(self.group, s), group=self.group, tag=tag) for s in self._senders()]
+        for work in works:  # each sender posted its receive with its signal: gloo never keeps an unwaited send
+            work.wait()
         comm_stats.record("shared_memory", group_label(self.group), 0, float(self.world_size - 1))
+
+    def pending(self) -> int:
+        """How many of this rank's reduces still have a signal or acknowledgement in flight (0 once every
+        handle `reduce` returned has been waited for)."""
+        return sum(1 for _, posted in self._outbox.values() if posted is not None and posted.pending)
 
     def _mailbox(self, key: str, sender: int, like: torch.Tensor) -> torch.Tensor:
         box = self._inbox.get((key, sender))
