@@ -10,9 +10,9 @@ map (``torch.from_file(..., shared=True)``). Once all have mapped it the file is
 and nothing is left behind when the processes end. A rank killed in the few milliseconds between the creation and
 the unlinking leaves its file behind; its name carries the writer's pid namespace and pid, and a later job on the
 host that uses shared memory removes such files once their writer is gone and they are over a minute old
-(`sweep_stale`). Two users: OSS's parameter
-messages (`ddpkit.optim.param_messages`: one writer, every other rank reads) and ShardedDataParallel's gradient
-reduce (`ddpkit.distributed.mailboxes`: every sender writes, the owner reads). Segments are used only when
+(`sweep_stale`). Two users: OSS's parameter messages (`ddpkit.optim.param_messages`: one writer, every other rank
+reads) and ShardedDataParallel's gradient reduce (`ddpkit.distributed.mailboxes`: every sender writes, the owner
+reads). Segments are used only when
 
 * every rank of the group runs on one host: same boot, hostname, and network, mount and pid namespace (so ranks
   in different network namespaces, the way the multi-host tests simulate hosts, count as different hosts);
