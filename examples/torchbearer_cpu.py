@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchbearer import Trial
 
+from ddpkit.distributed.launch import leave
 from ddpkit.integrations.torchbearer import distributed_callbacks, rank_zero_verbosity
 from ddpkit.train.data import digits
 from ddpkit.train.models import mlp
@@ -56,6 +57,13 @@ def main() -> None:
         world_size=args.world_size,
         timeout=timedelta(seconds=args.timeout),
     )
+    try:
+        train_and_report(args)
+    finally:
+        leave()  # once the model, trial and loaders are gone: nothing may outlive the process group
+
+
+def train_and_report(args: argparse.Namespace) -> None:
     data = digits()
     sampler = DistributedSampler(data.train, shuffle=True, seed=0)
     train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler)
@@ -79,7 +87,6 @@ def main() -> None:
         print(f"test accuracy: {float(next(v for k, v in accuracy.items() if 'acc' in k)):.3f}")
         print(f"parameter checksums per rank: {digests}")
         print(f"replicas equal: {len(set(digests)) == 1}")
-    dist.destroy_process_group()
 
 
 def torchbearer_test_key() -> object:

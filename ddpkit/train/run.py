@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import statistics
@@ -132,7 +133,11 @@ def process_main(local_rank: int, cfg: TrainConfig, master_port: int) -> None:
 
 
 def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
-    """Joins, trains and leaves; any failure ends this process with a message naming the rank."""
+    """Joins, trains and leaves; any failure ends this process with a message naming the rank.
+
+    A crash inside torch's C++ (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to stderr, so the
+    report says where the process was."""
+    faulthandler.enable()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.nproc_per_node, 1)))
     backend = pick_backend(cfg.backend)
     try:
