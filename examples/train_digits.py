@@ -26,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
-from ddpkit.distributed.launch import free_port
+from ddpkit.distributed.launch import free_port, leave
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS
 from ddpkit.train.bench import optimizer_state_bytes
@@ -59,6 +59,13 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc, timeout=timedelta(seconds=60)
     )
+    try:
+        train_and_report(rank, args)
+    finally:
+        leave()  # once the model, optimizer and wrapper are gone: nothing may outlive the process group
+
+
+def train_and_report(rank: int, args: argparse.Namespace) -> None:
     data = digits()
     train, test = data.train, data.test
     sampler = DistributedSampler(train, shuffle=True, seed=0)
@@ -90,7 +97,6 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         print(f"sent per step        {sent.sent_bytes() / 1e3:.1f} kB (this rank, modelled wire bytes)")
         print(f"optimizer state      {', '.join(f'{int(s.item()) / 1e3:.0f} kB' for s in per_rank_state)} per rank")
         print(f"replicas equal       {len(set(digests)) == 1} (parameter digests {digests})")
-    dist.destroy_process_group()
 
 
 def main() -> None:
