@@ -27,7 +27,8 @@ from ddpkit.distributed.stats import comm_stats, wire_bytes
 Work = object  # torch's work handle (torch.distributed.Work), kept opaque
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes of `tensor`'s elements (what a collective on it carries)."""
     return tensor.numel() * tensor.element_size()
 
 
@@ -114,9 +115,9 @@ def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup |
     tag = next_p2p_tag(group)
     me, n = group_rank(group), group_size(group)
     if me != dst:
-        _record("reduce", group, _nbytes(tensor), sent=float(_nbytes(tensor)))
+        _record("reduce", group, nbytes(tensor), sent=float(nbytes(tensor)))
         return _PointToPointReduce(tensor, [dist.isend(tensor, global_rank(group, dst), group=group, tag=tag)], [])
-    _record("reduce", group, _nbytes(tensor), sent=0.0)
+    _record("reduce", group, nbytes(tensor), sent=0.0)
     received = [_scratch.take(tensor) for _ in range(n - 1)]
     sources = [r for r in range(n) if r != me]
     works = [
@@ -128,12 +129,12 @@ def _reduce_point_to_point(tensor: torch.Tensor, dst: int, group: ProcessGroup |
 def _broadcast_point_to_point(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> _PointToPointWorks:
     """`src` sends its tensor to every other rank once; the others receive it in place."""
     tag = next_p2p_tag(group)
-    me, n, nbytes = group_rank(group), group_size(group), _nbytes(tensor)
+    me, n, size = group_rank(group), group_size(group), nbytes(tensor)
     if me == src:
-        _record("broadcast", group, nbytes, sent=float((n - 1) * nbytes))
+        _record("broadcast", group, size, sent=float((n - 1) * size))
         peers = [r for r in range(n) if r != me]
         return _PointToPointWorks([dist.isend(tensor, global_rank(group, r), group=group, tag=tag) for r in peers])
-    _record("broadcast", group, nbytes, sent=0.0)
+    _record("broadcast", group, size, sent=0.0)
     return _PointToPointWorks([dist.irecv(tensor, global_rank(group, src), group=group, tag=tag)])
 
 
@@ -154,7 +155,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
             return pending
         pending.wait()
         return None
-    _record("broadcast", group, _nbytes(tensor))
+    _record("broadcast", group, nbytes(tensor))
     return dist.broadcast(tensor, global_rank(group, src), group=group, async_op=async_op)
 
 
@@ -175,7 +176,7 @@ def reduce(
             return pending
         pending.wait()
         return None
-    _record("reduce", group, _nbytes(tensor))
+    _record("reduce", group, nbytes(tensor))
     return dist.reduce(tensor, global_rank(group, dst), op=op, group=group, async_op=async_op)
 
 
@@ -186,7 +187,7 @@ def all_reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduces `tensor` over `group` into every rank's copy."""
-    _record("all_reduce", group, _nbytes(tensor))
+    _record("all_reduce", group, nbytes(tensor))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -194,7 +195,7 @@ def all_gather(
     outputs: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Gathers every rank's `tensor` into `outputs` on every rank."""
-    _record("all_gather", group, _nbytes(tensor))
+    _record("all_gather", group, nbytes(tensor))
     return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
 
 
@@ -206,7 +207,7 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> Work | None:
     """Reduces `inputs[i]` over the group into rank i's `output`."""
-    _record("reduce_scatter", group, sum(_nbytes(t) for t in inputs))
+    _record("reduce_scatter", group, sum(nbytes(t) for t in inputs))
     return dist.reduce_scatter(output, inputs, op=op, group=group, async_op=async_op)
 
 
@@ -218,7 +219,7 @@ def gather(
     is_root: bool = False,
 ) -> None:
     """Gathers every rank's `tensor` into `outputs` on group rank `dst` (None elsewhere)."""
-    _record("gather", group, _nbytes(tensor), is_root=is_root)
+    _record("gather", group, nbytes(tensor), is_root=is_root)
     dist.gather(tensor, outputs, dst=global_rank(group, dst), group=group)
 
 

@@ -27,10 +27,6 @@ from ddpkit.distributed.shared_memory import SharedSegments
 from ddpkit.distributed.stats import comm_stats
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class _Posted:
     """A sender's reduce in flight: its 1-byte "mailbox full" signal and the root's 1-byte acknowledgement that it
     added the mailbox. `wait()` returns once both have arrived (the buffers stay referenced until then)."""
@@ -122,7 +118,7 @@ class MailboxReduce:
             ack,
         )
         self._outbox[(key, dst)] = (box, posted)
-        comm_stats.record("shared_memory", group_label(self.group), _nbytes(tensor), 1.0)
+        comm_stats.record("shared_memory", group_label(self.group), comm.nbytes(tensor), 1.0)
         return posted
 
     def add_and_acknowledge(self, tensor: torch.Tensor, key: str, tag: int) -> None:

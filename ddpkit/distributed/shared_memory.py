@@ -30,6 +30,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,11 @@ def free_bytes() -> int:
     except OSError:
         return 0
     return stats.f_bavail * stats.f_frsize
+
+
+def cpu_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the CPU tensors among `tensors`: what segments for them would hold (the room `agree` asks for)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
 
 
 def record_copy(nbytes: int, group: ProcessGroup | None) -> None:

@@ -105,8 +105,7 @@ class ShardedDataParallel(ModuleWrapper):
         if sync_models_at_startup:
             self._broadcast_from_rank0([p.detach() for p in module.parameters()])
             self._broadcast_from_rank0(list(module.buffers()))
-        cpu_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type == "cpu")
-        self._mailboxes = MailboxReduce.agree(self.process_group, cpu_bytes)
+        self._mailboxes = MailboxReduce.agree(self.process_group, shared_memory.cpu_bytes(module.parameters()))
         self._bucket_generation = 0
         self.refresh_trainable()
 

@@ -132,7 +132,7 @@ class ParamBroadcaster:
             if message.owner != self.rank:
                 message.unpack()
                 if message.shared:
-                    shared_memory.record_copy(message.wire.numel() * message.wire.element_size(), self.group)
+                    shared_memory.record_copy(comm.nbytes(message.wire), self.group)
         if any_shared:
             comm.barrier(self.group)  # every rank has copied: owners may write their parameters again
 
@@ -165,7 +165,7 @@ class ParamBroadcaster:
 
     def _segments_for(self, plan: Plan) -> SharedSegments | None:
         """Shared segments for this plan's CPU messages, or None (collective: every rank decides the same)."""
-        nbytes = sum(p.numel() * p.element_size() for _, params in plan for p in params if p.device.type == "cpu")
+        nbytes = shared_memory.cpu_bytes(p for _, params in plan for p in params)
         return SharedSegments.agree(self.group, nbytes) if nbytes else None
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
