@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.distributed import comm, shared_memory
+from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
 from ddpkit.distributed.mailboxes import MailboxReduce
@@ -84,6 +85,7 @@ class ShardedDataParallel(ModuleWrapper):
             )
         _check_one_device_type(module)
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
+        check_parameters_agree(module, self.process_group, what="ShardedDataParallel")  # before shared memory is agreed
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size

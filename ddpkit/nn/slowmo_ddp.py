@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.distributed import comm
+from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced, flatten, unflatten_into
 from ddpkit.distributed.env import ProcessGroup, require_initialized
 from ddpkit.distributed.groups import check_nprocs_per_node, make_node_groups
@@ -133,6 +134,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.comm_device = comm_device
         self.verbose = verbose
         self.num_updates = 0
+        agreed = _agreed_settings(self, slowmo_num_shards)  # one 8-byte all-gather, before any group is made
+        check_parameters_agree(module, global_group, "SlowMoDistributedDataParallel", agreed)
         self.groups = make_node_groups(
             nprocs_per_node, self.process_rank, self.process_world_size, global_group, local_node_group, master_group
         )
@@ -296,3 +299,12 @@ def _warn_sgp_only(**settings: Any) -> None:
             "implemented; they have no effect with LOCALSGD",
             stacklevel=3,
         )
+
+
+def _agreed_settings(model: SlowMoDistributedDataParallel, num_shards: int) -> dict[str, Any]:
+    """The settings every rank must share: ranks with other frequencies would pair collectives of different steps."""
+    names = ("nprocs_per_node", "process_world_size", "localsgd_frequency", "slowmo_frequency", "slowmo_momentum")
+    settings = {name: getattr(model, name) for name in names}
+    settings.update(slowmo_lr=model.slowmo_lr, slowmo_nesterov=model.rule.nesterov, slowmo_num_shards=num_shards)
+    settings.update(slowmo_memory_efficient=model.slowmo_memory_efficient, broadcast_buffers=model.broadcast_buffers)
+    return settings

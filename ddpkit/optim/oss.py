@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ddpkit.distributed import comm, shared_memory
+from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size, require_initialized
 from ddpkit.distributed.objects import broadcast_object, gather_objects
 from ddpkit.optim.param_messages import ParamBroadcaster
@@ -95,6 +96,7 @@ class OSS(Optimizer):
         self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16)
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
+        check_parameters_agree(self.param_groups, self.group, what="OSS")  # before any collective that needs it
         self._assign_new_trainable()
         self._auto_fused = _may_use_fused(optim, self.param_groups)
         # Per group: True where OSS (not the user) picked the fused kernel; checkpoints do not record that choice.
