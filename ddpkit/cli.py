@@ -23,25 +23,25 @@ EXAMPLES = """examples:
 
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to train")
-    what.add_argument("--strategy", choices=cfgmod.STRATEGIES, help="ddp | oss | sharded (default) | slowmo")
-    what.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="default adam")
-    what.add_argument("--lr", type=float, help="default 0.05 for sgd, 1e-3 for adam/adamw")
-    what.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
-    what.add_argument("--weight-decay", type=float)
+    what.add_argument("--strategy", choices=cfgmod.STRATEGIES, help="ddp | oss | sharded | slowmo")
+    what.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
+    what.add_argument("--lr", type=float, help="learning rate")
+    what.add_argument("--momentum", type=float, help="SGD momentum")
+    what.add_argument("--weight-decay", type=float, help="decoupled for adamw")
     what.add_argument("--adascale", action="store_true", help="AdaScale on top of SGD")
     what.add_argument("--amp", choices=cfgmod.AMP_MODES, help="mixed precision (fp16 uses ShardedGradScaler)")
-    what.add_argument("--grad-accum", type=int, metavar="K", help="batches per optimizer step (default 1)")
+    what.add_argument("--grad-accum", type=int, metavar="K", help="batches per optimizer step")
     what.add_argument("--epochs", type=int)
-    what.add_argument("--batch-size", type=int, help="per process (default 32)")
+    what.add_argument("--batch-size", type=int, help="per process")
     what.add_argument("--seed", type=int)
-    what.add_argument("--data", choices=cfgmod.DATASETS, help="digits (default, bundled with scikit-learn)")
+    what.add_argument("--data", choices=cfgmod.DATASETS, help="digits (bundled with scikit-learn) | mnist | synthetic")
     what.add_argument("--data-dir", help="folder with the four MNIST IDX files (gzipped or not)")
     what.add_argument("--synthetic-samples", type=int)
     what.add_argument("--synthetic-features", type=int)
     what.add_argument("--synthetic-classes", type=int)
-    what.add_argument("--model", choices=cfgmod.MODELS, help="mlp (default) | cnn")
-    what.add_argument("--hidden", type=int, help="MLP width (default 256)")
-    what.add_argument("--depth", type=int, help="MLP hidden layers (default 2)")
+    what.add_argument("--model", choices=cfgmod.MODELS, help="mlp | cnn")
+    what.add_argument("--hidden", type=int, help="MLP width")
+    what.add_argument("--depth", type=int, help="MLP hidden layers")
     slowmo = p.add_argument_group("SlowMo (--strategy slowmo)")
     slowmo.add_argument("--slowmo-momentum", type=float)
     slowmo.add_argument("--slowmo-lr", type=float)
@@ -51,13 +51,13 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
         "--slowmo-nprocs-per-node",
         dest="nprocs_per_node_slowmo",
         type=int,
-        help="processes per SlowMo node (default: --nproc-per-node across machines, 1 on one machine)",
+        help="processes per SlowMo node",
     )
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("where it runs (torchrun-style flags, or the plain --world-size/--rank/--host)")
-    where.add_argument("--nproc-per-node", type=int, help="local processes (default 2)")
+    where.add_argument("--nproc-per-node", type=int, help="local processes")
     where.add_argument("--nnodes", type=int)
     where.add_argument("--node-rank", type=int)
     where.add_argument("--master-addr")
@@ -66,7 +66,43 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     where.add_argument("--rank", type=int, help="this machine's rank (with --world-size and --host)")
     where.add_argument("--host", help="address of rank 0's machine (with --world-size and --rank)")
     where.add_argument("--backend", choices=cfgmod.BACKENDS, help="auto: nccl with CUDA, else gloo")
-    where.add_argument("--timeout", type=float, help="seconds before a stuck rendezvous/collective fails (60)")
+    where.add_argument("--timeout", type=float, help="seconds before a stuck rendezvous/collective fails")
+
+
+# defaults that are not a TrainConfig field's value (computed, or set by the command line)
+TRAIN_DEFAULTS = {
+    "lr": "0.05 for sgd, 0.001 for adam and adamw",
+    "weight_decay": "0.01 for adamw (torch's default), 0 for sgd and adam",
+    "nprocs_per_node_slowmo": "--nproc-per-node across machines, 1 on one machine",
+    "nproc_per_node": 2,
+    "master_port": "a free port on one machine, 29500 across machines",
+    "data_dir": "none",
+    "out": "none: nothing is written",
+    "progress": "the bar is shown on rank 0",
+    "config": "none",
+    "world_size": "none",
+    "rank": "none",
+    "host": "none",
+}
+BENCH_DEFAULTS = {"nproc_per_node": 2, "steps": 20, "warmup": 3, "batch_size": 32, "hidden": 1024, "depth": 4}
+BENCH_DEFAULTS |= {"optimizer": "adam", "strategies": "all", "json_path": "none", "plot": "bench.png"}
+BENCH_DEFAULTS |= {k: TRAIN_DEFAULTS[k] for k in ("master_port", "world_size", "rank", "host")}
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
+
+
+def _show_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """Appends "(default: X)" to every option's help: `defaults`, else TrainConfig's value for the option."""
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for action in parser._actions:
+        if action.dest == "help" or not action.option_strings:
+            continue
+        value = defaults[action.dest] if action.dest in defaults else fields[action.dest]
+        action.help = f"{action.help or ''} (default: {_default_text(value)})".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,20 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_placement_flags(train)
     out = train.add_argument_group("outputs")
     out.add_argument("--config", help="TOML file of settings (flags override it)")
-    out.add_argument("--out", help="folder for checkpoints, metrics.json, steps.csv and metrics.png")
+    out.add_argument(
+        "--out",
+        help="folder on this machine: rank 0 writes metrics.json, steps.csv, metrics.png there, and each rank its "
+        "checkpoint file; give it on every machine or none (paths may differ)",
+    )
     out.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    _show_defaults(train, TRAIN_DEFAULTS)
     bench = sub.add_parser("bench", help="compare every strategy on one workload", argument_default=argparse.SUPPRESS)
     _add_placement_flags(bench)
-    bench.add_argument("--steps", type=int, help="timed steps per strategy (default 20)")
-    bench.add_argument("--warmup", type=int, help="untimed steps first (default 3)")
-    bench.add_argument("--batch-size", type=int, help="per process (default 32)")
-    bench.add_argument("--hidden", type=int, help="MLP width (default 1024)")
-    bench.add_argument("--depth", type=int, help="MLP hidden layers (default 4)")
-    bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="default adam")
-    bench.add_argument("--strategies", help="comma-separated subset (default: all)")
+    bench.add_argument("--steps", type=int, help="timed steps per strategy")
+    bench.add_argument("--warmup", type=int, help="untimed steps first")
+    bench.add_argument("--batch-size", type=int, help="per process")
+    bench.add_argument("--hidden", type=int, help="MLP width")
+    bench.add_argument("--depth", type=int, help="MLP hidden layers")
+    bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
+    bench.add_argument("--strategies", help="comma-separated subset")
     bench.add_argument("--json", dest="json_path", help="write the results as JSON here")
-    bench.add_argument("--plot", help="bar chart PNG path (default bench.png)")
+    bench.add_argument("--plot", help="bar chart PNG path")
+    _show_defaults(bench, BENCH_DEFAULTS)
     return parser
 
 
@@ -126,6 +168,18 @@ def make_config(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def check_bench(given: dict[str, Any]) -> None:
+    """`ddpkit bench`'s numbers, checked before any process starts (argparse has checked their types)."""
+    for name, low in (("steps", 1), ("warmup", 0), ("batch_size", 1), ("hidden", 1), ("depth", 1)):
+        if name in given:
+            cfgmod.check_int(name, given[name], low)
+    for name, low in (("nproc_per_node", 1), ("nnodes", 1), ("node_rank", 0)):
+        if name in given:
+            cfgmod.check_int(name, given[name], low)
+    if "timeout" in given:
+        cfgmod.check_number("timeout", given["timeout"], 0.0, open_low=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from ddpkit.distributed.launch import report_and_exit
@@ -138,8 +192,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             from ddpkit.train.bench import run_bench
 
+            check_bench(vars(args))
             run_bench(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         report_and_exit(exc)
     except KeyboardInterrupt:
         print("ddpkit: interrupted; stopped every local process", file=sys.stderr)

@@ -107,7 +107,7 @@ def parameter_settings(
     """What must agree about `params`: their number, and per position its name (when a module gives names),
     shape, dtype and whether it is trained; for param groups also each group's size and hyper-parameters."""
     if isinstance(params, nn.Module):
-        named: list[tuple[str | None, torch.Tensor]] = list(params.named_parameters())
+        named: list[tuple[str | None, torch.Tensor]] = [(n, p) for n, p in params.named_parameters()]
         groups: list[dict[str, Any]] = []
     else:
         listed = list(params)
@@ -135,7 +135,5 @@ def check_parameters_agree(
     """Raises `RanksDisagree` on every rank unless all ranks of `group` hold parameters of the same number, shapes,
     dtypes and order (and names, for a module; sizes and hyper-parameters, for param groups), and equal `extra`
     settings: one all-gather of 8 bytes per rank (a collective). `what` names the caller in the error."""
-    entries = parameter_settings(params)
-    if extra:
-        entries = [*extra.items(), *entries]
+    entries: list[tuple[str, Any]] = [*(extra or {}).items(), *parameter_settings(params)]
     check_same_across_ranks(entries, group, what)

@@ -65,6 +65,7 @@ class MetricsRecorder(Callback):
         entry: dict[str, Any] = {
             "epoch": trainer.state.epoch - 1,
             "steps": trainer.state.step,
+            "samples": samples,
             "train_loss": sum(r.loss * r.samples for r in records) / samples,
             "train_accuracy": sum(r.correct for r in records) / samples,
             "test_loss": test_loss,
@@ -76,6 +77,38 @@ class MetricsRecorder(Callback):
 
     def step_rows(self) -> list[dict[str, Any]]:
         return [dataclasses.asdict(r) for r in self.steps]
+
+
+class RunEvents(Callback):
+    """What happened while training, added to each epoch's history entry (so put it after `MetricsRecorder`):
+    ``fp16_skipped_steps``, the steps the loss scaler skipped (inf/nan gradients: the scale went down and the
+    optimizer did not step), and ``adascale_gain``, AdaScale's mean gain over the epoch's steps. No communication:
+    the scaler and AdaScale already agree across ranks."""
+
+    def __init__(self, scaler: Any | None, adascale: Any | None) -> None:
+        self.scaler = scaler
+        self.adascale = adascale
+        self._scale_before = 0.0
+        self._skipped = 0
+        self._gains: list[float] = []
+
+    def after_backward(self, trainer: Trainer) -> None:
+        if self.scaler is not None:
+            self._scale_before = self.scaler.get_scale()
+
+    def after_step(self, trainer: Trainer) -> None:
+        if self.scaler is not None and self.scaler.get_scale() < self._scale_before:
+            self._skipped += 1
+        if self.adascale is not None:
+            self._gains.append(float(self.adascale.gain()))
+
+    def on_epoch_end(self, trainer: Trainer) -> None:
+        entry = trainer.state.history[-1]
+        if self.scaler is not None:
+            entry["fp16_skipped_steps"] = self._skipped
+        if self.adascale is not None:
+            entry["adascale_gain"] = sum(self._gains) / len(self._gains) if self._gains else 1.0
+        self._skipped, self._gains = 0, []
 
 
 class Checkpointer(Callback):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
+import tempfile
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,8 @@ DATASETS = ("digits", "mnist", "synthetic")
 MODELS = ("mlp", "cnn")
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
+FLAG_NAMES = {"nprocs_per_node_slowmo": "slowmo-nprocs-per-node"}  # fields whose flag is not the field's name
 
 
 @dataclass
@@ -32,7 +37,7 @@ class TrainConfig:
     optimizer: str = "adam"
     lr: float | None = None  # None: 0.05 for sgd, 1e-3 for adam/adamw
     momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float | None = None  # None: 0.01 for adamw (torch's default), 0 for sgd and adam
     adascale: bool = False
     amp: str = "off"
     grad_accum: int = 1
@@ -74,6 +79,42 @@ class TrainConfig:
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
+    @property
+    def resolved_weight_decay(self) -> float:
+        return self.weight_decay if self.weight_decay is not None else DEFAULT_WEIGHT_DECAY[self.optimizer]
+
+
+def flag(name: str) -> str:
+    """The command-line flag of TrainConfig field `name` (``batch_size`` -> ``--batch-size``)."""
+    return "--" + FLAG_NAMES.get(name, name.replace("_", "-"))
+
+
+def field_types() -> dict[str, tuple[tuple[type, ...], bool]]:
+    """Per TrainConfig field: the types its value may have and whether it may be None."""
+    out = {}
+    for name, hint in typing.get_type_hints(TrainConfig).items():
+        args = typing.get_args(hint) or (hint,)
+        out[name] = (tuple(a for a in args if a is not type(None)), type(None) in args)
+    return out
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def checked_type(name: str, value: Any, where: str) -> Any:
+    """`value` for field `name` when its type is right (an integer is taken for a float), else a TypeError naming
+    `where` (the flag or the TOML key). Nothing else is converted: "0.1" is not a number, 1 is not true."""
+    types, optional = field_types()[name]
+    if value is None and optional:
+        return value
+    expected = types[0]
+    if expected is float and type(value) is int:
+        return float(value)
+    if type(value) is expected:
+        return value
+    kind = _KINDS.get(expected, expected.__name__) + (" (or absent)" if optional else "")
+    raise TypeError(f"{where} must be {kind}; got {value!r} ({type(value).__name__})")
+
 
 def load_toml(path: str) -> dict[str, Any]:
     """Reads a TOML config (flat keys named like the flags, dashes or underscores) into TrainConfig fields."""
@@ -82,27 +123,50 @@ def load_toml(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         raw = tomllib.load(f)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
+    by_flag = {name: name for name in known} | {flag(name)[2:].replace("-", "_"): name for name in known}
     values = {}
     for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name not in known:
+        name = by_flag.get(key.replace("-", "_"))
+        if name is None:
             raise ValueError(f"--config {path}: unknown setting {key!r}")
-        values[name] = value
+        values[name] = checked_type(name, value, f"--config {path}, setting {key!r}: {flag(name)}")
     return values
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
+        raise ValueError(f"{flag(name)} must be one of {', '.join(allowed)}; got {value!r}")
 
 
-def _at_least(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or value < low:
-        raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}; got {value!r}")
+def check_int(name: str, value: Any, low: int) -> None:
+    if type(value) is not int or value < low:
+        raise ValueError(f"{flag(name)} must be an integer >= {low}; got {value!r}")
+
+
+def check_number(name: str, value: float, low: float, high: float = math.inf, *, open_low: bool = False) -> None:
+    """A finite number in [low, high) (or (low, high) with `open_low`); NaN and infinities are errors."""
+    if not math.isfinite(value) or value < low or (open_low and value == low) or value >= high:
+        bounds = f"{'>' if open_low else '>='} {low:g}" + (f" and < {high:g}" if math.isfinite(high) else "")
+        raise ValueError(f"{flag(name)} must be a finite number {bounds}; got {value!r}")
+
+
+INT_MINIMA = {"grad_accum": 1, "epochs": 1, "batch_size": 1, "nproc_per_node": 1, "nnodes": 1, "hidden": 1}
+INT_MINIMA |= {"depth": 1, "slowmo_frequency": 1, "localsgd_frequency": 1, "synthetic_samples": 1}
+INT_MINIMA |= {"synthetic_features": 1, "synthetic_classes": 2, "node_rank": 0, "seed": 0}
+# (low, high, open_low): every float setting, checked finite
+FLOAT_RANGES = {"lr": (0.0, math.inf, True), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False)}
+FLOAT_RANGES |= {"timeout": (0.0, math.inf, True), "slowmo_momentum": (0.0, 1.0, False)}
+FLOAT_RANGES |= {"slowmo_lr": (0.0, math.inf, True)}
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    for field in dataclasses.fields(cfg):
+        setattr(cfg, field.name, checked_type(field.name, getattr(cfg, field.name), flag(field.name)))
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raises a ValueError (or FileNotFoundError) that names the flag, before any process starts."""
+    """Raises a ValueError, TypeError or FileNotFoundError that names the flag, before any process starts."""
+    _check_types(cfg)
     for name, allowed in (
         ("strategy", STRATEGIES),
         ("optimizer", OPTIMIZERS),
@@ -112,21 +176,63 @@ def validate(cfg: TrainConfig) -> None:
         ("backend", BACKENDS),
     ):
         _choice(name, getattr(cfg, name), allowed)
-    for name in ("grad_accum", "epochs", "batch_size", "nproc_per_node", "nnodes", "hidden", "depth"):
-        _at_least(name, getattr(cfg, name), 1)
-    for name in ("slowmo_frequency", "localsgd_frequency", "synthetic_samples", "synthetic_features"):
-        _at_least(name, getattr(cfg, name), 1)
-    _at_least("synthetic_classes", cfg.synthetic_classes, 2)
-    _at_least("node_rank", cfg.node_rank, 0)
+    for name, low in INT_MINIMA.items():
+        check_int(name, getattr(cfg, name), low)
+    if cfg.seed >= 2**63:
+        raise ValueError(f"--seed must be below 2**63; got {cfg.seed}")
+    for name, (low, high, open_low) in FLOAT_RANGES.items():
+        if getattr(cfg, name) is not None:
+            check_number(name, getattr(cfg, name), low, high, open_low=open_low)
+    if cfg.nprocs_per_node_slowmo is not None:
+        check_int("nprocs_per_node_slowmo", cfg.nprocs_per_node_slowmo, 1)
     if cfg.node_rank >= cfg.nnodes:
         raise ValueError(f"--node-rank {cfg.node_rank} must be smaller than --nnodes {cfg.nnodes}")
     if cfg.master_port is not None and not 0 < cfg.master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535; got {cfg.master_port}")
-    if cfg.timeout <= 0:
-        raise ValueError(f"--timeout must be positive (seconds); got {cfg.timeout}")
-    if cfg.lr is not None and cfg.lr <= 0:
-        raise ValueError(f"--lr must be positive; got {cfg.lr}")
     _validate_combinations(cfg)
+    _check_backend(cfg)
+    if cfg.out:
+        check_writable_folder(cfg.out)
+
+
+def _check_backend(cfg: TrainConfig) -> None:
+    """NCCL (asked for, or picked by auto because CUDA is present) needs one visible GPU per local process."""
+    if cfg.backend == "gloo":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        if cfg.backend == "nccl":
+            raise ValueError(
+                "--backend nccl needs CUDA GPUs, and torch sees none on this machine (torch.cuda.is_available() "
+                "is False); use --backend gloo or auto"
+            )
+        return
+    gpus = torch.cuda.device_count()
+    if gpus < cfg.nproc_per_node:
+        how = "--backend nccl" if cfg.backend == "nccl" else "--backend auto (NCCL, as CUDA is present)"
+        raise ValueError(
+            f"{how} gives each local process a GPU of its own: {cfg.nproc_per_node} local processes need "
+            f"{cfg.nproc_per_node} GPUs and {gpus} are visible; use --nproc-per-node {gpus} or --backend gloo"
+        )
+
+
+def check_writable_folder(path: str) -> None:
+    """Raises a ValueError naming `path` (--out) unless it is a folder this process can create files in, or can
+    be created: a file of the same name, or a read-only or missing-permission ancestor, fail before training."""
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing):
+        if os.path.exists(existing) or os.path.islink(existing):
+            what = "is a file" if existing == os.path.abspath(path) else f"is inside {existing!r}, a file"
+            raise ValueError(f"--out {path!r} {what}, not a folder")
+        existing = os.path.dirname(existing)
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".ddpkit-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        where = "" if existing == os.path.abspath(path) else f" (its folder {existing!r} exists)"
+        raise ValueError(f"--out {path!r} cannot be written{where}: {exc.strerror or exc}") from None
 
 
 def _validate_combinations(cfg: TrainConfig) -> None:

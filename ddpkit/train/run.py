@@ -17,12 +17,21 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.distributed.launch import LaunchError, Placement, join, leave, pick_backend
 from ddpkit.nn import SlowMoDistributedDataParallel
-from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar
+from ddpkit.train.agreement import check_job_agrees
+from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.checkpoint import load_checkpoint
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.data import Data, digits, mnist, synthetic
 from ddpkit.train.models import mlp, small_cnn
-from ddpkit.train.report import format_summary, gather_digests, gather_per_rank, peak_memory_mb, write_metrics
+from ddpkit.train.report import (
+    format_summary,
+    gather_digests,
+    gather_per_rank,
+    last_epoch_train_loss,
+    peak_memory_mb,
+    run_settings,
+    write_metrics,
+)
 from ddpkit.train.strategies import build_strategy
 from ddpkit.train.trainer import Trainer
 
@@ -49,7 +58,9 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     """Trains on this rank (the process group is joined) and returns the run's summary."""
     device = torch.device("cuda", placement.local_rank) if backend == "nccl" else torch.device("cpu")
     data = load_data(cfg)
-    strategy = build_strategy(cfg, build_model(cfg, data).to(device), device)
+    module = build_model(cfg, data).to(device)
+    check_job_agrees(cfg, backend, data, module)  # every rank, before the wrappers' first collective
+    strategy = build_strategy(cfg, module, device)
     sampler = DistributedSampler(data.train, placement.world_size, placement.rank, shuffle=True, seed=cfg.seed)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
     recorder = MetricsRecorder(DataLoader(data.test, batch_size=512))
@@ -58,6 +69,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     callbacks = [
         ProgressBar(cfg.epochs * steps_per_epoch, placement.rank, placement.world_size, label, cfg.progress),
         recorder,
+        RunEvents(strategy.scaler, strategy.optimizer if cfg.adascale else None),  # after recorder: adds to epochs
     ]
     if cfg.out:
         callbacks.append(Checkpointer(cfg.out, strategy))
@@ -100,6 +112,7 @@ def summarize(
     memory = gather_per_rank(peak_memory_mb())
     digests = gather_digests(getattr(trainer.model, "module", trainer.model))
     accuracy, test_loss = trainer.evaluate(recorder.test_loader)
+    history = trainer.state.history
     return {
         "strategy": cfg.strategy,
         "world_size": placement.world_size,
@@ -108,7 +121,7 @@ def summarize(
         "steps": trainer.state.step,
         "test_accuracy": accuracy,
         "test_loss": test_loss,
-        "train_loss": steps[-1].loss if steps else float("nan"),
+        "train_loss": last_epoch_train_loss(history),
         "wall_seconds": max(walls),
         "samples_per_second": sum(samples) / max(max(walls), 1e-9),
         "sent_bytes_per_step": statistics.fmean(sent_per_step),
@@ -117,6 +130,9 @@ def summarize(
         "peak_memory_mb": memory,
         "replicas_equal": len(set(digests)) == 1,
         "parameter_digests": digests,
+        "settings": run_settings(cfg, placement.world_size, backend),
+        "fp16_skipped_steps": sum(h.get("fp16_skipped_steps", 0) for h in history) if cfg.amp == "fp16" else None,
+        "adascale_gain_per_epoch": [h.get("adascale_gain", math.nan) for h in history] if cfg.adascale else None,
     }
 
 

@@ -34,7 +34,9 @@ class Strategy:
 
 
 def optimizer_arguments(cfg: TrainConfig) -> dict[str, float]:
-    args = {"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay}
+    """The torch optimizer's arguments: lr and weight decay resolved (AdamW: torch's 0.01 unless --weight-decay
+    says otherwise), and SGD's momentum."""
+    args = {"lr": cfg.learning_rate, "weight_decay": cfg.resolved_weight_decay}
     if cfg.optimizer == "sgd":
         args["momentum"] = cfg.momentum
     return args
