@@ -170,10 +170,8 @@ def make_config(args: argparse.Namespace) -> TrainConfig:
 
 def check_bench(given: dict[str, Any]) -> None:
     """`ddpkit bench`'s numbers, checked before any process starts (argparse has checked their types)."""
-    for name, low in (("steps", 1), ("warmup", 0), ("batch_size", 1), ("hidden", 1), ("depth", 1)):
-        if name in given:
-            cfgmod.check_int(name, given[name], low)
-    for name, low in (("nproc_per_node", 1), ("nnodes", 1), ("node_rank", 0)):
+    minima = {"steps": 1, "warmup": 0, "batch_size": 1, "hidden": 1, "depth": 1, "nproc_per_node": 1, "nnodes": 1}
+    for name, low in minima.items():
         if name in given:
             cfgmod.check_int(name, given[name], low)
     if "timeout" in given:
