@@ -66,6 +66,7 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str) -> dict[str, A
         "adascale": cfg.adascale,
         "slowmo": None,
         "model": cfg.model,
+        "model_size": f"{cfg.depth} hidden layers of {cfg.hidden}" if cfg.model == "mlp" else "default",
         "data": cfg.data,
         "epochs": cfg.epochs,
         "seed": cfg.seed,
@@ -118,7 +119,8 @@ def _settings_rows(settings: dict[str, Any], summary: dict[str, Any]) -> list[tu
     rows += [
         (
             "model and data",
-            f"{settings['model']} on {settings['data']}, {settings['epochs']} epoch(s), seed {settings['seed']}",
+            f"{settings['model']} ({settings.get('model_size', 'default')}) on {settings['data']}, "
+            f"{settings['epochs']} epoch(s), seed {settings['seed']}",
         ),
         ("hosts", f"{len(hosts)}: {', '.join(hosts)}"),
         ("versions", f"torch {settings['torch_version']}, ddpkit {settings['ddpkit_version']}"),
