@@ -79,7 +79,10 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
     module = _Named(swap=other)
     optimizer = OSS(module.parameters(), optim=torch.optim.SGD, lr=0.1)
     before = _my_segments()
-    seen["sdp_names"] = _error(ShardedDataParallel, module, optimizer)
+    with comm_stats.measure() as sdp:
+        seen["sdp_names"] = _error(ShardedDataParallel, module, optimizer)
+    # the digests, then the settings as objects (sizes, bytes): no parameter broadcast, no shared-memory agreement
+    seen["sdp_calls"] = repr((sdp.calls(), sdp.calls("all_gather"), sdp.calls("shared_memory")))
     seen["sdp_no_segment_left"] = repr(_my_segments() <= before)
     module = _mlp(16 if other else 8)  # OSS with its own (disagreeing) parameters is skipped: the wrapper checks
     seen["sdp_width"] = _error(ShardedDataParallel, module, OSS(_mlp(8).parameters(), lr=0.1))
@@ -139,6 +142,7 @@ def test_disagreement_is_not_reported_as_a_shared_memory_error(two_ranks):
         for key in ("sdp_names", "sdp_width"):
             assert seen[key] and "shared-memory" not in seen[key] and "segment" not in seen[key]
         assert seen["sdp_no_segment_left"] == "True"
+        assert seen["sdp_calls"] == repr((3, 3, 0))
 
 
 def _four_ranks(rank: int, world_size: int) -> tuple[str, str]:
