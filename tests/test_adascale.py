@@ -380,7 +380,9 @@ def _build(strategy, rank, world, accum, model):
     opt = AdaScale(oss, num_gradients_to_accumulate=accum)
     if strategy == "oss_ddp":
         return DDP(model, find_unused_parameters=isinstance(model, _Branchy)), opt
-    return ShardedDataParallel(model, oss, find_unused_parameters=isinstance(model, _Branchy)), opt  # "oss_sdp"
+    # "oss_sdp": ShardedDataParallel accepts the AdaScale wrapping the OSS wherever it accepts that OSS
+    given = opt if accum > 1 else oss
+    return ShardedDataParallel(model, given, find_unused_parameters=isinstance(model, _Branchy)), opt
 
 
 def _train_parallel(rank, world, strategy, accum, branchy, steps=STEPS):
@@ -538,10 +540,11 @@ def _oss_checkpoint_and_errors(rank, world):
     for name, make in {
         "world_size": lambda: AdaScale(_sgd(_toy().parameters()), world_size=3),
         "oss_world": lambda: AdaScale(OSS(_toy().parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2),
+        "sdp_plain": lambda: ShardedDataParallel(model, AdaScale(_sgd(model.parameters()))),
     }.items():
         try:
             make()
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             errors[name] = str(exc)
     return resumed_equal, opt.scale_invariant_steps == opt2.scale_invariant_steps, errors
 
@@ -551,6 +554,8 @@ def test_oss_checkpoint_resumes_exactly_and_world_size_errors():
         assert resumed_equal and same_progress
         assert "world_size=3 but the process group has 2 ranks" in errors["world_size"]
         assert "the wrapped OSS shards over 2 ranks" in errors["oss_world"]
+        assert "sharded_optimizer must be a ddpkit.optim.OSS (or an AdaScale wrapping one)" in errors["sdp_plain"]
+        assert "got AdaScale wrapping SGD" in errors["sdp_plain"]
 
 
 def test_add_param_group_and_step_hooks():

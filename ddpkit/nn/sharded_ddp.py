@@ -17,6 +17,7 @@ from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require
 from ddpkit.distributed.mailboxes import MailboxReduce
 from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.nn.wrapper import ModuleWrapper
+from ddpkit.optim.adascale import AdaScale
 from ddpkit.optim.oss import OSS
 
 
@@ -61,7 +62,7 @@ class ShardedDataParallel(ModuleWrapper):
     def __init__(
         self,
         module: nn.Module,
-        sharded_optimizer: OSS | list[OSS],
+        sharded_optimizer: OSS | AdaScale | list[OSS | AdaScale],
         process_group: ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
@@ -259,13 +260,17 @@ class ShardedDataParallel(ModuleWrapper):
 ShardedDDP = ShardedDataParallel
 
 
-def _check_optimizers(sharded_optimizer: OSS | list[OSS]) -> list[OSS]:
-    optimizers = [sharded_optimizer] if not isinstance(sharded_optimizer, list | tuple) else list(sharded_optimizer)
-    for optimizer in optimizers:
+def _check_optimizers(sharded_optimizer: OSS | AdaScale | list[OSS | AdaScale]) -> list[OSS]:
+    """The OSS optimizers (an `AdaScale` wrapping an OSS stands for that OSS)."""
+    given = [sharded_optimizer] if not isinstance(sharded_optimizer, list | tuple) else list(sharded_optimizer)
+    optimizers = [o.optimizer if isinstance(o, AdaScale) else o for o in given]
+    for optimizer, original in zip(optimizers, given, strict=True):
         if not isinstance(optimizer, OSS):
+            what = type(optimizer).__name__
+            what = f"AdaScale wrapping {what}" if original is not optimizer else what
             raise TypeError(
-                "ShardedDataParallel: sharded_optimizer must be a ddpkit.optim.OSS or a list of them, got "
-                f"{type(optimizer).__name__}; wrap your optimizer: "
+                "ShardedDataParallel: sharded_optimizer must be a ddpkit.optim.OSS (or an AdaScale wrapping one) or "
+                f"a list of them, got {what}; wrap your optimizer: "
                 "OSS(model.parameters(), optim=torch.optim.Adam, lr=...)"
             )
     if not optimizers:
