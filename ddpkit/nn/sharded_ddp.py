@@ -252,9 +252,32 @@ class ShardedDataParallel(ModuleWrapper):
         finally:
             self._grad_sync_enabled = previous
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the module's gradients (to None by default, like torch)."""
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Clears the module's gradients: zeroes them in place by default (fairscale's default), or sets them to
+        None. Either way the next backward gives each owner exactly DDP's averaged gradient."""
         self.module.zero_grad(set_to_none=set_to_none)
+
+    def to(  # type: ignore[override]
+        self,
+        device: torch.device | str | torch.dtype | None,
+        dtype: torch.dtype | None = None,
+        non_blocking: bool = False,
+    ) -> ShardedDataParallel:
+        """Casts the module's floating-point parameters and buffers to `dtype` and/or moves them to `device` of
+        the same device type (another type would strand OSS's state: a ValueError), then rebuilds the gradient
+        buckets. A dtype given first (``sdp.to(torch.float64)``) is taken as `dtype`."""
+        if isinstance(device, torch.dtype):
+            device, dtype = None, device if dtype is None else dtype
+        target = torch.device(device) if device is not None else None
+        current = {p.device.type for p in self.module.parameters()}
+        if target is not None and current and current != {target.type}:
+            raise ValueError(
+                f"ShardedDataParallel.to: the parameters are on {', '.join(sorted(current))} and the optimizer state "
+                f"follows them; moving to {target.type} is not supported (build the model on that device first)"
+            )
+        self.module.to(device=target, dtype=dtype, non_blocking=non_blocking)
+        self.refresh_trainable()
+        return self
 
 
 ShardedDDP = ShardedDataParallel
