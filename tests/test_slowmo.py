@@ -462,6 +462,16 @@ def _same_state(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
+def _local_step(model, opt, sched, rank, step):
+    x, y = _batch(rank, step)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    model.perform_slowmo(opt)
+    sched.step()
+    return _flat(model.parameters())
+
+
 def _resume(rank, world, cfg, total, stop):
     """`total` steps straight, against `stop` steps, a checkpoint, fresh objects and the remaining steps."""
     model = _wrap(_mlp(), cfg)
@@ -476,13 +486,7 @@ def _resume(rank, world, cfg, total, stop):
                 "scheduler": _saved(sched.state_dict()),
                 "slowmo": _saved(model.slowmo_state_dict()),
             }
-        x, y = _batch(rank, step)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        model.zero_grad(set_to_none=True)
-        model.perform_slowmo(opt)
-        sched.step()
-        straight.append(_flat(model.parameters()))
+        straight.append(_local_step(model, opt, sched, rank, step))
     diffs, slow_state, untouched = [], None, None
     for via in ("slowmo_state_dict", "state_dict"):  # the complete buffers, or each rank's own state_dict()
         model2 = _wrap(_mlp(seed=7), cfg)  # other initial values: everything must come from the checkpoint
@@ -496,15 +500,7 @@ def _resume(rank, world, cfg, total, stop):
             untouched = copy.deepcopy(slow_state)
             model2.load_slowmo_state_dict(slow_state)
         assert model2.num_updates == stop
-        resumed = []
-        for step in range(stop, total):
-            x, y = _batch(rank, step)
-            F.mse_loss(model2(x), y).backward()
-            opt2.step()
-            model2.zero_grad(set_to_none=True)
-            model2.perform_slowmo(opt2)
-            sched2.step()
-            resumed.append(_flat(model2.parameters()))
+        resumed = [_local_step(model2, opt2, sched2, rank, step) for step in range(stop, total)]
         diffs.append((torch.stack(straight[stop:]) - torch.stack(resumed)).abs().max().item())
     return max(diffs), _same_state(slow_state, untouched), sorted(untouched)
 
