@@ -513,6 +513,33 @@ def test_adascale_wrapper_inside_oss():
     assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))  # replicas equal
 
 
+@_quietly
+def _wrapper_in_oss_owning_nothing(rank, world):
+    """4 ranks, 2 parameters: ranks 2 and 3 own nothing, hook nothing and join the estimate's all-reduce at step()."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    oss = OSS(model.parameters(), optim=AdaScaleWrapper, lr=LR, num_gradients_to_accumulate=2)
+    sdp = ShardedDataParallel(model, oss)
+    gains = []
+    for step in range(3):
+        oss.zero_grad()
+        for k in range(2):
+            x, y = _batch(step, 2 * rank + k)
+            with sdp.no_sync() if k == 0 else contextlib.nullcontext():
+                (nn.functional.mse_loss(sdp(x[:, :6]), y) / 2).backward()
+        oss.step()
+        gains.append(oss.optim.gain())
+    return [p.detach().clone() for p in model.parameters()], gains, oss.optim._meter.watching
+
+
+def test_adascale_wrapper_inside_oss_on_ranks_owning_nothing():
+    results = run_distributed(_wrapper_in_oss_owning_nothing, 4)
+    assert [watching for _, _, watching in results] == [True, True, False, False]
+    for params, gains, _ in results:
+        assert gains == results[0][1] and all(1 < g <= 8 for g in gains)
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][0], strict=True))
+
+
 # -- checkpoints and errors across ranks ---------------------------------------------------------------------------
 
 
