@@ -748,3 +748,29 @@ def test_gains_by_hand_data_parallel(world):
     for rank_results in results:
         for case, result in zip(cases, rank_results, strict=True):
             _check_hand_case(world, case, result)
+
+
+def test_a_constant_loss_scale_leaves_the_gains_unchanged():
+    """The norms are taken before unscale_: the scale s multiplies both estimates by s^2, not the gain."""
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=10**6)):
+        model = _toy()
+        opt = AdaScale(_sgd(_groups(model)), num_gradients_to_accumulate=3)
+        gains = []
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(3):
+                x, y = _batch(step, micro)
+                loss = nn.functional.mse_loss(model(x), y) / 3
+                (scaler.scale(loss) if scaler else loss).backward()
+            gains.append((opt.gain(0), opt.gain(1), opt.gain()))
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        runs.append((gains, opt.estimates(), [p.detach().clone() for p in model.parameters()]))
+    (gains, estimates, params), (scaled_gains, scaled_estimates, scaled_params) = runs
+    assert scaled_gains == pytest.approx(gains, rel=1e-6) and any(abs(g[2] - 1) > 1e-3 for g in gains)
+    assert scaled_estimates == pytest.approx([2.0**16 * e for e in estimates], rel=1e-6)
+    assert max((a - b).abs().max().item() for a, b in zip(params, scaled_params, strict=True)) < 1e-6

@@ -64,9 +64,10 @@ class AdaScale(Optimizer):
     micro-gradient norms; norms are dot products over the gradients as they are (a transient float32 copy only for
     half-precision or non-contiguous gradients). No gradient or parameter is kept or copied.
 
-    Not accounted for: a loss scale (mixed-precision ``GradScaler``: the micro-gradients carry it, the unscaled
-    ``.grad`` does not) and gradient clipping before `step()` (it changes the averaged gradient, not the measured
-    micro-gradients); both bias the estimates. An update whose norms are not finite leaves the estimates unchanged.
+    Mixed precision and clipping: both norms are taken before ``GradScaler.unscale_`` and before any clipping, so a
+    loss scale s multiplies sigma2 and mu2 alike by s^2 (`estimates()` carry it; the gain does not depend on it
+    while it stays constant) and clipping does not change them. An update whose norms are not finite (an
+    overflow) leaves the estimates unchanged.
 
     Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale only sees the parameters that
     rank owns, so each parameter's spread is measured from its owner's micro-gradients only: the gain is still an
