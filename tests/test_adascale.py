@@ -774,3 +774,31 @@ def test_a_constant_loss_scale_leaves_the_gains_unchanged():
     assert scaled_gains == pytest.approx(gains, rel=1e-6) and any(abs(g[2] - 1) > 1e-3 for g in gains)
     assert scaled_estimates == pytest.approx([2.0**16 * e for e in estimates], rel=1e-6)
     assert max((a - b).abs().max().item() for a, b in zip(params, scaled_params, strict=True)) < 1e-6
+
+
+def test_loads_a_fairscale_checkpoint_with_its_estimates():
+    """fairscale keeps the estimates as NumPy arrays in the wrapped optimizer's state["adascale"] (sigma2 as
+    grad_var_avg, mu2 as grad_sqr_avg, the debiasing weight as *_unbias); written here by hand."""
+    import numpy as np
+
+    layer = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(layer.weight)
+    saved = torch.optim.SGD(layer.parameters(), lr=0.1).state_dict()
+    saved["state"]["adascale"] = {
+        "grad_var_avg": np.array([4.0]), "grad_sqr_avg": np.array([3.0]),
+        "grad_var_avg_biased": np.array([3.0]), "grad_var_avg_unbias": np.array([0.75]),
+        "grad_sqr_avg_biased": np.array([2.25]), "grad_sqr_avg_unbias": np.array([0.75]),
+    }  # fmt: skip
+    opt = AdaScale(torch.optim.SGD(layer.parameters(), lr=0.1), num_gradients_to_accumulate=2, smoothing=0.5)
+    opt.load_state_dict(saved)
+    assert "adascale" not in opt.optimizer.state and opt.gain() == pytest.approx(7 / (4 / 2 + 3), rel=1e-12)
+    for g in ([3.0, 0.0], [0.0, 3.0]):  # sigma2 9, mu2 0 for this update
+        ((layer.weight @ torch.tensor(g)).sum() / 2).backward()
+    weight = 0.5 * 0.75 + 0.5  # fairscale's debiased averages continue: biased / unbias
+    expected = ((0.5 * 3.0 + 0.5 * 9) / weight, (0.5 * 2.25 + 0.5 * 0.0) / weight)
+    assert opt.estimates() == pytest.approx(expected, rel=1e-9)
+    opt.step()
+    with pytest.raises(ValueError, match="fairscale AdaScale state has 1 parameter groups"):
+        AdaScale(_sgd(_groups(_toy())), num_gradients_to_accumulate=2).load_state_dict(
+            {"state": saved["state"], "param_groups": saved["param_groups"] * 2}
+        )

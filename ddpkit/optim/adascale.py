@@ -15,7 +15,14 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from ddpkit.distributed import comm
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank
 from ddpkit.optim.adascale_checks import check_options, check_scale, is_int, resolve_world_size
-from ddpkit.optim.adascale_math import SmoothedEstimate, combined_gain, default_smoothing, gain, observe
+from ddpkit.optim.adascale_math import (
+    SmoothedEstimate,
+    combined_gain,
+    default_smoothing,
+    estimates_from_fairscale,
+    gain,
+    observe,
+)
 from ddpkit.optim.adascale_meter import MicroGradientMeter, square_norm
 from ddpkit.optim.oss import OSS
 
@@ -445,8 +452,9 @@ class AdaScale(Optimizer):
         """Loads the wrapped optimizer's state and AdaScale's estimates and counters.
 
         The scale, smoothing and accumulation count stay as configured here (the estimates are per base batch, so
-        a checkpoint resumes at another world size). A state dict without AdaScale's entry (e.g. from a plain
-        torch optimizer) leaves the estimates as they are.
+        a checkpoint resumes at another world size). A fairscale AdaScale's state dict loads too, estimates
+        included. A state dict without AdaScale's entry (e.g. from a plain torch optimizer) leaves the estimates as
+        they are.
         """
         state_dict = data
         if not isinstance(state_dict, dict):
@@ -457,6 +465,14 @@ class AdaScale(Optimizer):
                 f"load_state_dict: the AdaScale state has {len(saved['estimates'])} parameter groups, this "
                 f"optimizer has {len(self.param_groups)}"
             )
+        inner_state = state_dict.get("state")
+        legacy = inner_state.get(_STATE_KEY) if isinstance(inner_state, dict) else None
+        if saved is None and isinstance(legacy, dict) and "grad_var_avg" in legacy:  # a fairscale AdaScale's
+            estimates = estimates_from_fairscale(legacy, len(self.param_groups), self._debias_ewma)
+            state_dict = {**state_dict, "state": {k: v for k, v in inner_state.items() if k != _STATE_KEY}}
+            self._optimizer.load_state_dict(state_dict)
+            self._estimates = estimates
+            return
         self._optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != _STATE_KEY})
         if saved is None:
             return
