@@ -735,6 +735,24 @@ def _warnings_and_api(rank, world):
         out["strict"] = ""
     except RuntimeError as exc:
         out["strict"] = str(exc)
+    # each rank keeps half of the slow buffers: its own slice or whole buffers load, another rank's slice does not
+    state = model.state_dict()
+    slow = state["_extra_state"]["slow"]
+    numel, (start, end) = slow["numel"], slow["bounds"]
+    whole = {"x0": torch.arange(numel, dtype=torch.float32), "u": -torch.arange(numel, dtype=torch.float32)}
+    model.load_state_dict(
+        {**state, "_extra_state": {"num_updates": 2, "slow": {**whole, "bounds": (0, numel), "numel": numel}}}
+    )
+    mine = model.state_dict()["_extra_state"]["slow"]
+    out["whole_sliced"] = torch.equal(mine["x0"], whole["x0"][start:end]) and torch.equal(
+        mine["u"], whole["u"][start:end]
+    )
+    other = (end, numel) if start == 0 else (0, start)
+    try:
+        model.load_state_dict({**state, "_extra_state": {"num_updates": 2, "slow": {**slow, "bounds": other}}})
+        out["other_slice"] = ""
+    except ValueError as exc:
+        out["other_slice"] = str(exc)
     off = SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_momentum=0.0, slowmo_lr=1.0)
     out["off"] = (off.slowmo, sorted(off.slowmo_state_dict()))
     return out
@@ -756,6 +774,7 @@ def test_warnings_and_api():
         assert api["fairscale_attributes"] == (rank, 2, 0, True, False, 2, True, True, True, rank)
         assert api["process_group"]
         assert out["plain_load"] == ([], [], 4) and "unexpected keys ['module.extra']" in out["strict"]
+        assert out["whole_sliced"] and "load each rank's own state_dict()" in out["other_slice"]
         assert out["off"] == (False, ["num_updates"])
 
 
