@@ -325,8 +325,11 @@ def test_clear_errors():
         opt.set_num_gradients_to_accumulate(4)
     unscaled = AdaScale(_sgd([weight]), num_gradients_to_accumulate=2, is_scaled_loss=False)
     weight.sum().backward()
-    with pytest.raises(RuntimeError, match=r"1 backward pass\(es\) of this update .* num_gradients_to_accumulate=2"):
-        unscaled.step()
+    before = (unscaled.estimates(), unscaled.gain())
+    with pytest.warns(UserWarning, match=r"1 backward pass\(es\) in this update .* estimates stay as they are"):
+        unscaled.step()  # a shorter last accumulation: the current gain, no new estimate
+    assert (unscaled.estimates(), unscaled.gain()) == before and not unscaled._meter.pending
+    weight.sum().backward()
     weight.sum().backward()
     with pytest.raises(RuntimeError, match="call scale_grad_by_num_grads_to_accum"):
         unscaled.step()

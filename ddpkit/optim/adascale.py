@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -140,6 +141,7 @@ class AdaScale(Optimizer):
         self._updates = 0
         self._backward_passes = 0  # of the current update, measured so far
         self._measured = False  # the current update's estimates were taken
+        self._warned_partial = False
         self._meter = MicroGradientMeter(self._micro_factor, self._on_backward_end)
         self._grads_divided = False
         self._init_optimizer_base()
@@ -317,7 +319,9 @@ class AdaScale(Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         """Steps the wrapped optimizer with each group's learning rate multiplied by its gain (taken at the end of
-        the update's last backward pass), restored afterwards.
+        the update's last backward pass), restored afterwards. After fewer backward passes than
+        `num_gradients_to_accumulate` (an epoch's last, shorter accumulation) the current gain is used and the
+        estimates are left as they are (a warning says so once).
 
         A `closure` is evaluated once first (with gradients enabled) and its loss returned; other arguments go to
         the wrapped optimizer's `step`.
@@ -340,11 +344,13 @@ class AdaScale(Optimizer):
     def _check_can_step(self) -> None:
         if self._meter.closed:
             raise RuntimeError("AdaScale.step: unhook() was called, so no gradient is measured any more")
-        if self._backward_passes:
-            raise RuntimeError(
-                f"AdaScale.step: {self._backward_passes} backward pass(es) of this update were measured but "
-                f"num_gradients_to_accumulate={self._num_grads_to_accum}; run them all before step() (or call "
-                "set_num_gradients_to_accumulate between updates)"
+        if self._backward_passes and not self._warned_partial:
+            self._warned_partial = True
+            warnings.warn(
+                f"AdaScale.step: {self._backward_passes} backward pass(es) in this update but "
+                f"num_gradients_to_accumulate={self._num_grads_to_accum} (e.g. an epoch's last, shorter "
+                "accumulation): stepping with the current gain, the estimates stay as they are",
+                stacklevel=3,
             )
         if self._measured and not self._is_scaled_loss and self._num_grads_to_accum > 1 and not self._grads_divided:
             raise RuntimeError(
