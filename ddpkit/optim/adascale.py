@@ -75,7 +75,10 @@ class AdaScale(Optimizer):
     Mixed precision and clipping: both norms are taken before ``GradScaler.unscale_`` and before any clipping, so a
     loss scale s multiplies sigma2 and mu2 alike by s^2 (`estimates()` carry it; the gain does not depend on it
     while it stays constant) and clipping does not change them. An update whose norms are not finite (an
-    overflow) leaves the estimates unchanged.
+    overflow) leaves the estimates unchanged. Gradients averaged only after the last backward (every pass under
+    ``no_sync()`` then ``ShardedDataParallel.reduce()``, or a hand-written all-reduce) are read before that
+    averaging, so the estimate sees this rank's sum instead (fairscale has the same limit): let the last backward
+    synchronise.
 
     Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale only sees the parameters that
     rank owns, so each parameter's spread is measured from its owner's micro-gradients only: the gain is still an
