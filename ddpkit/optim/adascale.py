@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from ddpkit.optim.adascale_math import (
     observe,
 )
 from ddpkit.optim.adascale_meter import MicroGradientMeter, square_norm
+from ddpkit.optim.adascale_wrapped import WrappedOptimizer, scaled_learning_rates
 from ddpkit.optim.oss import OSS
 
 __all__ = ["AdaScale"]
@@ -32,7 +31,7 @@ __all__ = ["AdaScale"]
 _STATE_KEY = "adascale"
 
 
-class AdaScale(Optimizer):
+class AdaScale(WrappedOptimizer):
     """Wraps an SGD-like optimizer so that a batch S times larger keeps the single-worker learning-rate schedule.
 
     Algorithm (AdaScale SGD: Johnson, Agrawal, Gu, Guestrin, ICML 2020, arXiv:2007.05105): every update averages
@@ -150,44 +149,6 @@ class AdaScale(Optimizer):
         self._init_optimizer_base()
         self._sync_groups()
         self._meter.watch(self.param_groups)
-
-    def _init_optimizer_base(self) -> None:
-        """What torch.optim.Optimizer.__init__ sets up besides groups and state (hook registries, step profiling),
-        so that torch's LR schedulers and step hooks accept this wrapper; groups and state are the wrapped one's."""
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._patch_step_function()
-
-    # -- what is shared with the wrapped optimizer ---------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The wrapped optimizer's groups (the same list): LR schedulers write the base learning rate here."""
-        return self._optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self._optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizer.defaults
-
-    @property
-    def optimizer(self) -> Optimizer:
-        """The wrapped optimizer."""
-        return self._optimizer
-
-    def __getattr__(self, name: str) -> Any:
-        # Any other attribute of the wrapped optimizer (e.g. OSS's consolidate_state_dict, clip_grad_norm).
-        wrapped = self.__dict__.get("_optimizer")
-        if wrapped is None or (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(wrapped, name)
 
     def __repr__(self) -> str:
         return (
@@ -337,7 +298,7 @@ class AdaScale(Optimizer):
         if not self._measured and self._world_size > 1 and not self._meter.watching:
             self._measure()  # nothing hooked here: the other ranks' all-reduce at their last backward needs this one
         gains = [self.gain(i) for i in range(len(self.param_groups))]
-        with _scaled_learning_rates(self.param_groups, gains):
+        with scaled_learning_rates(self.param_groups, gains):
             self._optimizer.step(*args, **kwargs)
         self._scale_invariant_steps += self.gain()
         self._updates += 1
@@ -490,16 +451,3 @@ class AdaScale(Optimizer):
             estimate.load(values)
         self._scale_invariant_steps = float(saved["scale_invariant_steps"])
         self._updates = int(saved["updates"])
-
-
-@contextlib.contextmanager
-def _scaled_learning_rates(param_groups: list[dict[str, Any]], gains: list[float]) -> Iterator[None]:
-    """Multiplies each group's ``lr`` by its gain inside the block and puts the original value back after it."""
-    original = [group["lr"] for group in param_groups]
-    for group, factor in zip(param_groups, gains, strict=True):
-        group["lr"] = group["lr"] * factor
-    try:
-        yield
-    finally:
-        for group, lr in zip(param_groups, original, strict=True):
-            group["lr"] = lr
