@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -190,11 +191,12 @@ class OSS(Optimizer):
         self._own_new_trainable()
         self._push_hyperparameters()
         self._match_fused_layouts()
-        if closure is not None:
-            with torch.enable_grad():
-                loss = self.optim.step(closure, **kwargs)
-        else:
-            loss = self.optim.step(**kwargs)
+        with _unfused_where_state_is_mixed(self.optim):
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = self.optim.step(closure, **kwargs)
+            else:
+                loss = self.optim.step(**kwargs)
         self._pull_hyperparameters()
         self._broadcast_params()
         return loss
@@ -337,6 +339,28 @@ class OSS(Optimizer):
             local_group.update(group_hyperparameters(group))
         self.optim.load_state_dict(local)
         self._consolidated = None
+
+
+@contextlib.contextmanager
+def _unfused_where_state_is_mixed(optim: Optimizer) -> Iterator[None]:
+    """Steps a fused group without its fused kernel when some of its parameters with a gradient have optimizer
+    state and others none yet (a parameter made trainable after the others stepped: gradual unfreezing).
+
+    torch's fused kernels take all or none of a state list (e.g. SGD's momentum buffers) and reject a mix; the
+    per-tensor path computes the same update and creates the missing state. The next step is fused again.
+    """
+    switched = []
+    for group in optim.param_groups:
+        if group.get("fused"):
+            with_grad = [bool(optim.state.get(p)) for p in group["params"] if p.grad is not None]
+            if any(with_grad) and not all(with_grad):
+                group["fused"] = False
+                switched.append(group)
+    try:
+        yield
+    finally:
+        for group in switched:
+            group["fused"] = True
 
 
 def _check_one_device_type(params: list[torch.Tensor]) -> None:
