@@ -71,7 +71,9 @@ FAIRSCALE_SIGNATURES = {
         "train": "mode=True",
         "eval": "",
     },
-    ShardedGradScaler: {  # __init__ differs on purpose (device first, as torch.amp.GradScaler): see the README
+    ShardedGradScaler: {  # ddpkit adds a keyword-only device after fairscale's parameters
+        "__init__": "init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True, "
+        "process_group=None",
         "scale": "outputs",
         "step": "optimizer, *args, **kwargs",
         "unscale_": "optimizer",

@@ -86,5 +86,5 @@ def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) ->
         from ddpkit.optim import AdaScale
 
         optimizer = AdaScale(optimizer, num_gradients_to_accumulate=cfg.grad_accum)
-    scaler = ShardedGradScaler(device.type) if cfg.amp == "fp16" else None
+    scaler = ShardedGradScaler(device=device.type) if cfg.amp == "fp16" else None
     return Strategy(cfg.strategy, model, module, optimizer, scaler, AMP_DTYPES[cfg.amp])
