@@ -2,7 +2,8 @@
 ``--plot-only``; a run writes the result file, prints the table and draws the plot from the file.
 
 A benchmark module defines ``QUESTION`` (one line: what it answers), ``QUICK`` (option values for the smoke size),
-``add_arguments(parser)``, ``run(args) -> figures``, ``table(report) -> str`` and ``plot(report, out_dir)``.
+``add_arguments(parser)``, ``run(args) -> figures``, ``table(report) -> str`` and ``plot(report, out_dir)``;
+optionally ``result_name(args)`` where variants of one benchmark keep separate result files.
 """
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ def main(name: str, module: ModuleType, argv: list[str]) -> int:
     parser = build_parser(name, module, quick="--quick" in argv)
     args = parser.parse_args(argv)
     figures_dir = Path(args.out) if args.out else results.FIGURES
+    result = module.result_name(args) if hasattr(module, "result_name") else name  # variants keep their own file
     if args.plot_only:
-        report = results.load(name, args.out)
+        report = results.load(result, args.out)
     else:
-        recorder = results.Recorder(name, _config(args), args.out)
+        recorder = results.Recorder(result, _config(args), args.out)
         try:
             figures = module.run(args)
         except Skip as reason:
             print(f"{name}: skipped: {reason}", flush=True)
             return 0
+        recorder.config = _config(args)  # as the run completed it (e.g. defaults that depend on other options)
         recorder.write(figures, command=results.command_line([name, *argv]))
-        report = results.load(name, args.out)
+        report = results.load(result, args.out)
     print(module.table(report), flush=True)
     module.plot(report, figures_dir)
     return 0
