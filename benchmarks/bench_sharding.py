@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from benchmarks.lib import memory, plotting, workloads
 from benchmarks.lib.cli import progress
 from benchmarks.lib.counting import install_counting_shim
+from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
 from ddpkit.distributed.stats import CommStats
 from ddpkit.testing import run_distributed
@@ -70,9 +71,14 @@ def _ddpkit(strategy: str, model: nn.Module) -> Setup:
     return Setup(built.model, built.optimizer, local)
 
 
-def _ddp_fused(model: nn.Module) -> Setup:
+def _counted_ddp(model: nn.Module) -> DDP:
     ddp = DDP(model)
-    ddp.register_comm_hook(None, counting_allreduce_hook)
+    ddp.register_comm_hook(None, counting_allreduce_hook)  # its C++ all-reduce then shows in comm_stats
+    return ddp
+
+
+def _ddp_fused(model: nn.Module) -> Setup:
+    ddp = _counted_ddp(model)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=LR, fused=True)
     return Setup(ddp, optimizer, optimizer)
 
@@ -80,8 +86,7 @@ def _ddp_fused(model: nn.Module) -> Setup:
 def _zero(model: nn.Module) -> Setup:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    ddp = DDP(model)
-    ddp.register_comm_hook(None, counting_allreduce_hook)
+    ddp = _counted_ddp(model)
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
     return Setup(ddp, optimizer, optimizer.optim)
 
@@ -294,21 +299,16 @@ def verdict(by_size: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
     """The goal at each world size: OSS + SDP at or below 0.60x DDP's step time and 0.90x fairscale's."""
     out = {}
     for size, rows in by_size.items():
-        by_key = {r["key"]: r for r in rows}
-        ours = by_key.get("oss_sdp")
-        if ours is None:
-            out[size] = "ddpkit OSS + ShardedDataParallel was not run"
-            continue
+        by_key = {r["key"]: r["step_ms_rounds"] for r in rows}
         parts = []
         for name, key, goal in (("DDP", "ddp", GOAL_VS_DDP), ("fairscale", "fairscale", GOAL_VS_FAIRSCALE)):
-            other = by_key.get(key)
-            if other is None:
-                parts.append(f"{name} not measured")
+            if "oss_sdp" not in by_key or key not in by_key:
+                parts.append(f"OSS + SDP against {name}: not measured")
                 continue
-            best = ours["step_ms_rounds"]["best"] / other["step_ms_rounds"]["best"]
-            median = ours["step_ms_rounds"]["median"] / other["step_ms_rounds"]["median"]
+            ours, other = by_key["oss_sdp"], by_key[key]
+            best, median = ours["best"] / other["best"], ours["median"] / other["median"]
             met = "met" if max(best, median) <= goal else "NOT met"
-            parts.append(f"{best:.2f}x {name} (best rounds), {median:.2f}x (median rounds): goal <= {goal} {met}")
+            parts.append(f"OSS + SDP {best:.2f}x {name} (best rounds), {median:.2f}x (median): goal <= {goal} {met}")
         out[size] = "; ".join(parts)
     return out
 
@@ -316,49 +316,42 @@ def verdict(by_size: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 # -- the tables and the plot -----------------------------------------------------------------------------------------
 
 
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+HEADER = ["strategy", "step ms (best)", "x DDP", "x DDP (median)", "opt state MB", "peak RSS MB", "PSS sum MB"]
+HEADER += ["sent MB/step", "x DDP", "shm MB/step", "max abs dp", "same as DDP"]
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    same = {None: "n/a", True: "yes", False: "NO"}[r["matches_ddp"]]
+    ratios = [num(r["step_vs_ddp"]), num(r["median_vs_ddp"])]
+    memory = [f"{r['state_mb']:.1f}", f"{r['peak_rss_mb']:.0f}", f"{r['pss_sum_mb']:.0f}"]
+    traffic = [f"{r['sent_mb_per_step']:.1f}", num(r["bytes_vs_ddp"]), f"{r['shared_mb_per_step']:.1f}"]
+    return [r["label"], f"{r['step_ms']:.1f}", *ratios, *memory, *traffic, f"{r['max_param_diff_vs_ddp']:.1e}", same]
 
 
 def table(report: dict[str, Any]) -> str:
     figures = report["figures"]
     out = [f"{figures['workload']}; Adam lr {LR}; batch {report['config']['batch']}/rank; gloo, 1 thread per rank"]
-    head = "| strategy | step ms (best) | x DDP | x DDP (median) | opt state MB | peak RSS MB | PSS sum MB "
-    head += "| sent MB/step | x DDP | shm MB/step | max abs dp | same as DDP |"
     for size, rows in figures["by_world_size"].items():
-        out += ["", f"world size {size}", head, "|" + "---|" * 12]
-        for r in rows:
-            same = {None: "n/a", True: "yes", False: "NO"}[r["matches_ddp"]]
-            out.append(
-                f"| {r['label']} | {r['step_ms']:.1f} | {_num(r['step_vs_ddp'], '.2f')} "
-                f"| {_num(r['median_vs_ddp'], '.2f')} | {r['state_mb']:.1f} | {r['peak_rss_mb']:.0f} "
-                f"| {r['pss_sum_mb']:.0f} | {r['sent_mb_per_step']:.1f} | {_num(r['bytes_vs_ddp'], '.2f')} "
-                f"| {r['shared_mb_per_step']:.1f} | {r['max_param_diff_vs_ddp']:.1e} | {same} |"
-            )
+        out += ["", f"world size {size}", markdown(HEADER, [_row(r) for r in rows])]
         out.append(f"verdict at world size {size}: {figures['verdict'][size]}")
     if len(figures["by_world_size"]) > 1:
-        out += ["", scaling_table(figures["scaling"])]
+        out += [
+            "",
+            "scaling: step time / PSS sum / bytes sent, each x DDP at the same world size",
+            scaling_table(figures),
+        ]
     out += [f"skipped {k}: {why}" for k, why in figures["skipped"].items()]
     return "\n".join(out)
 
 
-def scaling_table(points: list[dict[str, Any]]) -> str:
-    """Strategies down, world sizes across: step time, PSS and bytes each as a ratio against DDP."""
-    sizes = sorted({p["world_size"] for p in points})
-    at = {(p["key"], p["world_size"]): p for p in points}
-    head = "| strategy | " + " | ".join(f"{s} ranks: step, PSS, bytes x DDP" for s in sizes) + " |"
-    lines = ["scaling (ratios against DDP at the same world size)", head, "|" + "---|" * (len(sizes) + 1)]
-    for key in dict.fromkeys(p["key"] for p in points):
-        cells = []
-        for s in sizes:
-            p = at.get((key, s))
-            cells.append(
-                "-"
-                if p is None
-                else " / ".join(_num(p[f], ".2f") for f in ("step_vs_ddp", "pss_vs_ddp", "bytes_vs_ddp"))
-            )
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def scaling_table(figures: dict[str, Any]) -> str:
+    """Strategies down, world sizes across."""
+    sizes = figures["world_sizes"]
+    at = {(p["key"], p["world_size"]): p for p in figures["scaling"]}
+    keys = dict.fromkeys(p["key"] for p in figures["scaling"])
+    fields = ("step_vs_ddp", "pss_vs_ddp", "bytes_vs_ddp")
+    cells = [[k] + [" / ".join(num(at[k, s][f]) for f in fields) if (k, s) in at else "-" for s in sizes] for k in keys]
+    return markdown(["strategy"] + [f"{s} ranks" for s in sizes], cells)
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> None:
