@@ -48,8 +48,10 @@ QUICK = {
     "rounds": 1,
     "batch": 8,
     "strategies": "ddp,zero,fairscale,oss_ddp,oss_sdp",
+    "reuse_processes": True,
 }
 LR = 1e-3
+PYTHON_STATS = CommStats()  # collectives that torch's ZeRO and fairscale call from Python, per rank process
 GOAL_VS_DDP, GOAL_VS_FAIRSCALE = 0.60, 0.90
 
 # -- the strategies ---------------------------------------------------------------------------------------------------
@@ -176,7 +178,7 @@ def _step(setup: Setup, workload: workloads.Workload, batch: workloads.Batch, ti
 def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload, cfg: dict[str, Any]) -> dict:
     """Builds strategy `key` on this rank, trains, and returns its measurements (rank 0 adds its parameters)."""
     torch.set_num_threads(1)
-    python_stats = CommStats()
+    python_stats = PYTHON_STATS  # the shim is installed once per process and records here
     install_counting_shim(python_stats)
     base_rss = memory.rss_mb()
     batches = workload.batches(cfg["seed"], rank, cfg["warmup"] + cfg["steps"], cfg["batch"])
@@ -212,7 +214,14 @@ def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload,
 def measure(key: str, world_size: int, workload: workloads.Workload, cfg: dict[str, Any]) -> dict[str, Any]:
     """One strategy at one world size on fresh ranks: its row (max over ranks; PSS summed) and rank 0's params."""
     ranks = run_distributed(
-        run_rank, world_size, key, workload, cfg, fresh=True, timeout=cfg["timeout"], pg_timeout=300
+        run_rank,
+        world_size,
+        key,
+        workload,
+        cfg,
+        fresh=not cfg["reuse_processes"],
+        timeout=cfg["timeout"],
+        pg_timeout=300,
     )
     phases = {name: max(r["phases_ms"][name] for r in ranks) for name in ranks[0]["phases_ms"]}
     phases["optimizer_other"] = phases["optimizer"] - phases.get("local_update", 0.0)
@@ -237,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = parse_sizes(args.world_size)
     keys = parse_strategies(args.strategies)
     workload = workloads.workload("mlp", quick=args.quick)
-    cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout")}
+    cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout", "reuse_processes")}
     skipped = {k: why for k in keys if (why := peer_missing(k))}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     plan = [(size, r, key) for size in sizes for r, key in interleaved(keys, args.rounds) if key not in skipped]
@@ -341,6 +350,8 @@ def table(report: dict[str, Any]) -> str:
             scaling_table(figures),
         ]
     out += [f"skipped {k}: {why}" for k, why in figures["skipped"].items()]
+    if report["config"].get("reuse_processes"):
+        out.append("--reuse-processes: the strategies shared rank processes, so peak RSS and PSS are not per strategy")
     return "\n".join(out)
 
 
@@ -404,3 +415,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tol", type=float, default=1e-4, help="max abs parameter difference from DDP counted as same")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
+    parser.add_argument(
+        "--reuse-processes",
+        action="store_true",
+        help="run every strategy in one pool of rank processes (faster to start; peak memory then not per strategy)",
+    )
