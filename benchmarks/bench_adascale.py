@@ -309,9 +309,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3200, help="T: S = 1 iterations (a multiple of 16)")
     parser.add_argument("--base-batch", type=int, default=16, help="samples per micro-batch")
     parser.add_argument("--lr", type=float, default=0.2, help="the S = 1 learning rate")
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64, help="MLP width")
     parser.add_argument("--smoothing-window", type=float, default=None, help="W for 'adascale' (default: T / 20)")
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1, each its own data order")
     parser.add_argument("--points", type=int, default=64, help="loss evaluations per run, for the plot")
 
 

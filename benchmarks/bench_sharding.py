@@ -412,7 +412,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy, interleaved round-robin")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data")
     parser.add_argument("--tol", type=float, default=1e-4, help="max abs parameter difference from DDP counted as same")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
     parser.add_argument(

@@ -302,7 +302,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", choices=["digits", "teacher"], default="digits")
+    parser.add_argument("--data", choices=["digits", "teacher"], default="digits", help="data set")
     parser.add_argument("--lrs", default="0.003,0.01,0.03,0.1", help="base learning rates, comma-separated")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="seeds, comma-separated")
     parser.add_argument("--steps", type=int, default=300, help="a multiple of 12 (the teacher figures used 600)")

@@ -32,15 +32,28 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> It
     yield from tqdm(items, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none (None) or it is a flag's False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(name: str, module: ModuleType, quick: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m benchmarks {name}",
         description=module.QUESTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     module.add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="smoke size: " + _quick_text(module.QUICK))
-    parser.add_argument("--out", default=None, help="write NAME.json (and the plots) here [benchmarks/results]")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write NAME.json and the plots here (default: benchmarks/results, benchmarks/figures)",
+    )
     parser.add_argument("--plot-only", action="store_true", help="redraw the table and plots from the result file")
     if quick:
         parser.set_defaults(**module.QUICK)
