@@ -251,8 +251,14 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     axes[1][0].set_ylabel("gain / S (1 = linear scaling)")
-    ax = axes[1][2]
-    half = args.steps / 2
+    _plot_end_of_training(axes[1][2], base, pick, args.steps / 2, colors[-1])
+    workload = f"digits MLP, SGD lr {args.lr:g} with step decay, base batch {args.base_batch}, T = {args.steps}"
+    fig.suptitle(plotting.title(f"{workload}, seed {seed}", "S = 1..16 simulated", report))
+    plotting.save(fig, "adascale_digits", out_dir)
+
+
+def _plot_end_of_training(ax: Any, base: Run, pick: dict[tuple[str, int], Run], half: float, color: Any) -> None:
+    """The second half of training at S = 16, every method against the baseline."""
     ax.plot(*zip(*[p for p in base.curve if p[0] >= half], strict=True), color="black", lw=2.5, label="S = 1")
     top = 1.5 * max(loss for t, loss in base.curve if t >= half)
     for method, style in (("adascale", "-"), ("adascale-default", "--"), ("linear", ":")):
@@ -261,14 +267,11 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
         label = f"{method}, S = 16"
         if run.final_loss > top:
             label += f" (off scale: ends at {run.final_loss / base.final_loss:.0f}x)"
-        ax.plot(*zip(*curve, strict=True), style, color=colors[-1], label=label)
+        ax.plot(*zip(*curve, strict=True), style, color=color, label=label)
     ax.set(ylim=(0.9 * base.final_loss, top), title="second half of training, S = 16")
     ax.set(xlabel="scale-invariant iterations", ylabel="training loss")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    workload = f"digits MLP, SGD lr {args.lr:g} with step decay, base batch {args.base_batch}, T = {args.steps}"
-    fig.suptitle(plotting.title(f"{workload}, seed {seed}", "S = 1..16 simulated", report))
-    plotting.save(fig, "adascale_digits", out_dir)
 
 
 def table(report: dict[str, Any]) -> str:

@@ -123,20 +123,14 @@ def held_out_loss(model: nn.Module, workload: workloads.Teacher, data: workloads
     return loss
 
 
-def worker(job: dict[str, Any]) -> dict[str, Any]:
-    """Trains configuration ``job["config"]`` on rank ``job["rank"]``; returns its measurements."""
+def train(job: dict[str, Any], workload: workloads.Teacher, model: nn.Module, built: tuple) -> dict[str, Any]:
+    """The training loop: the clock starts after the warm-up steps and pauses for the held-out losses."""
     from ddpkit.distributed import comm_stats
 
-    torch.set_num_threads(1)
-    rank, steps = job["rank"], job["steps"]
-    init = f"tcp://{job['master']}:{PORT}"
-    timeout = timedelta(seconds=job["pg_timeout"])
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timeout)
-    workload = workloads.workload("teacher", job["quick"])
-    model = workload.model(job["seed"])
+    wrapped, optimizer, after_step = built
+    steps = job["steps"]
     held_out = workload.held_out(job["seed"], HELD_OUT)
-    batches = workload.batches(job["seed"], rank, steps, job["batch"])  # made before timing
-    wrapped, optimizer, after_step = build(job["config"], model, job["lr"])
+    batches = workload.batches(job["seed"], job["rank"], steps, job["batch"])  # made before timing
     losses: list[float] = []
     evals = [(0, 0.0, held_out_loss(model, workload, held_out))]  # (step, clock seconds, held-out loss)
     dist.barrier()
@@ -160,18 +154,36 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             paused += time.perf_counter() - pause
     dist.barrier()
     elapsed, tx1 = time.perf_counter() - t0 - (paused - paused0), tx_bytes()
-    timed = steps - job["warmup"]
-    sent = comm_stats.total().sent_bytes - sent0
+    tx = None if tx1 is None or tx0 is None else tx1 - tx0
+    return {
+        "elapsed": elapsed,
+        "tx": tx,
+        "sent": comm_stats.total().sent_bytes - sent0,
+        "losses": losses,
+        "evals": evals,
+    }
+
+
+def worker(job: dict[str, Any]) -> dict[str, Any]:
+    """Trains configuration ``job["config"]`` on rank ``job["rank"]``; returns its measurements."""
+    torch.set_num_threads(1)
+    init = f"tcp://{job['master']}:{PORT}"
+    timeout = timedelta(seconds=job["pg_timeout"])
+    dist.init_process_group("gloo", init_method=init, rank=job["rank"], world_size=2, timeout=timeout)
+    workload = workloads.workload("teacher", job["quick"])
+    model = workload.model(job["seed"])
+    done = train(job, workload, model, build(job["config"], model, job["lr"]))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     replicas = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(replicas, flat)
     dist.destroy_process_group()
+    timed = job["steps"] - job["warmup"]
     return {
-        "samples_per_s": 2 * job["batch"] * timed / elapsed,
-        "modelled_bytes_per_step": sent / timed,
-        "measured_bytes_per_step": None if tx1 is None or tx0 is None else (tx1 - tx0) / timed,
-        "losses": losses,
-        "evals": evals,
+        "samples_per_s": 2 * job["batch"] * timed / done["elapsed"],
+        "modelled_bytes_per_step": done["sent"] / timed,
+        "measured_bytes_per_step": None if done["tx"] is None else done["tx"] / timed,
+        "losses": done["losses"],
+        "evals": done["evals"],
         "replica_max_diff": (replicas[1] - replicas[0]).abs().max().item(),
         "parameters": flat.numel(),
     }
