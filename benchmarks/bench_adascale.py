@@ -234,7 +234,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     colors = [plt.get_cmap("viridis")(0.1 + 0.25 * i) for i in range(len(SCALES))]
     base = next(r for r in runs if r.method == "baseline" and r.seed == seed)
     pick = {(r.method, r.scale): r for r in runs if r.seed == seed}
-    low = min(loss for r in pick.values() for _, loss in r.curve) * 0.8
+    low = min(loss for r in pick.values() for _, loss in r.curve if loss > 0) * 0.8  # a blown-up run can reach 0
     for ax, method in zip(axes[0], METHODS, strict=True):
         ax.plot(*zip(*base.curve, strict=True), color="black", lw=2.5, label="S = 1 (baseline)")
         for color, scale in zip(colors, SCALES, strict=True):
