@@ -297,7 +297,13 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     ax1.legend()
     figures = report["figures"]
     fig.suptitle(plotting.title(f"{figures['workload']}; {figures['link']}", 2, report))
-    plotting.save(fig, "slowmo_link", out_dir)
+    plotting.save(fig, report["benchmark"], out_dir)
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """slowmo_link, with _loopback, _seed<N> or _<rate> added for the other variants."""
+    name = "slowmo_link" + ("_loopback" if args.loopback else "") + (f"_seed{args.seed}" if args.seed else "")
+    return name + (f"_{args.rate}" if args.rate != "100mbit" and not args.loopback else "")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

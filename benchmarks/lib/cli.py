@@ -61,7 +61,8 @@ def build_parser(name: str, module: ModuleType, quick: bool) -> argparse.Argumen
 
 
 def _quick_text(values: dict[str, Any]) -> str:
-    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+    flags = {f"--{k.replace('_', '-')}": v for k, v in values.items()}
+    return ", ".join(flag if value is True else f"{flag} {value}" for flag, value in flags.items())
 
 
 def main(name: str, module: ModuleType, argv: list[str]) -> int:
