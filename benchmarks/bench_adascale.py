@@ -40,6 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from benchmarks.lib import plotting
+from benchmarks.lib.cli import UsageError
 from ddpkit.optim import AdaScale
 
 QUESTION = "adascale: does AdaScale at S = 2..16 reach the S = 1 loss in T/S steps where linear scaling does not?"
@@ -320,7 +321,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps % 16:
-        raise ValueError("--steps must be a multiple of 16 (the budget is divided by S for linear scaling)")
+        raise UsageError("--steps must be a multiple of 16 (the budget is divided by S for linear scaling)")
     if args.smoothing_window is None:
         args.smoothing_window = args.steps / 20
     torch.set_num_threads(1)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.lib import memory, peers, plotting, workloads
-from benchmarks.lib.cli import progress
+from benchmarks.lib.cli import UsageError, progress
 from benchmarks.lib.counting import install_counting_shim
 from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = workloads.workload("mlp", quick=args.quick)
     cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout", "reuse_processes")}
     if args.reuse_processes and "oss_sdp_sockets" in keys:
-        raise ValueError("--reuse-processes: oss_sdp_sockets turns shared memory off for its processes; run it alone")
+        raise UsageError("--reuse-processes: oss_sdp_sockets turns shared memory off for its processes; run it alone")
     skipped = {k: why for k in keys if k in PEERS and (why := peers.unavailable(*PEERS[k]))}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     plan = [(size, r, key) for size in sizes for r, key in interleaved(keys, args.rounds) if key not in skipped]
@@ -374,9 +374,9 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
 
 
 def parse_sizes(text: str) -> list[int]:
-    sizes = [int(s) for s in text.split(",") if s.strip()]
-    if not sizes or any(s < 2 for s in sizes):
-        raise ValueError(f"--world-size: expected sizes >= 2 separated by commas, e.g. 2,4,8; got {text!r}")
+    sizes = [int(s) for s in text.split(",") if s.strip().isdigit()]
+    if not sizes or len(sizes) != len(text.split(",")) or any(s < 2 for s in sizes):
+        raise UsageError(f"--world-size: expected sizes >= 2 separated by commas, e.g. 2,4,8; got {text!r}")
     return sizes
 
 
@@ -384,7 +384,7 @@ def parse_strategies(text: str) -> list[str]:
     keys = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in keys if k not in STRATEGIES]
     if unknown or not keys:
-        raise ValueError(f"--strategies: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(STRATEGIES)}")
+        raise UsageError(f"--strategies: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(STRATEGIES)}")
     return keys
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.lib import netns, plotting, workloads
-from benchmarks.lib.cli import Skip, progress
+from benchmarks.lib.cli import Skip, UsageError, progress
 from benchmarks.lib.results import ROOT
 
 QUESTION = "slowmo_link: SlowMo against DDP and torch PostLocalSGD on two hosts joined by a 100 Mbit/s link (root)"
@@ -230,9 +230,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
-        raise ValueError(f"--configs: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(CONFIGS)}")
+        raise UsageError(f"--configs: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(CONFIGS)}")
     if args.steps <= args.warmup:
-        raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+        raise UsageError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     if not args.loopback and (why := netns.unavailable()):
         raise Skip(f"{why} (or use --loopback: no link, losses only)")
     hosts = None if args.loopback else netns.Hosts(2, args.rate, args.burst, args.latency)
