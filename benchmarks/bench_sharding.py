@@ -118,6 +118,7 @@ STRATEGIES: dict[str, tuple[str, Any]] = {  # key: (label, build); extras after 
     "no_comm": ("reference: no communication, Adam(fused)", _no_comm),
 }
 REFERENCE = {"no_comm"}  # not data parallel: a floor for the step time; its parameters differ from DDP's
+FRESH_ALWAYS = {"oss_sdp_sockets"}  # sets DDPKIT_SHARED_MEMORY=0 for its processes: never shared with others
 PEERS = {"fairscale": ("fairscale", "pip install --no-deps fairscale==0.4.13")}  # compared where installed
 
 
@@ -189,15 +190,9 @@ def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload,
 
 def measure(key: str, world_size: int, workload: workloads.Workload, cfg: dict[str, Any]) -> dict[str, Any]:
     """One strategy at one world size on fresh ranks: its row (max over ranks; PSS summed) and rank 0's params."""
+    fresh = not cfg["reuse_processes"] or key in FRESH_ALWAYS
     ranks = run_distributed(
-        run_rank,
-        world_size,
-        key,
-        workload,
-        cfg,
-        fresh=not cfg["reuse_processes"],
-        timeout=cfg["timeout"],
-        pg_timeout=300,
+        run_rank, world_size, key, workload, cfg, fresh=fresh, timeout=cfg["timeout"], pg_timeout=300
     )
     phases = {name: max(r["phases_ms"][name] for r in ranks) for name in ranks[0]["phases_ms"]}
     phases["optimizer_other"] = phases["optimizer"] - phases.get("local_update", 0.0)
@@ -223,8 +218,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = parse_strategies(args.strategies)
     workload = workloads.workload("mlp", quick=args.quick)
     cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout", "reuse_processes")}
-    if args.reuse_processes and "oss_sdp_sockets" in keys:
-        raise UsageError("--reuse-processes: oss_sdp_sockets turns shared memory off for its processes; run it alone")
     skipped = {k: why for k in keys if k in PEERS and (why := peers.unavailable(*PEERS[k]))}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     plan = [(size, r, key) for size in sizes for r, key in interleaved(keys, args.rounds) if key not in skipped]
@@ -401,5 +394,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reuse-processes",
         action="store_true",
-        help="run every strategy in one pool of rank processes (faster to start; peak memory then not per strategy)",
+        help="one pool of rank processes for all strategies but oss_sdp_sockets (quicker; memory not per strategy)",
     )
