@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpkit.train import config as cfgmod
@@ -17,6 +17,8 @@ EXAMPLES = """examples:
   ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 2
   torchrun --nproc-per-node 2 -m ddpkit train          # under torchrun
   ddpkit train --world-size 2 --rank 0 --host 10.0.0.1   # on machine 0, then --rank 1 on machine 1
+  ddpkit train --model gpt --data text --max-steps 200  # a byte-level GPT on the stdlib's source
+  ddpkit train --model mypkg.models:build --data mypkg.data:load --loss mse   # your own model and data
   ddpkit bench --nproc-per-node 2                      # every strategy on one synthetic workload
 """
 
@@ -34,14 +36,15 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     what.add_argument("--epochs", type=int)
     what.add_argument("--batch-size", type=int, help="per process (default 32)")
     what.add_argument("--seed", type=int)
-    what.add_argument("--data", choices=cfgmod.DATASETS, help="digits (default, bundled with scikit-learn)")
+    data_help = "digits (default) | mnist | synthetic | text | PACKAGE.MODULE:FACTORY"
+    what.add_argument("--data", type=_name_or_factory(cfgmod.DATASETS), help=data_help)
     what.add_argument("--data-dir", help="folder with the four MNIST IDX files (gzipped or not)")
     what.add_argument("--synthetic-samples", type=int)
     what.add_argument("--synthetic-features", type=int)
     what.add_argument("--synthetic-classes", type=int)
-    what.add_argument("--model", choices=cfgmod.MODELS, help="mlp (default) | cnn")
     what.add_argument("--hidden", type=int, help="MLP width (default 256)")
     what.add_argument("--depth", type=int, help="MLP hidden layers (default 2)")
+    _add_workload_flags(what)
     slowmo = p.add_argument_group("SlowMo (--strategy slowmo)")
     slowmo.add_argument("--slowmo-momentum", type=float)
     slowmo.add_argument("--slowmo-lr", type=float)
@@ -53,6 +56,27 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         help="processes per SlowMo node (default: --nproc-per-node across machines, 1 on one machine)",
     )
+
+
+def _name_or_factory(names: tuple[str, ...]) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if value in names or ":" in value:
+            return value
+        raise argparse.ArgumentTypeError(f"invalid choice {value!r} (choose {', '.join(names)} or PKG.MODULE:FACTORY)")
+
+    return check
+
+
+def _add_workload_flags(group: argparse._ArgumentGroup) -> None:
+    """--model, --loss, --max-steps and the GPT's shape (shared by `train` and `bench`)."""
+    model_help = "mlp (default) | cnn | gpt | PACKAGE.MODULE:FACTORY (returns a module)"
+    group.add_argument("--model", type=_name_or_factory(cfgmod.MODELS), help=model_help)
+    group.add_argument("--loss", choices=cfgmod.LOSSES, help="default: the model factory's loss, else cross_entropy")
+    group.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps")
+    group.add_argument("--gpt-layers", type=int, help="transformer blocks of --model gpt (default 6)")
+    group.add_argument("--gpt-width", type=int, help="embedding width of --model gpt (default 384)")
+    group.add_argument("--gpt-heads", type=int, help="attention heads of --model gpt (default 6)")
+    group.add_argument("--context", type=int, help="bytes per window of --data text and the GPT's context (128)")
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:
