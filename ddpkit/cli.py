@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             from ddpkit.train.bench import run_bench
 
             run_bench(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         report_and_exit(exc)
     except KeyboardInterrupt:
         print("ddpkit: interrupted; stopped every local process", file=sys.stderr)
