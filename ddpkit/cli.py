@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   ddpkit train --model gpt --data text --max-steps 200  # a byte-level GPT on the stdlib's source
   ddpkit train --model mypkg.models:build --data mypkg.data:load --loss mse   # your own model and data
   ddpkit bench --nproc-per-node 2                      # every strategy on one synthetic workload
+  ddpkit bench --model gpt --link-mbit 1000            # which strategy for a GPT over a 1 Gbit/s link
 """
 
 
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--depth", type=int, help="MLP hidden layers (default 4)")
     bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="default adam")
     bench.add_argument("--strategies", help="comma-separated subset (default: all)")
+    advice = bench.add_argument_group("your workload and your network (the advisor)")
+    _add_workload_flags(advice)
+    advice.add_argument("--data", type=_name_or_factory(cfgmod.DATASETS), help="default synthetic; text with gpt")
+    advice.add_argument("--link-mbit", type=float, metavar="N", help="predict every strategy on an N Mbit/s link")
+    advice.add_argument("--link-latency-ms", type=float, help="latency per collective of that link (default 0.5)")
+    advice.add_argument("--hosts", help="ADDR0,ADDR1,...: one bench process per host (with --node-rank on each)")
     bench.add_argument("--json", dest="json_path", help="write the results as JSON here")
     bench.add_argument("--plot", help="bar chart PNG path (default bench.png)")
     return parser

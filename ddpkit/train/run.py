@@ -72,6 +72,18 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     return summary
 
 
+def run_settings(cfg: TrainConfig, world_size: int) -> str:
+    """The settings a plot title names, e.g. "adam lr 0.001, batch 32 x 2, amp bf16"."""
+    text = f"{cfg.optimizer} lr {cfg.learning_rate:g}, batch {cfg.batch_size} x {world_size}"
+    if cfg.grad_accum > 1:
+        text += f" x {cfg.grad_accum} accumulated"
+    if cfg.amp != "off":
+        text += f", amp {cfg.amp}"
+    if cfg.strategy == "slowmo":
+        text += f", localsgd every {cfg.localsgd_frequency}, slowmo every {cfg.slowmo_frequency}"
+    return text
+
+
 def summarize(
     cfg: TrainConfig, placement: Placement, backend: str, trainer: Trainer, recorder: MetricsRecorder, wall: float
 ) -> dict[str, Any]:
@@ -88,6 +100,7 @@ def summarize(
     extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
     return {
         "workload": f"{cfg.model} on {cfg.data}",
+        "settings": run_settings(cfg, placement.world_size),
         "strategy": cfg.strategy,
         "world_size": placement.world_size,
         "backend": backend,
