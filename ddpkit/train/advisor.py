@@ -101,15 +101,15 @@ def _median_all_reduce_seconds(size: int, repeats: int) -> float:
 
 def measure_link(source: str, repeats: int = 5) -> Link:
     """Fits a `Link` to all-reduce times on the default group (a collective: every rank calls it): 4 KB, and
-    1 MB grown x4 until it takes `LONG_ENOUGH` seconds (at most 64 MB). Every rank gets rank 0's figures."""
+    1 MB grown x4 until one call takes `LONG_ENOUGH` seconds (at most 64 MB); medians of `repeats` calls.
+    Every rank gets rank 0's figures."""
     n = group_size()
     small = (wire_bytes("all_reduce", SMALL, n), _median_all_reduce_seconds(SMALL, repeats))
     size = LARGE
-    seconds = _median_all_reduce_seconds(size, repeats)
-    while seconds < LONG_ENOUGH and size < LARGEST:
+    while size < LARGEST and _median_all_reduce_seconds(size, 1) < LONG_ENOUGH:  # one probe per size
         size *= 4
-        seconds = _median_all_reduce_seconds(size, repeats)
-    return fit_link(small, (wire_bytes("all_reduce", size, n), seconds), source)
+    large = (wire_bytes("all_reduce", size, n), _median_all_reduce_seconds(size, repeats))
+    return fit_link(small, large, source)
 
 
 def predict_seconds(result: dict[str, Any], measured_on: Link, target: Link) -> float:

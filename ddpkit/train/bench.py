@@ -67,6 +67,8 @@ def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) ->
         "strategy": cfg.strategy,
         "workload": work.name,
         "world_size": placement.world_size,
+        "timed_steps": steps,
+        "warmup_steps": warmup,
         "parameters": sum(p.numel() for p in work.module.parameters()),
         "step_ms_median": max(gather_per_rank(statistics.median(times) * 1e3)),
         "step_ms_mean": max(gather_per_rank(statistics.fmean(times) * 1e3)),
