@@ -142,3 +142,23 @@ def test_bench_command_with_factories_and_a_link(tmp_path):
     assert all(r["timed_steps"] + r["warmup_steps"] <= 6 and r["parameters"] == 5 for r in results)
     assert results[0]["workload"] == "test_factories:regression_model on test_factories:regression_data"
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_plots(tmp_path):
+    from ddpkit.train.plots import plot_bench, plot_run, run_title, smooth, smoothing_weight
+
+    assert smooth([5.0, 5.0, 5.0], 0.9) == pytest.approx([5.0, 5.0, 5.0])  # bias-corrected: no pull towards 0
+    assert smooth([0.0, 10.0], 0.5) == pytest.approx([0.0, 10.0 * 0.5 / 0.75])
+    assert smoothing_weight(60) == pytest.approx(1 - 10 / 60) and smoothing_weight(10**6) == 0.98
+    results = [
+        {**_result(name, 10.0, 1e6, 2, 300), "sent_bytes_per_step": 1e6, "shared_memory_bytes_per_step": shared,
+         "optimizer_state_bytes_per_rank": 4e6, "parameters": 1e6, "workload": "gpt on text", "world_size": 2}
+        for name, shared in (("ddp", 0.0), ("sharded", 5e5))
+    ]  # fmt: skip
+    plot_bench(results, str(tmp_path / "bench.png"), link_from_mbit(100))
+    summary = {"strategy": "ddp", "world_size": 2, "workload": "gpt on text", "settings": "adam lr 0.001", "steps": 3}
+    assert run_title(summary) == "ddp on 2 processes, gpt on text, adam lr 0.001, 3 steps"
+    steps = [{"step": i, "loss": 5.0 - i, "sent_bytes": 10.0, "shared_bytes": 0.0} for i in range(3)]
+    plot_run(str(tmp_path / "metrics.png"), {**summary, "heldout_bits_per_byte": 4.0}, [], steps)
+    for name in ("bench.png", "metrics.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")

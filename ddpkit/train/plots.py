@@ -9,7 +9,7 @@ from typing import Any
 
 from ddpkit.train.advisor import Link, advise
 
-SMOOTHING = 0.9  # weight of the past in the loss curve's exponential moving average
+MAX_SMOOTHING = 0.98  # the largest weight of the past in the loss curve's exponential moving average
 
 
 def machine() -> str:
@@ -92,7 +92,12 @@ def plot_bench(results: list[dict[str, Any]], path: str, target: Link | None = N
     plt.close(fig)
 
 
-def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+def smoothing_weight(count: int) -> float:
+    """The moving average's weight for a curve of `count` points: a memory of about count / 10 points."""
+    return min(MAX_SMOOTHING, 1.0 - 10.0 / max(count, 10))
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
     """Bias-corrected exponential moving average of `values` (the first point is not pulled towards 0)."""
     out, average = [], 0.0
     for i, value in enumerate(values):
@@ -101,12 +106,14 @@ def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
-def _loss_panel(ax: Any, steps: list[dict[str, Any]], history: list[dict[str, Any]]) -> None:
+def _loss_panel(ax: Any, steps: list[dict[str, Any]], history: list[dict[str, Any]], bits: bool) -> None:
     x = [s["step"] for s in steps]
-    loss = [s["loss"] for s in steps]
+    loss = [s["loss"] / (math.log(2) if bits else 1.0) for s in steps]
+    weight = smoothing_weight(len(loss))
     ax.plot(x, loss, lw=0.6, color="tab:blue", alpha=0.3, label="per step (rank 0's batches)")
-    ax.plot(x, smooth(loss), lw=1.6, color="tab:blue", label=f"moving average ({SMOOTHING})")
-    ax.set(xlabel="optimizer step", ylabel="training loss", title="loss")
+    ax.plot(x, smooth(loss, weight), lw=1.6, color="tab:blue", label=f"moving average (weight {weight:.2f})")
+    unit = "bits per byte" if bits else "loss"
+    ax.set(xlabel="optimizer step", ylabel=f"training {unit}", title=f"training {unit}")
     ax.legend(fontsize=8)
     ended = [h for h in history if "steps" in h]
     if ended:  # integer epoch ticks on a top axis, at the step each epoch ended
@@ -153,8 +160,9 @@ def plot_run(path: str, summary: dict[str, Any], history: list[dict[str, Any]], 
     and the bytes sent per step, under a title with the run's settings."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    _loss_panel(axes[0], steps, history)
-    _heldout_panel(axes[1], history, "heldout_bits_per_byte" in summary)
+    bits = "heldout_bits_per_byte" in summary
+    _loss_panel(axes[0], steps, history, bits)
+    _heldout_panel(axes[1], history, bits)
     _bytes_panel(axes[2], steps)
     fig.suptitle(run_title(summary), fontsize=11)
     fig.tight_layout()
