@@ -66,6 +66,8 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
         print(format_summary(summary), flush=True)
         if "heldout_bits_per_byte" in summary:
             print(f"held-out bits per byte  {summary['heldout_bits_per_byte']:.4f}", flush=True)
+        elif math.isnan(summary["test_accuracy"]):  # no classes (e.g. --loss mse): the loss says how it went
+            print(f"held-out loss     {summary['test_loss']:.4f}", flush=True)
         if cfg.out:
             for path in write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows()):
                 print(f"wrote {path}")
