@@ -60,7 +60,10 @@ def test_recommendation_picks_fastest_then_least_memory_and_says_why():
     ]
     here = advise(results, None)
     assert here.strategy == "sharded" and here.seconds["ddp"] == pytest.approx(0.020)
-    assert here.reason.startswith("sharded: 0.75x ddp's step time and 0.70x its peak memory here")
+    assert here.reason.startswith("sharded: 0.75x ddp's step time and 0.70x its peak memory measured here")
+    assert "slowmo (local SGD, averaging every 3 steps) runs at 1.1x" in here.reason
+    only_ddp = advise([_result("ddp", 20.0, 8e6, 2, 1000)], None)
+    assert only_ddp.strategy == "ddp" and only_ddp.reason == "ddp: the fastest, 20.0 ms per step measured here"
     slow = advise(results, link_from_mbit(100, 0.5))  # 8 MB per step at 12.5 MB/s: DDP is communication-bound
     assert slow.strategy == "slowmo" and slow.seconds["slowmo"] < slow.seconds["ddp"] / 2
     assert "DDP is communication-bound" in slow.reason and "check that your model converges" in slow.reason

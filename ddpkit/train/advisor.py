@@ -138,10 +138,13 @@ def _reasons(
     results: dict[str, dict[str, Any]], seconds: dict[str, float], choice: str, target: Link | None
 ) -> list[str]:
     base = "ddp" if "ddp" in results else next(iter(results))
-    where = "here" if target is None else f"predicted over {target.mbit:,.0f} Mbit/s"
-    time_ratio = seconds[choice] / seconds[base]
-    memory_ratio = results[choice]["peak_memory_mb"] / results[base]["peak_memory_mb"]
-    parts = [f"{choice}: {time_ratio:.2f}x {base}'s step time and {memory_ratio:.2f}x its peak memory {where}"]
+    where = "measured here" if target is None else f"predicted over {target.mbit:,.0f} Mbit/s"
+    if choice == base:
+        parts = [f"{choice}: the fastest, {seconds[choice] * 1e3:.1f} ms per step {where}"]
+    else:
+        time_ratio = seconds[choice] / seconds[base]
+        memory_ratio = results[choice]["peak_memory_mb"] / results[base]["peak_memory_mb"]
+        parts = [f"{choice}: {time_ratio:.2f}x {base}'s step time and {memory_ratio:.2f}x its peak memory {where}"]
     if target is not None and "ddp" in results:
         ddp = results["ddp"]
         busy = target.comm_seconds(ddp["wire_bytes_per_step"], ddp["messages_per_step"])
@@ -149,7 +152,8 @@ def _reasons(
         parts.append(f"on that link DDP is {bound}-bound at {seconds['ddp'] * 1e3:.0f} ms per step, "
                      f"{busy * 1e3:.0f} ms of it communicating")  # fmt: skip
     if "slowmo" in seconds and "ddp" in seconds and choice != "slowmo":
-        parts.append(f"slowmo (local SGD, averaging every 3 steps) predicts {seconds['ddp'] / seconds['slowmo']:.1f}x "
+        verb = "runs at" if target is None else "predicts"
+        parts.append(f"slowmo (local SGD, averaging every 3 steps) {verb} {seconds['ddp'] / seconds['slowmo']:.1f}x "
                      "DDP's speed")  # fmt: skip
     if choice == "slowmo":
         parts.append("SlowMo averages the replicas only every few steps: check that your model converges as well")
