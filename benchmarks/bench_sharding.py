@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from benchmarks.lib import memory, plotting, workloads
 from benchmarks.lib.cli import progress
 from benchmarks.lib.counting import install_counting_shim
+from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
 from ddpkit.distributed.stats import CommStats
 from ddpkit.testing import run_distributed
@@ -47,8 +48,10 @@ QUICK = {
     "rounds": 1,
     "batch": 8,
     "strategies": "ddp,zero,fairscale,oss_ddp,oss_sdp",
+    "reuse_processes": True,
 }
 LR = 1e-3
+PYTHON_STATS = CommStats()  # collectives that torch's ZeRO and fairscale call from Python, per rank process
 GOAL_VS_DDP, GOAL_VS_FAIRSCALE = 0.60, 0.90
 
 # -- the strategies ---------------------------------------------------------------------------------------------------
@@ -70,9 +73,14 @@ def _ddpkit(strategy: str, model: nn.Module) -> Setup:
     return Setup(built.model, built.optimizer, local)
 
 
-def _ddp_fused(model: nn.Module) -> Setup:
+def _counted_ddp(model: nn.Module) -> DDP:
     ddp = DDP(model)
-    ddp.register_comm_hook(None, counting_allreduce_hook)
+    ddp.register_comm_hook(None, counting_allreduce_hook)  # its C++ all-reduce then shows in comm_stats
+    return ddp
+
+
+def _ddp_fused(model: nn.Module) -> Setup:
+    ddp = _counted_ddp(model)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=LR, fused=True)
     return Setup(ddp, optimizer, optimizer)
 
@@ -80,8 +88,7 @@ def _ddp_fused(model: nn.Module) -> Setup:
 def _zero(model: nn.Module) -> Setup:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    ddp = DDP(model)
-    ddp.register_comm_hook(None, counting_allreduce_hook)
+    ddp = _counted_ddp(model)
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
     return Setup(ddp, optimizer, optimizer.optim)
 
@@ -171,7 +178,7 @@ def _step(setup: Setup, workload: workloads.Workload, batch: workloads.Batch, ti
 def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload, cfg: dict[str, Any]) -> dict:
     """Builds strategy `key` on this rank, trains, and returns its measurements (rank 0 adds its parameters)."""
     torch.set_num_threads(1)
-    python_stats = CommStats()
+    python_stats = PYTHON_STATS  # the shim is installed once per process and records here
     install_counting_shim(python_stats)
     base_rss = memory.rss_mb()
     batches = workload.batches(cfg["seed"], rank, cfg["warmup"] + cfg["steps"], cfg["batch"])
@@ -207,7 +214,14 @@ def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload,
 def measure(key: str, world_size: int, workload: workloads.Workload, cfg: dict[str, Any]) -> dict[str, Any]:
     """One strategy at one world size on fresh ranks: its row (max over ranks; PSS summed) and rank 0's params."""
     ranks = run_distributed(
-        run_rank, world_size, key, workload, cfg, fresh=True, timeout=cfg["timeout"], pg_timeout=300
+        run_rank,
+        world_size,
+        key,
+        workload,
+        cfg,
+        fresh=not cfg["reuse_processes"],
+        timeout=cfg["timeout"],
+        pg_timeout=300,
     )
     phases = {name: max(r["phases_ms"][name] for r in ranks) for name in ranks[0]["phases_ms"]}
     phases["optimizer_other"] = phases["optimizer"] - phases.get("local_update", 0.0)
@@ -232,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = parse_sizes(args.world_size)
     keys = parse_strategies(args.strategies)
     workload = workloads.workload("mlp", quick=args.quick)
-    cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout")}
+    cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout", "reuse_processes")}
     skipped = {k: why for k in keys if (why := peer_missing(k))}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     plan = [(size, r, key) for size in sizes for r, key in interleaved(keys, args.rounds) if key not in skipped]
@@ -294,21 +308,16 @@ def verdict(by_size: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
     """The goal at each world size: OSS + SDP at or below 0.60x DDP's step time and 0.90x fairscale's."""
     out = {}
     for size, rows in by_size.items():
-        by_key = {r["key"]: r for r in rows}
-        ours = by_key.get("oss_sdp")
-        if ours is None:
-            out[size] = "ddpkit OSS + ShardedDataParallel was not run"
-            continue
+        by_key = {r["key"]: r["step_ms_rounds"] for r in rows}
         parts = []
         for name, key, goal in (("DDP", "ddp", GOAL_VS_DDP), ("fairscale", "fairscale", GOAL_VS_FAIRSCALE)):
-            other = by_key.get(key)
-            if other is None:
-                parts.append(f"{name} not measured")
+            if "oss_sdp" not in by_key or key not in by_key:
+                parts.append(f"OSS + SDP against {name}: not measured")
                 continue
-            best = ours["step_ms_rounds"]["best"] / other["step_ms_rounds"]["best"]
-            median = ours["step_ms_rounds"]["median"] / other["step_ms_rounds"]["median"]
+            ours, other = by_key["oss_sdp"], by_key[key]
+            best, median = ours["best"] / other["best"], ours["median"] / other["median"]
             met = "met" if max(best, median) <= goal else "NOT met"
-            parts.append(f"{best:.2f}x {name} (best rounds), {median:.2f}x (median rounds): goal <= {goal} {met}")
+            parts.append(f"OSS + SDP {best:.2f}x {name} (best rounds), {median:.2f}x (median): goal <= {goal} {met}")
         out[size] = "; ".join(parts)
     return out
 
@@ -316,49 +325,44 @@ def verdict(by_size: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 # -- the tables and the plot -----------------------------------------------------------------------------------------
 
 
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+HEADER = ["strategy", "step ms (best)", "x DDP", "x DDP (median)", "opt state MB", "peak RSS MB", "PSS sum MB"]
+HEADER += ["sent MB/step", "x DDP", "shm MB/step", "max abs dp", "same as DDP"]
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    same = {None: "n/a", True: "yes", False: "NO"}[r["matches_ddp"]]
+    ratios = [num(r["step_vs_ddp"]), num(r["median_vs_ddp"])]
+    memory = [f"{r['state_mb']:.1f}", f"{r['peak_rss_mb']:.0f}", f"{r['pss_sum_mb']:.0f}"]
+    traffic = [f"{r['sent_mb_per_step']:.1f}", num(r["bytes_vs_ddp"]), f"{r['shared_mb_per_step']:.1f}"]
+    return [r["label"], f"{r['step_ms']:.1f}", *ratios, *memory, *traffic, f"{r['max_param_diff_vs_ddp']:.1e}", same]
 
 
 def table(report: dict[str, Any]) -> str:
     figures = report["figures"]
     out = [f"{figures['workload']}; Adam lr {LR}; batch {report['config']['batch']}/rank; gloo, 1 thread per rank"]
-    head = "| strategy | step ms (best) | x DDP | x DDP (median) | opt state MB | peak RSS MB | PSS sum MB "
-    head += "| sent MB/step | x DDP | shm MB/step | max abs dp | same as DDP |"
     for size, rows in figures["by_world_size"].items():
-        out += ["", f"world size {size}", head, "|" + "---|" * 12]
-        for r in rows:
-            same = {None: "n/a", True: "yes", False: "NO"}[r["matches_ddp"]]
-            out.append(
-                f"| {r['label']} | {r['step_ms']:.1f} | {_num(r['step_vs_ddp'], '.2f')} "
-                f"| {_num(r['median_vs_ddp'], '.2f')} | {r['state_mb']:.1f} | {r['peak_rss_mb']:.0f} "
-                f"| {r['pss_sum_mb']:.0f} | {r['sent_mb_per_step']:.1f} | {_num(r['bytes_vs_ddp'], '.2f')} "
-                f"| {r['shared_mb_per_step']:.1f} | {r['max_param_diff_vs_ddp']:.1e} | {same} |"
-            )
+        out += ["", f"world size {size}", markdown(HEADER, [_row(r) for r in rows])]
         out.append(f"verdict at world size {size}: {figures['verdict'][size]}")
     if len(figures["by_world_size"]) > 1:
-        out += ["", scaling_table(figures["scaling"])]
+        out += [
+            "",
+            "scaling: step time / PSS sum / bytes sent, each x DDP at the same world size",
+            scaling_table(figures),
+        ]
     out += [f"skipped {k}: {why}" for k, why in figures["skipped"].items()]
+    if report["config"].get("reuse_processes"):
+        out.append("--reuse-processes: the strategies shared rank processes, so peak RSS and PSS are not per strategy")
     return "\n".join(out)
 
 
-def scaling_table(points: list[dict[str, Any]]) -> str:
-    """Strategies down, world sizes across: step time, PSS and bytes each as a ratio against DDP."""
-    sizes = sorted({p["world_size"] for p in points})
-    at = {(p["key"], p["world_size"]): p for p in points}
-    head = "| strategy | " + " | ".join(f"{s} ranks: step, PSS, bytes x DDP" for s in sizes) + " |"
-    lines = ["scaling (ratios against DDP at the same world size)", head, "|" + "---|" * (len(sizes) + 1)]
-    for key in dict.fromkeys(p["key"] for p in points):
-        cells = []
-        for s in sizes:
-            p = at.get((key, s))
-            cells.append(
-                "-"
-                if p is None
-                else " / ".join(_num(p[f], ".2f") for f in ("step_vs_ddp", "pss_vs_ddp", "bytes_vs_ddp"))
-            )
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def scaling_table(figures: dict[str, Any]) -> str:
+    """Strategies down, world sizes across."""
+    sizes = figures["world_sizes"]
+    at = {(p["key"], p["world_size"]): p for p in figures["scaling"]}
+    keys = dict.fromkeys(p["key"] for p in figures["scaling"])
+    fields = ("step_vs_ddp", "pss_vs_ddp", "bytes_vs_ddp")
+    cells = [[k] + [" / ".join(num(at[k, s][f]) for f in fields) if (k, s) in at else "-" for s in sizes] for k in keys]
+    return markdown(["strategy"] + [f"{s} ranks" for s in sizes], cells)
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> None:
@@ -408,6 +412,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy, interleaved round-robin")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data")
     parser.add_argument("--tol", type=float, default=1e-4, help="max abs parameter difference from DDP counted as same")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
+    parser.add_argument(
+        "--reuse-processes",
+        action="store_true",
+        help="run every strategy in one pool of rank processes (faster to start; peak memory then not per strategy)",
+    )

@@ -86,6 +86,7 @@ class Recorder:
         self.out_dir = Path(out_dir) if out_dir else RESULTS
         self.started = time.time()
         self.load_start = os.getloadavg()
+        self.commit = commit()  # the code that runs is the code at the start
 
     @property
     def path(self) -> Path:
@@ -97,7 +98,7 @@ class Recorder:
             "command": command or command_line(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
             "seconds": round(time.time() - self.started, 1),
-            **commit(),
+            **self.commit,
             "torch": torch.__version__,
             "machine": machine(self.load_start),
             "config": self.config,

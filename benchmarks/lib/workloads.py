@@ -56,7 +56,7 @@ class Regression:
 
     def describe(self) -> str:
         widths = "->".join(map(str, self.dims))
-        return f"MLP {widths} ({parameter_count(self.dims) / 1e6:.1f}M parameters), MSE on Gaussian data"
+        return f"MLP {widths} ({parameter_count(self.dims):,} parameters), MSE on Gaussian data"
 
     def model(self, seed: int) -> nn.Module:
         return mlp(self.dims, seed)
@@ -83,7 +83,7 @@ class Teacher:
 
     def describe(self) -> str:
         widths = "->".join(map(str, self.dims))
-        return f"MLP {widths} ({parameter_count(self.dims) / 1e6:.1f}M parameters), random-teacher classes"
+        return f"MLP {widths} ({parameter_count(self.dims):,} parameters), random-teacher classes"
 
     def model(self, seed: int) -> nn.Module:
         return mlp(self.dims, seed)
