@@ -199,3 +199,22 @@ def test_train_from_factories_at_two_processes(tmp_path):
     assert summary["test_loss"] == pytest.approx(l1, rel=1e-5)
     assert l1 < 0.5 * initial  # it learned something in 12 steps
     assert summary["test_accuracy"] != summary["test_accuracy"]  # NaN: float targets have no accuracy
+
+
+def test_max_steps_stops_mid_epoch_and_ends_that_epoch():
+    from torch.utils.data import DataLoader
+
+    from ddpkit.train.callbacks import MetricsRecorder
+    from ddpkit.train.trainer import Trainer
+
+    train, held = regression_data()
+    module = nn.Linear(4, 1)
+    recorder = MetricsRecorder(DataLoader(held, batch_size=30))
+    trainer = Trainer(module, torch.optim.SGD(module.parameters(), lr=0.05), DataLoader(train, batch_size=60),
+                      F.l1_loss, callbacks=[recorder])  # fmt: skip
+    trainer.fit(epochs=3, max_steps=6)  # 4 steps per epoch: epoch 0 whole, epoch 1 cut after 2 steps
+    assert trainer.state.step == 6 and trainer.state.epoch == 2 and len(recorder.steps) == 6
+    assert [h["steps"] for h in trainer.state.history] == [4, 6]
+    assert all(h["train_accuracy"] != h["train_accuracy"] for h in trainer.state.history)  # NaN: no classes
+    trainer.fit(epochs=3, max_steps=6)  # already there: nothing more
+    assert trainer.state.step == 6
