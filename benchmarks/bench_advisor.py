@@ -11,7 +11,9 @@ standard library's source (`ddpkit.train.gpt`, 4 layers of width 256 by default)
 3. The prediction of step 1's figures for the link step 2 measured (the ``--hosts`` advisor path), and for the
    nominal RATE with ``--link-latency-ms`` (the ``--link-mbit`` path), against step 2's measured step.
 
-The goal: within 25% for ddp, sharded and slowmo at both rates. Needs root for the namespaces.
+Each strategy is measured in ``--rounds`` interleaved rounds (here, then on each link, strategy after strategy),
+so a busy spell of the machine hits prediction and measurement alike; the table gives medians over rounds. The
+goal: within 25% for ddp, sharded and slowmo at both rates. Needs root for the namespaces.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +34,8 @@ from ddpkit.train.advisor import Link, link_from_mbit, predict_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "advisor: ddpkit bench's predicted step time on a shaped link against the measured one (root)"
-QUICK = {"rates": "200mbit", "strategies": "ddp,slowmo", "steps": 3, "gpt_layers": 1, "gpt_width": 64, "gpt_heads": 2}
+QUICK = {"rates": "200mbit", "strategies": "ddp,slowmo", "rounds": 1, "steps": 3}
+QUICK.update(gpt_layers=1, gpt_width=64, gpt_heads=2)
 GOAL = 0.25  # relative error allowed for ddp, sharded and slowmo
 JUDGED = ("ddp", "sharded", "slowmo")
 
@@ -44,7 +48,7 @@ def _mbit(rate: str) -> float:
     raise ValueError(f"--rates: {rate!r} must end in gbit, mbit or kbit (tc's units)")
 
 
-def _bench_argv(args: argparse.Namespace) -> list[str]:
+def _bench_argv(args: argparse.Namespace, strategy: str) -> list[str]:
     argv = [
         "--model",
         "gpt",
@@ -56,7 +60,7 @@ def _bench_argv(args: argparse.Namespace) -> list[str]:
         str(args.gpt_width),
     ]
     argv += ["--gpt-heads", str(args.gpt_heads), "--context", str(args.context), "--batch-size", str(args.batch)]
-    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--strategies", args.strategies]
+    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--strategies", strategy]
     return [*argv, "--optimizer", "adam", "--timeout", str(args.pg_timeout)]
 
 
@@ -68,48 +72,60 @@ def _env(ifname: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_local(args: argparse.Namespace, workdir: str, rate: str) -> list[dict[str, Any]]:
-    """Step 1: the bench on this machine, predicting for `rate`."""
-    out = os.path.join(workdir, "local.json")
-    argv = [*_bench_argv(args), "--link-mbit", str(_mbit(rate)), "--link-latency-ms", str(args.link_latency_ms)]
+def run_local(args: argparse.Namespace, workdir: str, strategy: str, tag: str) -> dict[str, Any]:
+    """Step 1: the bench of one strategy on this machine (predicting for the first rate)."""
+    out = os.path.join(workdir, f"local-{tag}.json")
+    rate = _mbit(args.rates.split(",")[0])
+    argv = [*_bench_argv(args, strategy), "--link-mbit", str(rate), "--link-latency-ms", str(args.link_latency_ms)]
     argv += ["--json", out, "--plot", os.path.join(workdir, "local.png"), "--nproc-per-node", "2"]
     subprocess.run([sys.executable, "-m", "ddpkit", "bench", *argv], env=_env(), check=True, timeout=args.run_timeout)
-    return json.loads(Path(out).read_text())
+    return json.loads(Path(out).read_text())[0]
 
 
-def run_hosts(args: argparse.Namespace, workdir: str, rate: str) -> list[dict[str, Any]]:
-    """Step 2: the bench across two namespace hosts joined by links shaped to `rate`."""
-    out = os.path.join(workdir, f"hosts-{rate}.json")
+def run_hosts(args: argparse.Namespace, workdir: str, rate: str, strategy: str, tag: str) -> dict[str, Any]:
+    """Step 2: the bench of one strategy across two namespace hosts joined by links shaped to `rate`."""
+    out = os.path.join(workdir, f"hosts-{tag}.json")
     with netns.Hosts(2, rate, args.burst, args.latency) as hosts:
         commands, envs = [], []
         for k in range(2):
-            argv = [*_bench_argv(args), "--hosts", ",".join(hosts.addresses), "--node-rank", str(k)]
-            argv += ["--master-port", "29611", "--json", out, "--plot", os.path.join(workdir, f"hosts-{rate}.png")]
+            argv = [*_bench_argv(args, strategy), "--hosts", ",".join(hosts.addresses), "--node-rank", str(k)]
+            argv += ["--master-port", "29611", "--json", out, "--plot", os.path.join(workdir, "hosts.png")]
             commands.append([*hosts.prefix(k), sys.executable, "-m", "ddpkit", "bench", *argv])
             envs.append(_env(hosts.ifnames[k]))
-        netns.run_job(commands, envs, args.run_timeout, f"bench on {rate}")
-    return json.loads(Path(out).read_text())
+        netns.run_job(commands, envs, args.run_timeout, f"bench of {strategy} on {rate}")
+    return json.loads(Path(out).read_text())[0]
 
 
-def compare(local: list[dict[str, Any]], measured: list[dict[str, Any]], rate: str, latency_ms: float) -> list[dict]:
-    """Step 3: predicted against measured, per strategy."""
+def compare(local: dict[str, Any], there: dict[str, Any], rate: str, latency_ms: float) -> list[dict[str, Any]]:
+    """Step 3: one round's prediction against the measurement, for the measured and the nominal link."""
     rows = []
-    by_name = {r["strategy"]: r for r in measured}
-    for r in local:
-        there = by_name[r["strategy"]]
-        here = Link(**r["link"])
-        for target, how in (
-            (Link(**there["link"]), "measured link"),
-            (link_from_mbit(_mbit(rate), latency_ms), "nominal"),
-        ):
-            predicted = predict_seconds(r, here, target) * 1e3
-            rows.append({
-                "rate": rate, "strategy": r["strategy"], "link": how, "link_mbit": target.mbit,
-                "link_latency_ms": target.latency * 1e3, "measured_ms": there["step_ms_mean"],
-                "predicted_ms": predicted, "error": predicted / there["step_ms_mean"] - 1,
-                "local_ms": r["step_ms_mean"], "wire_mb": r["wire_bytes_per_step"] / 1e6,
-                "messages": r["messages_per_step"],
-            })  # fmt: skip
+    here = Link(**local["link"])
+    nominal = link_from_mbit(_mbit(rate), latency_ms)
+    for target, how in ((Link(**there["link"]), "measured link"), (nominal, "nominal")):
+        predicted = predict_seconds(local, here, target) * 1e3
+        rows.append({
+            "rate": rate, "strategy": local["strategy"], "link": how, "link_mbit": target.mbit,
+            "link_latency_ms": target.latency * 1e3, "measured_ms": there["step_ms_mean"],
+            "predicted_ms": predicted, "error": predicted / there["step_ms_mean"] - 1,
+            "local_ms": local["step_ms_mean"], "wire_mb": local["wire_bytes_per_step"] / 1e6,
+            "messages": local["messages_per_step"],
+        })  # fmt: skip
+    return rows
+
+
+def summarise(tries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (rate, strategy, link): the median over rounds of the prediction and of the measurement."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in tries:
+        groups.setdefault((row["rate"], row["strategy"], row["link"]), []).append(row)
+    rows = []
+    for group in groups.values():
+        row = dict(group[0])
+        for key in ("predicted_ms", "measured_ms", "local_ms", "link_mbit", "link_latency_ms"):
+            row[key] = statistics.median(r[key] for r in group)
+        row["error"] = row["predicted_ms"] / row["measured_ms"] - 1
+        row["round_errors"] = [r["error"] for r in group]
+        rows.append(row)
     return rows
 
 
@@ -119,24 +135,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for rate in rates:
         _mbit(rate)
-    rows = []
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    plan = [(r, s) for r in range(args.rounds) for s in names]  # interleaved: a busy spell hits every figure
+    tries, load = [], []
     with tempfile.TemporaryDirectory(prefix="ddpkit-advisor-") as workdir:
-        local = run_local(args, workdir, rates[0])
-        for rate in progress(rates, desc="advisor"):
-            rows += compare(local, run_hosts(args, workdir, rate), rate, args.link_latency_ms)
+        for round_, strategy in progress(plan, desc="advisor"):
+            load.append(os.getloadavg()[0])
+            local = run_local(args, workdir, strategy, f"{round_}-{strategy}")
+            for rate in rates:
+                there = run_hosts(args, workdir, rate, strategy, f"{round_}-{strategy}-{rate}")
+                tries += compare(local, there, rate, args.link_latency_ms)
+    rows = summarise(tries)
     judged = [r for r in rows if r["strategy"] in JUDGED and r["link"] == "measured link"]
     return {
-        "workload": f"{local[0]['workload']} ({local[0]['parameters']:,} parameters)",
+        "workload": f"{local['workload']} ({local['parameters']:,} parameters)",
         "rows": rows,
         "goal_met": all(abs(r["error"]) <= GOAL for r in judged),
         "worst_error": max(abs(r["error"]) for r in judged) if judged else None,
+        "load_average_during": [min(load), max(load)],
     }
 
 
 def table(report: dict[str, Any]) -> str:
     figures, cfg = report["figures"], report["config"]
-    head = (f"{figures['workload']}; batch {cfg['batch']}/rank, {cfg['steps']} timed steps; 2 hosts, "
-            f"tbf links (burst {cfg['burst']}, latency {cfg['latency']})")  # fmt: skip
+    low, high = figures["load_average_during"]
+    head = (f"{figures['workload']}; batch {cfg['batch']}/rank, {cfg['steps']} timed steps, medians of "
+            f"{cfg['rounds']} interleaved rounds; 2 hosts, tbf links (burst {cfg['burst']}, latency {cfg['latency']}); "
+            f"load average {low:.1f}-{high:.1f} on {report['machine']['cores']} cores")  # fmt: skip
     rows = [
         (r["rate"], r["strategy"], r["link"], tables.num(r["link_mbit"], ".0f"), tables.num(r["link_latency_ms"]),
          tables.num(r["local_ms"], ".0f"), tables.num(r["predicted_ms"], ".0f"), tables.num(r["measured_ms"], ".0f"),
@@ -186,6 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-heads", type=int, default=4, help="GPT heads")
     parser.add_argument("--context", type=int, default=128, help="bytes per window")
     parser.add_argument("--batch", type=int, default=8, help="windows per rank and step")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every strategy, interleaved; medians")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per strategy (a multiple of 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (a multiple of 3)")
     parser.add_argument("--link-latency-ms", type=float, default=0.5, help="latency per collective for --link-mbit")

@@ -43,7 +43,7 @@ from ddpkit.distributed.env import group_size
 from ddpkit.distributed.stats import wire_bytes
 
 SMALL, LARGE, LARGEST = 4096, 1 << 20, 64 << 20  # all-reduce sizes (bytes) that measure a link
-LONG_ENOUGH = 0.02  # seconds: the large all-reduce grows (x4) until it takes this long, so latency is not all
+LONG_ENOUGH = 0.1  # seconds: the large all-reduce grows (x4) until it takes this long (TCP at full speed)
 NEAR_BEST = 1.05  # strategies within 5% of the fastest count as equally fast; memory decides
 
 
