@@ -216,7 +216,7 @@ def measure(key: str, world_size: int, workload: workloads.Workload, cfg: dict[s
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = parse_sizes(args.world_size)
     keys = parse_strategies(args.strategies)
-    workload = workloads.workload("mlp", quick=args.quick)
+    workload = workloads.workload(args.workload, quick=args.quick)
     cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout", "reuse_processes")}
     skipped = {k: why for k in keys if k in PEERS and (why := peers.unavailable(*PEERS[k]))}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
@@ -383,6 +383,7 @@ def parse_strategies(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", default="2", help="ranks, or sizes to compare separated by commas: 2,4,8")
+    parser.add_argument("--workload", default="mlp", choices=list(workloads.WORKLOADS), help="what to train")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")

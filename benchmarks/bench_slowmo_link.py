@@ -37,6 +37,7 @@ QUESTION = "slowmo_link: SlowMo against DDP and torch PostLocalSGD on two hosts 
 QUICK = {"steps": 24, "warmup": 4, "eval_every": 8, "configs": "ddp,postlocalsgd3,slowmo3"}
 PORT = 29500
 HELD_OUT = 2048
+HeldOutWorkload = workloads.Teacher | workloads.GPTText  # workloads with a held-out set
 GOAL_SPEED, GOAL_LOSS = 2.5, 0.03
 
 # -- the configurations ----------------------------------------------------------------------------------------------
@@ -116,14 +117,14 @@ def tx_bytes() -> int | None:
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, workload: workloads.Teacher, data: workloads.Batch) -> float:
+def held_out_loss(model: nn.Module, workload: HeldOutWorkload, data: workloads.Batch) -> float:
     model.eval()
     loss = workload.loss(model(data[0]), data[1]).item()
     model.train()
     return loss
 
 
-def train(job: dict[str, Any], workload: workloads.Teacher, model: nn.Module, built: tuple) -> dict[str, Any]:
+def train(job: dict[str, Any], workload: HeldOutWorkload, model: nn.Module, built: tuple) -> dict[str, Any]:
     """The training loop: the clock starts after the warm-up steps and pauses for the held-out losses."""
     from ddpkit.distributed import comm_stats
 
@@ -170,7 +171,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     init = f"tcp://{job['master']}:{PORT}"
     timeout = timedelta(seconds=job["pg_timeout"])
     dist.init_process_group("gloo", init_method=init, rank=job["rank"], world_size=2, timeout=timeout)
-    workload = workloads.workload("teacher", job["quick"])
+    workload = workloads.workload(job["workload"], job["quick"])
     model = workload.model(job["seed"])
     done = train(job, workload, model, build(job["config"], model, job["lr"]))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -197,7 +198,8 @@ def run_config(name: str, args: argparse.Namespace, hosts: netns.Hosts | None, w
     commands, envs, outs = [], [], []
     for rank in range(2):
         out = os.path.join(workdir, f"{name}.{rank}.json")
-        job = {k: getattr(args, k) for k in ("steps", "warmup", "eval_every", "batch", "lr", "seed", "pg_timeout")}
+        keys = ("steps", "warmup", "eval_every", "batch", "lr", "seed", "pg_timeout", "workload")
+        job = {k: getattr(args, k) for k in keys}
         job.update(config=name, rank=rank, quick=args.quick, out=out)
         job["master"] = hosts.addresses[0] if hosts else "127.0.0.1"
         prefix = hosts.prefix(rank) if hosts else []
@@ -241,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in progress(names, desc="slowmo_link"):
             rows.append(summarise(name, run_config(name, args, hosts, workdir)))
     link = "loopback, no shaping" if args.loopback else hosts.describe()  # type: ignore[union-attr]
-    return {"workload": workloads.workload("teacher", args.quick).describe(), "link": link, "rows": rows}
+    return {"workload": workloads.workload(args.workload, args.quick).describe(), "link": link, "rows": rows}
 
 
 # -- the table and the plot ------------------------------------------------------------------------------------------
@@ -308,6 +310,7 @@ def result_name(args: argparse.Namespace) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    parser.add_argument("--workload", default="teacher", choices=["teacher", "gpt"], help="what to train")
     parser.add_argument("--steps", type=int, default=240, help="a multiple of 48 keeps every period whole")
     parser.add_argument("--warmup", type=int, default=12, help="steps before the clock starts")
     parser.add_argument("--eval-every", type=int, default=24, help="steps between held-out losses")

@@ -136,6 +136,12 @@ def test_adamw_uses_torchs_default_weight_decay():
 # every model x data pair: True when it trains (test_train_checks.py runs each), else the start of the reason it
 # is refused before any process starts
 MATRIX: dict[tuple[str, str], bool | str] = {
+    ("gpt", "text"): True,
+    ("gpt", "digits"): "--model gpt reads byte sequences",
+    ("gpt", "mnist"): "--model gpt reads byte sequences",
+    ("gpt", "synthetic"): "--model gpt reads byte sequences",
+    ("mlp", "text"): "--model mlp classifies",
+    ("cnn", "text"): "--model cnn classifies",
     ("mlp", "digits"): True,
     ("mlp", "mnist"): True,
     ("mlp", "synthetic"): True,

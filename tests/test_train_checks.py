@@ -147,6 +147,8 @@ def test_every_accepted_model_and_data_pair_trains(tmp_path):
             cfg = dataclasses.replace(cfg, data_dir=str(tmp_path / "mnist"))
         if data == "synthetic":
             cfg = dataclasses.replace(cfg, synthetic_features=64)  # a square: 1x8x8 for the CNN
+        if model == "gpt":  # a tiny GPT for a few steps: an epoch of the stdlib's text is far too long here
+            cfg = dataclasses.replace(cfg, gpt_layers=1, gpt_width=32, gpt_heads=2, context=32, max_steps=3)
         cfgs.append(cfg)
     cfgs[-1] = dataclasses.replace(cfgs[-1], out=str(tmp_path / "out"), epochs=2)
     for cfg in cfgs:

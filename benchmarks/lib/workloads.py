@@ -2,7 +2,7 @@
 
 A workload is plain data (picklable), so a benchmark can hand it to spawned ranks, and is built again inside each
 rank from its fields. Add one by writing a class with ``describe``, ``model``, ``batches`` and ``loss`` and
-registering a factory in `WORKLOADS` (``"gpt"`` is meant to wrap ``ddpkit.train.gpt`` once that module exists).
+registering a factory in `WORKLOADS`; ``"gpt"`` is ddpkit's byte-level GPT on the standard library's source.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -129,9 +129,68 @@ def digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
     return as_x(x_train), as_y(y_train), as_x(x_test), as_y(y_test)
 
 
+HELD_OUT_WINDOWS = 128
+
+
+@lru_cache(maxsize=2)
+def _stdlib_text(context: int) -> tuple[Any, Any]:
+    from ddpkit.train.text import text
+
+    return text(context)
+
+
+@dataclass(frozen=True)
+class GPTText:
+    """ddpkit's byte-level GPT (`ddpkit.train.gpt`) on windows of the standard library's source
+    (`ddpkit.train.text`): each rank draws its windows at random from the training files with its own seed;
+    ``held_out`` is the first `n` windows of the held-out set (spread evenly over the held-out files)."""
+
+    layers: int = 6
+    width: int = 384
+    heads: int = 6
+    context: int = 128
+    name: str = "gpt"
+
+    def _config(self) -> Any:
+        from ddpkit.train.gpt import GPTConfig
+
+        return GPTConfig(self.layers, self.width, self.heads, self.context)
+
+    def describe(self) -> str:
+        from ddpkit.train.gpt import parameter_count
+
+        shape = f"{self.layers} layers x {self.width}, {self.heads} heads, context {self.context}"
+        return f"byte GPT ({shape}; {parameter_count(self._config()):,} parameters) on stdlib source"
+
+    def model(self, seed: int) -> nn.Module:
+        from ddpkit.train.gpt import gpt
+
+        torch.manual_seed(seed)
+        return gpt(self._config())
+
+    def batches(self, seed: int, rank: int, count: int, batch: int) -> list[Batch]:
+        train, _ = _stdlib_text(self.context)
+        g = torch.Generator().manual_seed(seed * 1000 + rank)
+        picks = torch.randint(0, len(train), (count, batch), generator=g)
+        return [_stack([train[int(i)] for i in row]) for row in picks]
+
+    def held_out(self, seed: int, n: int) -> Batch:
+        """At most `HELD_OUT_WINDOWS` windows (16 KB at context 128): a GPT's forward pass is costly on a CPU."""
+        _, held = _stdlib_text(self.context)
+        return _stack([held[i] for i in range(min(n, len(held), HELD_OUT_WINDOWS))])
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.flatten(0, -2), target.flatten())
+
+
+def _stack(items: list[Batch]) -> Batch:
+    return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
 WORKLOADS: dict[str, Callable[[bool], Workload]] = {
     "mlp": lambda quick: Regression((64, 128, 128, 64)) if quick else Regression(),
     "teacher": lambda quick: Teacher((32, 64, 64, 10), teacher_width=16) if quick else Teacher(),
+    "gpt": lambda quick: GPTText(1, 32, 2, 32) if quick else GPTText(),
 }
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torch import nn
+import torch
 
-from ddpkit.distributed.agreement import check_same_across_ranks, parameter_settings
+from ddpkit.distributed.agreement import canonical, check_same_across_ranks, parameter_settings
 from ddpkit.train.config import TrainConfig, flag
-from ddpkit.train.data import Data
 from ddpkit.train.strategies import optimizer_arguments
+from ddpkit.train.workload import Workload
 
 PER_MACHINE = ("data_dir", "out", "progress", "node_rank", "master_addr", "master_port", "timeout")
 
@@ -33,18 +33,28 @@ def agreed_settings(cfg: TrainConfig, backend: str) -> dict[str, Any]:
     return settings
 
 
-def data_settings(data: Data) -> str:
+def _sample_shapes(dataset: Any) -> str:
+    """The shapes and dtypes of a dataset's first sample (tensors, or a tuple of them), '' when it has none."""
+    if len(dataset) == 0:
+        return ""
+    sample = dataset[0]
+    parts = sample if isinstance(sample, tuple | list) else (sample,)
+    return ", ".join(canonical(p) if not torch.is_tensor(p) or p.numel() > 1 else str(p.dtype) for p in parts)
+
+
+def data_settings(work: Workload) -> str:
+    """The data's sizes and the first sample's shapes: equal on every rank that reads the same data."""
     return (
-        f"{len(data.train)} training and {len(data.test)} test samples, {data.num_features} features, "
-        f"{data.num_classes} classes, image shape {data.image_shape}"
+        f"{len(work.train)} training and {len(work.heldout)} held-out samples, first sample "
+        f"({_sample_shapes(work.train)})"
     )
 
 
-def check_job_agrees(cfg: TrainConfig, backend: str, data: Data, module: nn.Module) -> None:
+def check_job_agrees(cfg: TrainConfig, backend: str, work: Workload) -> None:
     """Raises `RanksDisagree` on every rank, naming the settings and ranks, unless all ranks agree (a collective:
     call it on every rank, after joining and before building the strategy)."""
     settings = agreed_settings(cfg, backend)
-    settings["data"] = data_settings(data)
+    settings["data"] = data_settings(work)
     settings["optimizer arguments"] = optimizer_arguments(cfg)
-    entries = [*settings.items(), *(("model " + key, value) for key, value in parameter_settings(module))]
+    entries = [*settings.items(), *(("model " + key, value) for key, value in parameter_settings(work.module))]
     check_same_across_ranks(entries, what="ddpkit train")

@@ -20,8 +20,9 @@ else:  # pragma: no cover
 STRATEGIES = ("ddp", "oss", "sharded", "slowmo")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
-DATASETS = ("digits", "mnist", "synthetic")
-MODELS = ("mlp", "cnn")
+DATASETS = ("digits", "mnist", "synthetic", "text")  # or PACKAGE.MODULE:FACTORY (ddpkit.train.factories)
+MODELS = ("mlp", "cnn", "gpt")  # or PACKAGE.MODULE:FACTORY
+LOSSES = ("cross_entropy", "mse")
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
@@ -52,6 +53,13 @@ class TrainConfig:
     model: str = "mlp"
     hidden: int = 256
     depth: int = 2
+    loss: str | None = None  # cross_entropy | mse; None: the model factory's loss, else cross_entropy
+    max_steps: int | None = None  # stop after this many optimizer steps, whatever --epochs says
+    # --model gpt (ddpkit.train.gpt) and --data text (ddpkit.train.text)
+    gpt_layers: int = 6
+    gpt_width: int = 384
+    gpt_heads: int = 6
+    context: int = 128  # bytes per window of --data text, and the GPT's context
     # SlowMo
     slowmo_momentum: float = 0.5
     slowmo_lr: float = 1.0
@@ -153,6 +161,7 @@ def check_number(name: str, value: float, low: float, high: float = math.inf, *,
 INT_MINIMA = {"grad_accum": 1, "epochs": 1, "batch_size": 1, "nproc_per_node": 1, "nnodes": 1, "hidden": 1}
 INT_MINIMA |= {"depth": 1, "slowmo_frequency": 1, "localsgd_frequency": 1, "synthetic_samples": 1}
 INT_MINIMA |= {"synthetic_features": 1, "synthetic_classes": 2, "node_rank": 0, "seed": 0}
+INT_MINIMA |= {"gpt_layers": 1, "gpt_width": 1, "gpt_heads": 1, "context": 1}
 # (low, high, open_low): every float setting, checked finite
 FLOAT_RANGES = {"lr": (0.0, math.inf, True), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False)}
 FLOAT_RANGES |= {"timeout": (0.0, math.inf, True), "slowmo_momentum": (0.0, 1.0, False)}
@@ -171,8 +180,6 @@ def validate(cfg: TrainConfig) -> None:
         ("strategy", STRATEGIES),
         ("optimizer", OPTIMIZERS),
         ("amp", AMP_MODES),
-        ("data", DATASETS),
-        ("model", MODELS),
         ("backend", BACKENDS),
     ):
         _choice(name, getattr(cfg, name), allowed)
@@ -185,6 +192,11 @@ def validate(cfg: TrainConfig) -> None:
             check_number(name, getattr(cfg, name), low, high, open_low=open_low)
     if cfg.nprocs_per_node_slowmo is not None:
         check_int("nprocs_per_node_slowmo", cfg.nprocs_per_node_slowmo, 1)
+    if cfg.max_steps is not None:
+        check_int("max_steps", cfg.max_steps, 1)
+    from ddpkit.train.workload import validate_workload  # imports the models: only once the flags are sound
+
+    validate_workload(cfg)
     if cfg.node_rank >= cfg.nnodes:
         raise ValueError(f"--node-rank {cfg.node_rank} must be smaller than --nnodes {cfg.nnodes}")
     if cfg.master_port is not None and not 0 < cfg.master_port < 65536:
