@@ -15,7 +15,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.distributed.launch import LaunchError, Placement, join, leave, pick_backend
+from ddpkit.distributed import shared_memory
+from ddpkit.distributed.launch import (
+    LaunchError,
+    Placement,
+    debug_mode,
+    explain_failure,
+    guard_rank,
+    join,
+    leave,
+    pick_backend,
+)
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar
 from ddpkit.train.checkpoint import load_checkpoint
@@ -136,7 +146,10 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
     """Joins, trains and leaves; any failure ends this process with a message naming the rank.
 
     A crash inside torch's C++ (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to stderr, so the
-    report says where the process was."""
+    report says where the process was. SIGTERM, SIGHUP or the launcher's death end the rank at once
+    (`guard_rank`); shared-memory files it created are removed on every way out."""
+    guard_rank(f"rank {placement.rank}", shared_memory.remove_own_files)
+    shared_memory.sweep_stale(min_age=0)  # what a killed job on this host left, whatever this job's strategy
     faulthandler.enable()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.nproc_per_node, 1)))
     backend = pick_backend(cfg.backend)
@@ -147,10 +160,10 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
         print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as exc:
-        if os.environ.get("DDPKIT_DEBUG"):
+        if debug_mode():
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"ddpkit: rank {placement.rank} failed: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+        print(f"ddpkit: rank {placement.rank} failed: {explain_failure(exc, cfg.timeout)}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
+        shared_memory.remove_own_files()
         leave()
