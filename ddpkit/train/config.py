@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -65,6 +64,9 @@ class TrainConfig:
     out: str | None = None
     resume: bool = False
     progress: bool = True
+    keep: int = 2  # checkpoints kept (the newest)
+    checkpoint_every: int | None = None  # also checkpoint every N optimizer steps (besides every epoch)
+    debug: bool = False  # tracebacks and torch's C++ stack traces (as DDPKIT_DEBUG=1)
 
     @property
     def world_size(self) -> int:
@@ -117,6 +119,9 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("slowmo_frequency", "localsgd_frequency", "synthetic_samples", "synthetic_features"):
         _at_least(name, getattr(cfg, name), 1)
     _at_least("synthetic_classes", cfg.synthetic_classes, 2)
+    _at_least("keep", cfg.keep, 1)
+    if cfg.checkpoint_every is not None:
+        _at_least("checkpoint_every", cfg.checkpoint_every, 1)
     _at_least("node_rank", cfg.node_rank, 0)
     if cfg.node_rank >= cfg.nnodes:
         raise ValueError(f"--node-rank {cfg.node_rank} must be smaller than --nnodes {cfg.nnodes}")
@@ -163,15 +168,14 @@ def _validate_combinations(cfg: TrainConfig) -> None:
 
 
 def _check_resumable(cfg: TrainConfig) -> None:
-    meta_path = os.path.join(cfg.out or "", "checkpoint", "meta.json")
     if cfg.node_rank != 0:
         return  # only rank 0's machine holds the shared part of the checkpoint
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"--resume: no checkpoint in {os.path.dirname(meta_path)}")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta["world_size"] != cfg.world_size or meta["strategy"] != cfg.strategy:
-        raise ValueError(
-            f"--resume: the checkpoint was written by --strategy {meta['strategy']} on {meta['world_size']} "
-            f"processes; resume with the same (got {cfg.strategy} on {cfg.world_size})"
+    from ddpkit.train import checkpoint_files
+
+    folder = checkpoint_files.latest(cfg.out or "")
+    if folder is None:
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint in {checkpoint_files.checkpoint_root(cfg.out or '')}"
         )
+    manifest = checkpoint_files.read_marker(folder)
+    checkpoint_files.resume_notes(manifest, checkpoint_files.run_settings(cfg))  # raises if it cannot continue

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.distributed import shared_memory
 from ddpkit.distributed.launch import (
@@ -29,10 +28,12 @@ from ddpkit.distributed.launch import (
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar
 from ddpkit.train.checkpoint import load_checkpoint
+from ddpkit.train.checkpoint_files import run_settings
 from ddpkit.train.config import TrainConfig
 from ddpkit.train.data import Data, digits, mnist, synthetic
 from ddpkit.train.models import mlp, small_cnn
 from ddpkit.train.report import format_summary, gather_digests, gather_per_rank, peak_memory_mb, write_metrics
+from ddpkit.train.sampler import ResumableSampler
 from ddpkit.train.strategies import build_strategy
 from ddpkit.train.trainer import Trainer
 
@@ -60,7 +61,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     device = torch.device("cuda", placement.local_rank) if backend == "nccl" else torch.device("cpu")
     data = load_data(cfg)
     strategy = build_strategy(cfg, build_model(cfg, data).to(device), device)
-    sampler = DistributedSampler(data.train, placement.world_size, placement.rank, shuffle=True, seed=cfg.seed)
+    sampler = ResumableSampler(data.train, placement.world_size, placement.rank, seed=cfg.seed)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
     recorder = MetricsRecorder(DataLoader(data.test, batch_size=512))
     steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)
@@ -69,8 +70,12 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
         ProgressBar(cfg.epochs * steps_per_epoch, placement.rank, placement.world_size, label, cfg.progress),
         recorder,
     ]
+    settings = run_settings(cfg)
     if cfg.out:
-        callbacks.append(Checkpointer(cfg.out, strategy))
+        every, size = cfg.checkpoint_every, len(data.train)
+        callbacks.append(
+            Checkpointer(cfg.out, strategy, recorder, settings, keep=cfg.keep, every=every, epoch_size=size)
+        )
     trainer = Trainer(
         strategy.model,
         strategy.optimizer,
@@ -82,7 +87,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     )
     if cfg.resume:
         assert cfg.out is not None
-        trainer.state = load_checkpoint(cfg.out, strategy)
+        trainer.state = load_checkpoint(cfg.out, strategy, settings)
     start = time.perf_counter()
     trainer.fit(cfg.epochs)
     wall = time.perf_counter() - start
@@ -103,10 +108,8 @@ def summarize(
     """The run's figures, gathered over ranks (a collective)."""
     steps = recorder.steps
     sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
-    sent_total = gather_per_rank(sum(r.sent_bytes for r in steps))
     shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
-    samples = gather_per_rank(sum(r.samples for r in steps))
-    walls = gather_per_rank(wall)
+    totals = recorder.totals()  # the whole run, across resumes
     memory = gather_per_rank(peak_memory_mb())
     digests = gather_digests(getattr(trainer.model, "module", trainer.model))
     accuracy, test_loss = trainer.evaluate(recorder.test_loader)
@@ -119,10 +122,10 @@ def summarize(
         "test_accuracy": accuracy,
         "test_loss": test_loss,
         "train_loss": steps[-1].loss if steps else float("nan"),
-        "wall_seconds": max(walls),
-        "samples_per_second": sum(samples) / max(max(walls), 1e-9),
+        "wall_seconds": totals["wall_seconds"],
+        "samples_per_second": totals["samples"] / max(totals["wall_seconds"], 1e-9),
         "sent_bytes_per_step": statistics.fmean(sent_per_step),
-        "sent_bytes_total": sum(sent_total),
+        "sent_bytes_total": totals["sent_bytes"],
         "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
         "peak_memory_mb": memory,
         "replicas_equal": len(set(digests)) == 1,
