@@ -370,18 +370,23 @@ def _set_parent_death_signal(sig: int) -> bool:
 def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
     """Makes this rank end, never linger, when it is told to stop or its launcher is gone.
 
-    SIGTERM and SIGHUP are blocked in every thread but one watcher (so they are acted on even while the main
-    thread waits inside a collective, where Python's own handlers never run); the watcher runs `cleanup`, says
-    why and exits with 128 + the signal. The parent's death sends SIGTERM (PR_SET_PDEATHSIG on Linux), and the
-    watcher also checks every `PARENT_POLL_SECONDS` that the parent still runs. Call it first thing in the rank,
-    before torch starts its threads (they inherit the blocked signals).
+    SIGTERM and SIGHUP get a handler whose C part, in whatever thread the signal lands, writes the signal's number
+    to a pipe (``signal.set_wakeup_fd``); a watcher thread reads it, so the signal is acted on even while the main
+    thread waits inside a collective, where Python handlers never run. The watcher runs `cleanup`, says why and
+    exits with 128 + the signal. The parent's death sends SIGTERM (PR_SET_PDEATHSIG on Linux), and the watcher
+    also checks every `PARENT_POLL_SECONDS` that the parent still runs. Call it from the main thread.
     """
     import multiprocessing
+    import select
 
     spawner = multiprocessing.parent_process()  # set in processes `spawn` started; None under torchrun
     parent = spawner.pid if spawner is not None and spawner.pid is not None else os.getppid()
-    caught = {signal.SIGTERM, signal.SIGHUP}
-    signal.pthread_sigmask(signal.SIG_BLOCK, caught)
+    caught = (signal.SIGTERM, signal.SIGHUP)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    for sig in caught:
+        signal.signal(sig, lambda signum, frame: None)  # the watcher acts; the main thread goes on meanwhile
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     _set_parent_death_signal(signal.SIGTERM)
 
     def finish(code: int, why: str) -> None:
@@ -393,12 +398,14 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
 
     def watch() -> None:
         while True:
-            sig = signal.sigtimedwait(caught, PARENT_POLL_SECONDS)
-            if sig is not None:
-                gone = os.getppid() != parent
-                why = "its launcher is gone" if gone else f"{signal.Signals(sig.si_signo).name} received"
-                finish(128 + sig.si_signo, why)
-            if os.getppid() != parent:
+            ready, _, _ = select.select([read_end], [], [], PARENT_POLL_SECONDS)
+            numbers = [n for n in (os.read(read_end, 64) if ready else b"") if n in caught]
+            gone = os.getppid() != parent
+            if numbers:
+                finish(
+                    128 + numbers[0], "its launcher is gone" if gone else f"{signal.Signals(numbers[0]).name} received"
+                )
+            if gone:
                 finish(1, "its launcher is gone")
 
     if os.getppid() != parent:  # the parent ended before the death signal was armed
