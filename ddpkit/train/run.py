@@ -25,7 +25,9 @@ from ddpkit.distributed.launch import (
     leave,
     pick_backend,
 )
+from ddpkit.distributed.objects import broadcast_object
 from ddpkit.nn import SlowMoDistributedDataParallel
+from ddpkit.train import checkpoint_files
 from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar
 from ddpkit.train.checkpoint import load_checkpoint
 from ddpkit.train.checkpoint_files import run_settings
@@ -85,7 +87,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
         scaler=strategy.scaler,
         callbacks=callbacks,
     )
-    if cfg.resume:
+    if cfg.resume or resume_elastic(cfg, placement):
         assert cfg.out is not None
         trainer.state = load_checkpoint(cfg.out, strategy, settings)
     start = time.perf_counter()
@@ -100,6 +102,18 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
             for path in write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows()):
                 print(f"wrote {path}")
     return summary
+
+
+def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
+    """Whether this torchrun job restarts with fault tolerance (``--max-restarts`` > 0, or already restarted) and
+    --out holds a complete checkpoint, as rank 0 sees it (a collective): then every rank resumes from it."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) + int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    if not cfg.out or restarts == 0:
+        return False
+    found = checkpoint_files.latest(cfg.out) is not None if placement.rank == 0 else None
+    return bool(broadcast_object(found, 0))
 
 
 def summarize(
