@@ -203,6 +203,12 @@ def test_keep_checkpoint_every_and_resume_at_another_world_size_strategy_and_lr(
         final = torch.load(latest_checkpoint(out) / "shared.pt", weights_only=False)
         assert [g["lr"] for g in final["optimizer"]["param_groups"]] == [0.02]
         assert final["trainer"]["step"] == 50 and final["trainer"]["epoch"] == 1
+    carried = torch.load(first / "checkpoint" / "step-00000040" / "shared.pt", weights_only=False)
+    totals = carried["trainer"]["carried"]["totals"]  # the first run's, up to step 40
+    assert totals["samples"] == 40 * 16 * 2 and totals["sent_bytes"] > 0 and totals["wall_seconds"] > 0
+    summary = json.loads((tmp_path / "ddp" / "metrics.json").read_text())["summary"]  # ddp sends nothing on 1 rank
+    assert summary["sent_bytes_total"] == totals["sent_bytes"] and summary["wall_seconds"] > totals["wall_seconds"]
+    assert summary["samples_per_second"] == pytest.approx((totals["samples"] + remaining) / summary["wall_seconds"])
     a, b = (torch.load(latest_checkpoint(tmp_path / s) / "shared.pt", weights_only=False)["model"] for s in jobs)
     for name in a:  # OSS's fused Adam against torch's foreach Adam: the same update up to rounding
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)

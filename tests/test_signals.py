@@ -14,13 +14,18 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from test_train_cli import DDPKIT, LONG_RUN, wait_for, wait_gone, workers
 
+from ddpkit.distributed.env import job_timeout
+from ddpkit.distributed.groups import make_node_groups
 from ddpkit.distributed.launch import explain_failure
-from ddpkit.distributed.shared_memory import SHM_DIR, pid_namespace
+from ddpkit.distributed.shared_memory import SHM_DIR, SharedSegments, pid_namespace, remove_own_files
+from ddpkit.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +59,31 @@ def test_explain_failure_gives_ddpkits_cause_without_torchs_source_locations():
     exc = RuntimeError("[a/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer. This is typically caused")
     assert explain_failure(exc, 6).endswith("(a peer rank ended: killed, crashed or its machine is gone)")
     assert explain_failure(ValueError("bad"), 6) == "ValueError: bad"
+
+
+def _groups_and_segments(rank, world):
+    groups = make_node_groups(2, rank, world)
+    timeouts = {job_timeout(groups.local), job_timeout(None)}
+    if groups.master is not None:
+        timeouts.add(job_timeout(groups.master))
+    segments = SharedSegments.agree(groups.world, 1024)
+    path = None
+    if segments is not None:  # an exception between creating a segment and unlinking it leaves nothing behind
+        try:
+            segments.create(f"probe{rank}", 16, torch.float32)
+            path = segments._path(f"probe{rank}", rank)
+            raise RuntimeError("a failure while the segment exists")
+        except RuntimeError:
+            assert os.path.exists(path)
+            assert path in remove_own_files()
+    return timeouts, path is None or not os.path.exists(path), segments is not None
+
+
+def test_node_groups_inherit_the_job_timeout_and_segments_go_on_every_exit():
+    """torch gives groups made with new_group a 30-minute timeout unless told; SlowMo's must fail with the job's."""
+    for timeouts, gone, shared in run_distributed(_groups_and_segments, 4):
+        assert timeouts == {timedelta(seconds=60)}, timeouts  # run_distributed's default pg_timeout
+        assert gone and shared
 
 
 @pytest.mark.parametrize("pair", [("ddp", "slowmo"), ("oss", "sharded")])
