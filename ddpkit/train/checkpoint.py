@@ -64,23 +64,24 @@ def _agree(error: str | None) -> None:
         raise CheckpointError(first)
 
 
-def save_checkpoint(out: str, strategy: Strategy, state: TrainerState, settings: dict[str, Any], keep: int = 2) -> str:
-    """Writes and commits the checkpoint of step ``state.step`` (a collective); returns its folder."""
+def _write_files(folder: str, strategy: Strategy, state: TrainerState) -> tuple[dict[str, str], str | None]:
+    """This rank's files of the checkpoint in `folder` (collectives first: every rank calls it): their names and
+    SHA-256, and the error that stopped the writing, if any."""
     rank, slowmo = group_rank(), _is_slowmo(strategy)
     optimizer_state = None if slowmo else _optimizer_state(strategy.optimizer)
     slow_state = strategy.model.slowmo_state_dict() if slowmo else None
     scaler = strategy.scaler.state_dict() if strategy.scaler is not None else None
-    folder = os.path.join(files.checkpoint_root(out), files.folder_name(state.step))
     written: dict[str, str] = {}
-    error = None
     try:
         if slowmo or rank == 0:
             os.makedirs(folder, exist_ok=True)
         if slowmo:
-            mine = {"model": strategy.module.state_dict(), "optimizer": strategy.optimizer.state_dict()}
-            written[files.rank_file(rank)] = files.save_file(
-                {**mine, "scaler": scaler}, os.path.join(folder, files.rank_file(rank))
-            )
+            mine = {
+                "model": strategy.module.state_dict(),
+                "optimizer": strategy.optimizer.state_dict(),
+                "scaler": scaler,
+            }
+            written[files.rank_file(rank)] = files.save_file(mine, os.path.join(folder, files.rank_file(rank)))
         if rank == 0:
             if os.path.exists(os.path.join(folder, files.MARKER)):
                 os.unlink(os.path.join(folder, files.MARKER))  # this folder is being rewritten: not committed now
@@ -92,21 +93,36 @@ def save_checkpoint(out: str, strategy: Strategy, state: TrainerState, settings:
                 "trainer": dataclasses.asdict(state),
             }
             written[files.SHARED] = files.save_file(shared, os.path.join(folder, files.SHARED))
-    except (CheckpointError, OSError) as exc:
-        error = str(exc) if isinstance(exc, CheckpointError) else f"cannot write {folder}: {exc}"
-    reports = gather_objects((written, error), dst=0)
+    except CheckpointError as exc:
+        return written, str(exc)
+    except OSError as exc:
+        return written, f"cannot write {folder}: {exc}"
+    return written, None
+
+
+def _commit(folder: str, reports: list[tuple[dict[str, str], str | None]], manifest: dict[str, Any]) -> str | None:
+    """Rank 0: writes the marker once every rank reported its files written; the first error otherwise."""
+    failed = next((error for _, error in reports if error is not None), None)
+    if failed is not None:
+        return failed
+    try:
+        files.write_marker(folder, {**manifest, "files": {k: v for w, _ in reports for k, v in w.items()}})
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def save_checkpoint(out: str, strategy: Strategy, state: TrainerState, settings: dict[str, Any], keep: int = 2) -> str:
+    """Writes and commits the checkpoint of step ``state.step`` (a collective), keeps the newest `keep`; returns
+    its folder. Raises the same CheckpointError on every rank if any rank could not write its file."""
+    folder = os.path.join(files.checkpoint_root(out), files.folder_name(state.step))
+    reports = gather_objects(_write_files(folder, strategy, state), dst=0)
     decision: tuple[str | None, list[str]] = (None, [])
-    if rank == 0:
+    if group_rank() == 0:
         assert reports is not None
-        failed = next((e for _, e in reports if e is not None), None)
-        if failed is None:
-            manifest = {"epoch": state.epoch, "step": state.step, "epoch_samples": state.epoch_samples,
-                        "world_size": group_size(), "strategy": strategy.name, "settings": settings,
-                        "files": {k: v for w, _ in reports for k, v in w.items()}}  # fmt: skip
-            try:
-                files.write_marker(folder, manifest)
-            except CheckpointError as exc:
-                failed = str(exc)
+        manifest = {"epoch": state.epoch, "step": state.step, "epoch_samples": state.epoch_samples,
+                    "world_size": group_size(), "strategy": strategy.name, "settings": settings}  # fmt: skip
+        failed = _commit(folder, reports, manifest)
         kept = [os.path.basename(f) for _, f in files.committed(out)][-keep:] if failed is None else []
         decision = (failed, kept)
     failed, kept = broadcast_object(decision, 0)

@@ -20,12 +20,12 @@ from ddpkit.distributed.launch import (
     Placement,
     debug_mode,
     explain_failure,
-    guard_rank,
     join,
     leave,
     pick_backend,
 )
 from ddpkit.distributed.objects import broadcast_object
+from ddpkit.distributed.rank_guard import guard_rank
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train import checkpoint_files
 from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar
