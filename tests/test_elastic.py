@@ -32,7 +32,7 @@ STEPS_AT_TWO = 45  # digits: 1,437 samples, 719 per rank, batches of 16
 def torchrun(host, address, out, epochs):
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1"]
     args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.78.0.1:29400", "--rdzv-id", "elastic-test"]
-    args += ["--rdzv-conf", f"last_call_timeout=5,is_host={int(host)}", "--local-addr", address]
+    args += ["--rdzv-conf", f"last_call_timeout=10,is_host={int(host)}", "--local-addr", address]
     args += ["--max-restarts", "3", "-m", "ddpkit", "train", *TRAINING, "--epochs", epochs, "--out", out]
     return args
 
@@ -51,6 +51,8 @@ def test_a_lost_host_leaves_the_job_running_on_the_other(tmp_path, procs, two_ho
     b = procs(["ip", "netns", "exec", host_b, *torchrun(False, "10.78.0.2", out, 2)], "hostB")
     a = procs(["ip", "netns", "exec", host_a, *torchrun(True, "10.78.0.1", out, 2)], "hostA")
     wait_for(out / "checkpoint" / "step-0000001[05]" / "COMMIT.json", [a, b], timeout=240)
+    first = json.loads(sorted((out / "checkpoint").glob("step-*/COMMIT.json"))[0].read_text())
+    assert first["world_size"] == 2, "the first rendezvous round did not gather both hosts"
     pids = subprocess.run(["ip", "netns", "pids", host_b], capture_output=True, text=True).stdout.split()
     for pid in pids:  # every process of host B: its torchrun agent and its rank
         subprocess.run(["kill", "-9", pid])
