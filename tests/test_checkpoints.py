@@ -95,8 +95,8 @@ def test_resume_policy_continues_or_refuses_with_the_reason():
     with pytest.raises(ValueError, match="cannot continue as --strategy slowmo"):
         files.resume_notes(manifest, {**SETTINGS, "strategy": "slowmo"})
     slowmo = {**manifest, "strategy": "slowmo"}
-    with pytest.raises(ValueError, match="resume on 2 processes"):
-        files.resume_notes(slowmo, {**SETTINGS, "strategy": "slowmo", "world_size": 4})
+    notes = files.resume_notes(slowmo, {**SETTINGS, "strategy": "slowmo", "world_size": 4})
+    assert "every rank starts from the mean of the 2 saved SlowMo replicas and optimizer states" in notes[-1]
 
 
 def test_resumable_sampler_skips_what_was_consumed_at_any_world_size():
@@ -278,3 +278,29 @@ def test_an_unreadable_checkpoint_does_not_start_processes(tmp_path):
     proc = Proc([*DDPKIT, "train", *TRAIN, "--resume", "--out", out], tmp_path, "marker")
     result = proc.wait(120)
     assert result.returncode == 1 and f"checkpoint marker {folder / files.MARKER} is corrupt" in result.stderr
+
+
+def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replicas(tmp_path):
+    """SlowMo's replicas differ between ranks at the checkpoint (45 steps, averaging every 4); resumed on 1 rank
+    without training further, the model is exactly the mean of the 2 saved replicas and the slow buffers are kept."""
+    from ddpkit.train.checkpoint import mean_state
+    from ddpkit.train.models import mlp
+    from ddpkit.train.report import parameter_digest
+
+    out = tmp_path / "out"
+    flags = [*TRAIN, "--strategy", "slowmo", "--slowmo-frequency", "8", "--localsgd-frequency", "4", "--out", out]
+    result = run([*DDPKIT, "train", *flags], 240, tmp_path, "two")
+    assert result.returncode == 0, str(result)
+    folder = latest_checkpoint(out)
+    saved = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert any(not torch.equal(saved[0]["model"][k], saved[1]["model"][k]) for k in saved[0]["model"])
+    result = run([*DDPKIT, "train", *flags, "--nproc-per-node", "1", "--resume"], 240, tmp_path, "one")
+    assert result.returncode == 0, str(result)
+    assert "every rank starts from the mean of the 2 saved SlowMo replicas" in result.stderr, str(result)
+    model = mlp(64, 10, 256, 2)
+    model.load_state_dict({k: torch.stack([s["model"][k] for s in saved]).mean(0) for k in saved[0]["model"]})
+    summary = json.loads((out / "metrics.json").read_text())["summary"]
+    assert summary["parameter_digests"] == [parameter_digest(model)]  # 0 steps on 1 rank: the mean, exactly
+    mean = mean_state([s["optimizer"] for s in saved])
+    assert torch.equal(mean["state"][0]["exp_avg"], (saved[0]["optimizer"]["state"][0]["exp_avg"] +
+                                                    saved[1]["optimizer"]["state"][0]["exp_avg"]) / 2)  # fmt: skip

@@ -5,8 +5,11 @@ state in torch's format (consolidated first when sharded, so it loads at any wor
 and the trainer's counters. Under SlowMo each rank also writes its own replica and optimizer state (they differ
 between nodes), each into its own ``--out``. Rank 0 commits the folder once every rank's file is synced; the
 last `keep` committed folders stay. On resume rank 0 picks the newest committed folder, verifies and reads it and
-sends it to the others; each SlowMo rank verifies and reads its own file. Saving and loading are collectives:
-every rank calls them, and a failure on any rank (a full disk, a corrupt file) raises the same error on every rank.
+sends it to the others; each SlowMo rank verifies and reads its own file. A SlowMo job resumed at another world
+size (every rank file then in rank 0's ``--out``) starts every rank from the mean of the saved replicas and
+optimizer states (`mean_state`: what SlowMo's next averaging makes of the parameters), with the slow buffers
+carried whole. Saving and loading are collectives: every rank calls them, and a failure on any rank (a full disk,
+a corrupt file) raises the same error on every rank.
 """
 
 from __future__ import annotations
@@ -142,7 +145,24 @@ def _read_shared(out: str, settings: dict[str, Any]) -> tuple[str, dict[str, Any
         notes = files.resume_notes(manifest, settings)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    return folder, manifest, files.load_verified(folder, files.SHARED, manifest), notes
+    shared = files.load_verified(folder, files.SHARED, manifest)
+    if manifest["strategy"] == "slowmo" and manifest["world_size"] != settings["world_size"]:
+        saved = [files.load_verified(folder, files.rank_file(r), manifest) for r in range(manifest["world_size"])]
+        shared["replica"] = mean_state(saved)
+    return folder, manifest, shared, notes
+
+
+def mean_state(states: list[Any]) -> Any:
+    """The element-wise mean of equally structured states (dicts, lists, tensors): floating-point tensors are
+    averaged in the given order (``torch.stack(...).mean(0)``), anything else is taken from the first."""
+    first = states[0]
+    if isinstance(first, dict):
+        return {key: mean_state([s[key] for s in states]) for key in first}
+    if isinstance(first, list | tuple):
+        return type(first)(mean_state(list(items)) for items in zip(*states, strict=True))
+    if isinstance(first, torch.Tensor) and first.is_floating_point():
+        return torch.stack(states).mean(0)
+    return first
 
 
 def _load_model(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: str) -> None:
@@ -191,7 +211,9 @@ def load_checkpoint(out: str, strategy: Strategy, settings: dict[str, Any]) -> T
     name = os.path.basename(folder)
     error = None
     try:
-        if slowmo:
+        if slowmo and "replica" in shared:  # another world size: the mean of the saved replicas
+            mine, where = shared["replica"], os.path.join(folder, "rank*.pt")
+        elif slowmo:
             mine_folder = os.path.join(files.checkpoint_root(out), name)
             mine = files.load_verified(mine_folder, files.rank_file(rank), manifest)
             where = os.path.join(mine_folder, files.rank_file(rank))

@@ -196,17 +196,15 @@ def resume_notes(manifest: dict[str, Any], now: dict[str, Any]) -> list[str]:
             f"--resume: {where}; SlowMo keeps a replica and optimizer state per rank and the others one for all, "
             f"so it cannot continue as --strategy {now['strategy']}. Resume with --strategy {then['strategy']}"
         )
-    if now["strategy"] == "slowmo" and then["world_size"] != now["world_size"]:
-        raise ValueError(
-            f"--resume: {where} on {then['world_size']} processes; SlowMo's per-rank replicas and optimizer states "
-            f"cannot be re-split, so resume on {then['world_size']} processes (got {now['world_size']})"
-        )
     notes = [f"resuming from step {manifest['step']} (epoch {manifest['epoch']})"]
     if then["strategy"] != now["strategy"]:
         notes.append(f"strategy {then['strategy']} -> {now['strategy']}: model and optimizer state carried over")
     if then["world_size"] != now["world_size"]:
         notes.append(f"world size {then['world_size']} -> {now['world_size']}: optimizer state re-split, "
                      "the epoch's remaining samples divided over the new ranks")  # fmt: skip
+        if now["strategy"] == "slowmo":
+            notes.append(f"every rank starts from the mean of the {then['world_size']} saved SlowMo replicas and "
+                         "optimizer states; the slow buffers are carried")  # fmt: skip
     for name in HYPERPARAMETERS:
         if then[name] is not None and now[name] is not None and then[name] != now[name]:
             notes.append(f"{name} {then[name]:g} -> {now[name]:g}: the new value takes effect")
