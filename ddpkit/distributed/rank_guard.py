@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,8 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
         while True:
             ready, _, _ = select.select([read_end], [], [], PARENT_POLL_SECONDS)
             numbers = [n for n in (os.read(read_end, 64) if ready else b"") if n in caught]
+            if numbers:  # the parent-death signal can come before this process is given its new parent
+                time.sleep(0.1)
             gone = os.getppid() != parent
             if numbers:
                 finish(
