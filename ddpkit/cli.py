@@ -147,10 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--config", help="TOML file of settings (flags override it)")
     out.add_argument(
         "--out",
-        help="folder on this machine: rank 0 writes metrics.json, steps.csv, metrics.png there, and each rank its "
-        "checkpoint file; give it on every machine or none (paths may differ)",
+        help="folder on this machine for metrics.json, steps.csv, metrics.png and checkpoints (rank 0 writes them; "
+        "with slowmo each rank also its replica); give it on every machine or none (paths may differ)",
     )
     out.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    out.add_argument("--keep", type=int, metavar="K", help="checkpoints kept, the newest")
+    out.add_argument("--checkpoint-every", type=int, metavar="N", help="also checkpoint every N steps")
+    out.add_argument("--debug", action="store_true", help="tracebacks and torch's C++ stack traces on failure")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _show_defaults(train, TRAIN_DEFAULTS)
     bench = sub.add_parser("bench", help="compare every strategy on one workload", argument_default=argparse.SUPPRESS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -78,6 +77,9 @@ class TrainConfig:
     out: str | None = None
     resume: bool = False
     progress: bool = True
+    keep: int = 2  # checkpoints kept (the newest)
+    checkpoint_every: int | None = None  # also checkpoint every N optimizer steps (besides every epoch)
+    debug: bool = False  # tracebacks and torch's C++ stack traces (as DDPKIT_DEBUG=1)
 
     @property
     def world_size(self) -> int:
@@ -161,7 +163,7 @@ def check_number(name: str, value: float, low: float, high: float = math.inf, *,
 INT_MINIMA = {"grad_accum": 1, "epochs": 1, "batch_size": 1, "nproc_per_node": 1, "nnodes": 1, "hidden": 1}
 INT_MINIMA |= {"depth": 1, "slowmo_frequency": 1, "localsgd_frequency": 1, "synthetic_samples": 1}
 INT_MINIMA |= {"synthetic_features": 1, "synthetic_classes": 2, "node_rank": 0, "seed": 0}
-INT_MINIMA |= {"gpt_layers": 1, "gpt_width": 1, "gpt_heads": 1, "context": 1}
+INT_MINIMA |= {"gpt_layers": 1, "gpt_width": 1, "gpt_heads": 1, "context": 1, "keep": 1}
 # (low, high, open_low): every float setting, checked finite
 FLOAT_RANGES = {"lr": (0.0, math.inf, True), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False)}
 FLOAT_RANGES |= {"timeout": (0.0, math.inf, True), "slowmo_momentum": (0.0, 1.0, False)}
@@ -190,10 +192,9 @@ def validate(cfg: TrainConfig) -> None:
     for name, (low, high, open_low) in FLOAT_RANGES.items():
         if getattr(cfg, name) is not None:
             check_number(name, getattr(cfg, name), low, high, open_low=open_low)
-    if cfg.nprocs_per_node_slowmo is not None:
-        check_int("nprocs_per_node_slowmo", cfg.nprocs_per_node_slowmo, 1)
-    if cfg.max_steps is not None:
-        check_int("max_steps", cfg.max_steps, 1)
+    for name in ("max_steps", "checkpoint_every", "nprocs_per_node_slowmo"):  # optional integers
+        if getattr(cfg, name) is not None:
+            check_int(name, getattr(cfg, name), 1)
     from ddpkit.train.workload import validate_workload  # imports the models: only once the flags are sound
 
     validate_workload(cfg)
@@ -281,15 +282,14 @@ def _validate_combinations(cfg: TrainConfig) -> None:
 
 
 def _check_resumable(cfg: TrainConfig) -> None:
-    meta_path = os.path.join(cfg.out or "", "checkpoint", "meta.json")
     if cfg.node_rank != 0:
         return  # only rank 0's machine holds the shared part of the checkpoint
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"--resume: no checkpoint in {os.path.dirname(meta_path)}")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta["world_size"] != cfg.world_size or meta["strategy"] != cfg.strategy:
-        raise ValueError(
-            f"--resume: the checkpoint was written by --strategy {meta['strategy']} on {meta['world_size']} "
-            f"processes; resume with the same (got {cfg.strategy} on {cfg.world_size})"
+    from ddpkit.train import checkpoint_files
+
+    folder = checkpoint_files.latest(cfg.out or "")
+    if folder is None:
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint in {checkpoint_files.checkpoint_root(cfg.out or '')}"
         )
+    manifest = checkpoint_files.read_marker(folder)
+    checkpoint_files.resume_notes(manifest, checkpoint_files.resume_settings(cfg))  # raises if it cannot continue
