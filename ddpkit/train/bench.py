@@ -63,7 +63,7 @@ def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) ->
 def _bench_process(local_rank: int, cfg: TrainConfig, port: int, steps: int, warmup: int, out: str) -> None:
     torch.set_num_threads(1)
     placement = Placement(local_rank, cfg.world_size, local_rank, "127.0.0.1", port)
-    join(placement, pick_backend(cfg.backend), cfg.timeout)
+    join(placement, pick_backend(cfg.backend, device="cpu"), cfg.timeout)
     try:
         result = _measure(cfg, steps, warmup, placement)
         if local_rank == 0:

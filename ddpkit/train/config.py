@@ -20,6 +20,7 @@ AMP_MODES = ("off", "bf16", "fp16")
 DATASETS = ("digits", "mnist", "synthetic")
 MODELS = ("mlp", "cnn")
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 
 
@@ -60,6 +61,7 @@ class TrainConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port on one machine, 29500 across machines
     backend: str = "auto"
+    device: str = "auto"  # auto: CUDA with NCCL, else CPU; "cuda" with gloo puts the model on GPUs too
     timeout: float = 60.0
     # outputs
     out: str | None = None
@@ -110,6 +112,7 @@ def validate(cfg: TrainConfig) -> None:
         ("data", DATASETS),
         ("model", MODELS),
         ("backend", BACKENDS),
+        ("device", DEVICES),
     ):
         _choice(name, getattr(cfg, name), allowed)
     for name in ("grad_accum", "epochs", "batch_size", "nproc_per_node", "nnodes", "hidden", "depth"):
@@ -127,6 +130,18 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.lr is not None and cfg.lr <= 0:
         raise ValueError(f"--lr must be positive; got {cfg.lr}")
     _validate_combinations(cfg)
+    _validate_device(cfg)
+
+
+def _validate_device(cfg: TrainConfig) -> None:
+    if cfg.backend == "nccl" and cfg.device == "cpu":
+        raise ValueError("--device cpu needs --backend gloo (NCCL communicates CUDA tensors only)")
+    if cfg.device == "cuda" or cfg.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            flag = "--device cuda" if cfg.device == "cuda" else "--backend nccl"
+            raise ValueError(f"{flag} needs CUDA, which this machine's PyTorch does not see")
 
 
 def _validate_combinations(cfg: TrainConfig) -> None:

@@ -45,9 +45,19 @@ def build_model(cfg: TrainConfig, data: Data) -> nn.Module:
     return mlp(data.num_features, data.num_classes, cfg.hidden, cfg.depth)
 
 
+def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.device:
+    """This rank's device: its own GPU with NCCL; with gloo the CPU, or with ``--device cuda`` a GPU (shared when
+    there are fewer GPUs than local processes)."""
+    if backend != "nccl" and cfg.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", placement.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any]:
     """Trains on this rank (the process group is joined) and returns the run's summary."""
-    device = torch.device("cuda", placement.local_rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(cfg, placement, backend)
     data = load_data(cfg)
     strategy = build_strategy(cfg, build_model(cfg, data).to(device), device)
     sampler = DistributedSampler(data.train, placement.world_size, placement.rank, shuffle=True, seed=cfg.seed)
@@ -104,6 +114,7 @@ def summarize(
         "strategy": cfg.strategy,
         "world_size": placement.world_size,
         "backend": backend,
+        "device": str(next(trainer.model.parameters()).device.type),
         "epochs": cfg.epochs,
         "steps": trainer.state.step,
         "test_accuracy": accuracy,
@@ -139,7 +150,7 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
     report says where the process was."""
     faulthandler.enable()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.nproc_per_node, 1)))
-    backend = pick_backend(cfg.backend)
+    backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     try:
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         return train(cfg, placement, backend)
