@@ -82,6 +82,11 @@ def save_checkpoint(out: str, strategy: Strategy, state: TrainerState) -> None:
             json.dump(meta, f)
 
 
+def _load(path: str) -> Any:
+    """Reads onto the CPU: a checkpoint written on GPUs resumes on CPUs too (loading copies into each device)."""
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 def read_meta(out: str) -> dict[str, Any]:
     with open(os.path.join(checkpoint_dir(out), "meta.json")) as f:
         return json.load(f)
@@ -91,9 +96,9 @@ def load_checkpoint(out: str, strategy: Strategy) -> TrainerState:
     """Restores every rank from the checkpoint in `out` and returns the trainer's counters (a collective)."""
     folder = checkpoint_dir(out)
     rank = group_rank()
-    shared = torch.load(os.path.join(folder, "shared.pt"), weights_only=False) if rank == 0 else None
+    shared = _load(os.path.join(folder, "shared.pt")) if rank == 0 else None
     shared = broadcast_object(shared, 0)
-    mine = torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=False)
+    mine = _load(os.path.join(folder, f"rank{rank}.pt"))
     strategy.module.load_state_dict(mine["model"])
     if strategy.scaler is not None and mine["scaler"] is not None:
         strategy.scaler.load_state_dict(mine["scaler"])
