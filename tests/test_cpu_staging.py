@@ -52,6 +52,10 @@ def _collectives_through_host_copies(rank, world):
     comm.gather(torch.full((1,), float(rank)), outputs, dst=0, is_root=rank == 0)
     out["gather"] = outputs is None or [o.item() for o in outputs] == list(range(world))
     staged("gather")
+    hooked = torch.ones(10)  # what a DDP communication hook does with the handle: get_future()
+    future = comm.all_reduce(hooked, async_op=True).get_future()
+    out["get_future"] = future.wait()[0] is hooked and torch.equal(hooked, torch.full((10,), float(world)))
+    staged("get_future")
     out["wire bytes of staging"] = comm_stats.sent_bytes("cpu_staging")
     return out, copies
 
@@ -70,5 +74,6 @@ def test_collectives_through_host_copies_give_the_same_results(world):
             "all_gather": 12 + 12 * n,
             "reduce_scatter": 8 * n + 8,
             "gather": 4 + (4 * n if rank == 0 else 0),
+            "get_future": 80,
         }
         assert copies == expected, (rank, copies)

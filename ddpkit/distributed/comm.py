@@ -16,12 +16,12 @@ CUDA tensors on gloo are staged through host memory here, by ddpkit, for every c
 point-to-point send and receive hand the tensor's raw pointer to a socket, which is only valid for host memory,
 and which of gloo's collectives accept CUDA tensors differs between torch versions. Each rank copies its CUDA
 input into a pinned host tensor (a synchronous copy: it waits for the work queued on the current stream that
-produces the tensor), runs the CPU code path above on the host copies, and copies results back to the GPU when
-the collective is waited for (queued on the then current stream, so later kernels on that stream see them). Only
-what a rank needs crosses the PCIe bus: a broadcast's source copies out, its receivers copy in; a reduce's
-senders copy out, its root copies out and back; the sum is done on the host, in rank order, as on CPU. Each copy
-is counted in `comm_stats` as kind ``cpu_staging`` (its bytes as payload, 0 on the wire). NCCL takes CUDA tensors
-directly and stages nothing.
+produces the tensor), runs the CPU code path above on the host copies, and copies the results back to the GPU
+when the collective is waited for, synchronously too, so they are in place for every stream once `wait()`
+returns. Only what a rank needs crosses the PCIe bus: a broadcast's source copies out, its receivers copy in; a
+reduce's senders copy out, its root copies out and back; the sum is done on the host, in rank order, as on CPU.
+Each copy is counted in `comm_stats` as kind ``cpu_staging`` (its bytes as payload, 0 on the wire). NCCL takes
+CUDA tensors directly and stages nothing.
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ class _HostStaging:
         return out
 
     def finish(self) -> None:
-        """Copies every result back to its device tensor (queued on the current stream)."""
+        """Copies every result back to its device tensor, synchronously: once this returns, any stream sees it."""
         for tensor, host in self._back:
-            tensor.copy_(host, non_blocking=host.is_pinned())
+            tensor.copy_(host)
             self._count(host)
         self._back = []
 
@@ -194,10 +194,14 @@ class _HostStaging:
 
 
 class _StagedWork:
-    """An async collective on host copies: `wait()` waits for it, then copies the results back to the device."""
+    """An async collective on host copies: `wait()` waits for it, then copies the results back to the device.
 
-    def __init__(self, work: Work | None, staging: _HostStaging) -> None:
-        self.work, self.staging = work, staging
+    `get_future()` (what a DDP communication hook returns) waits first, then gives a completed future of the
+    device tensors: the copies back are synchronous, so the values are in place on every stream.
+    """
+
+    def __init__(self, work: Work | None, staging: _HostStaging, outputs: list[torch.Tensor]) -> None:
+        self.work, self.staging, self.outputs = work, staging, outputs
 
     def wait(self) -> bool:
         if self.work is not None:
@@ -206,9 +210,17 @@ class _StagedWork:
         self.staging.finish()
         return True
 
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self.outputs)
+        return future
 
-def _finish_staged(work: Work | None, staging: _HostStaging, async_op: bool) -> Work | None:
-    pending = _StagedWork(work, staging)
+
+def _finish_staged(
+    work: Work | None, staging: _HostStaging, async_op: bool, outputs: list[torch.Tensor]
+) -> Work | None:
+    pending = _StagedWork(work, staging, outputs)
     if async_op:
         return pending
     pending.wait()
@@ -226,7 +238,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
         staging = _HostStaging(group)
         is_src = group_rank(group) == src
         host = staging.host(tensor, copy_in=is_src, copy_back=not is_src)
-        return _finish_staged(broadcast(host, src, group, async_op=True), staging, async_op)
+        return _finish_staged(broadcast(host, src, group, async_op=True), staging, async_op, [tensor])
     if group_size(group) > 1 and tensor.is_contiguous() and _is_gloo(group):
         pending = _broadcast_point_to_point(tensor, src, group)
         if async_op:
@@ -251,7 +263,7 @@ def reduce(
     if _staged([tensor], group):
         staging = _HostStaging(group)
         host = staging.host(tensor, copy_back=group_rank(group) == dst)
-        return _finish_staged(reduce(host, dst, group, op, async_op=True), staging, async_op)
+        return _finish_staged(reduce(host, dst, group, op, async_op=True), staging, async_op, [tensor])
     if op == dist.ReduceOp.SUM and group_size(group) > 1 and _is_gloo(group):
         pending = _reduce_point_to_point(tensor.view(-1) if tensor.is_contiguous() else tensor, dst, group)
         if async_op:
@@ -272,7 +284,7 @@ def all_reduce(
     if _staged([tensor], group):
         staging = _HostStaging(group)
         host = staging.host(tensor, copy_back=True)
-        return _finish_staged(all_reduce(host, group, op, async_op=True), staging, async_op)
+        return _finish_staged(all_reduce(host, group, op, async_op=True), staging, async_op, [tensor])
     _record("all_reduce", group, nbytes(tensor))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -284,7 +296,8 @@ def all_gather(
     if _staged([tensor, *outputs], group):
         staging = _HostStaging(group)
         host_outputs = [staging.host(t, copy_in=False, copy_back=True) for t in outputs]
-        return _finish_staged(all_gather(host_outputs, staging.host(tensor), group, True), staging, async_op)
+        work = all_gather(host_outputs, staging.host(tensor), group, True)
+        return _finish_staged(work, staging, async_op, outputs)
     _record("all_gather", group, nbytes(tensor))
     return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
 
@@ -301,7 +314,7 @@ def reduce_scatter(
         staging = _HostStaging(group)
         host_output = staging.host(output, copy_in=False, copy_back=True)
         work = reduce_scatter(host_output, [staging.host(t) for t in inputs], group, op, async_op=True)
-        return _finish_staged(work, staging, async_op)
+        return _finish_staged(work, staging, async_op, [output])
     _record("reduce_scatter", group, sum(nbytes(t) for t in inputs))
     return dist.reduce_scatter(output, inputs, op=op, group=group, async_op=async_op)
 
