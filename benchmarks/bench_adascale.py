@@ -1,4 +1,4 @@
-"""AdaScale's result, small: a batch S times larger keeps the single-worker schedule and its final loss.
+"""AdaScale: does a batch S times larger keep the single-worker schedule and its final loss, unlike linear scaling?
 
 Every run trains the same MLP (64 -> 64 -> 10, ReLU; the same initialisation) on scikit-learn's bundled 8x8
 digits (standardised, 80/20 split with a fixed seed; nothing is downloaded) with plain SGD and a step-decay
@@ -24,27 +24,26 @@ and their ratio to T / S, the final training loss (cross-entropy over the whole 
 baseline's (and the range of the gaps per seed, each against the baseline of the same seed), how many seeds
 diverged (the loss rose above twice its initial value at some point), test accuracy and the mean gain. A PNG
 plots training loss and AdaScale's gain against scale-invariant iterations.
-
-    python benchmarks/bench_adascale.py                          # the figures in benchmarks/README.md
-    python benchmarks/bench_adascale.py --seeds 1 --steps 1600   # quicker
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from benchmarks.lib import plotting
 from ddpkit.optim import AdaScale
 
+QUESTION = "adascale: does AdaScale at S = 2..16 reach the S = 1 loss in T/S steps where linear scaling does not?"
+QUICK = {"seeds": 1, "steps": 32, "points": 4}
 SCALES = (2, 4, 8, 16)
 METHODS = ("adascale", "adascale-default", "linear")
 
@@ -220,30 +219,11 @@ def summarize(runs: list[Run], steps: int) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| method | S | updates | updates / (T/S) | final train loss | vs S = 1 | per seed | diverged | test acc. "
-        "| mean gain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {r['S']} | {r['updates']:.0f} | {r['updates_over_T_over_S']:.2f} | "
-            f"{r['final_loss']:.5f} | {100 * r['gap_to_baseline']:+.1f}% | "
-            f"{100 * min(r['gap_per_seed']):+.1f}% .. {100 * max(r['gap_per_seed']):+.1f}% | "
-            f"{r['diverged']}/{len(r['gap_per_seed'])} | {r['test_accuracy']:.3f} | "
-            f"{r['mean_gain']:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(runs: list[Run], path: str, args: argparse.Namespace) -> None:
+def plot(report: dict[str, Any], out_dir: Path) -> None:
     """Top: training loss per method and scale (seed 0); bottom: AdaScale's gain / S, and the end of training."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
+    args = argparse.Namespace(**report["config"])
+    runs = [Run(**r) for r in report["figures"]["runs"]]
     seed = runs[0].seed
     titles = {
         "adascale": f"AdaScale, smoothing window {args.smoothing_window:g}",
@@ -271,8 +251,14 @@ def plot(runs: list[Run], path: str, args: argparse.Namespace) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     axes[1][0].set_ylabel("gain / S (1 = linear scaling)")
-    ax = axes[1][2]
-    half = args.steps / 2
+    _plot_end_of_training(axes[1][2], base, pick, args.steps / 2, colors[-1])
+    workload = f"digits MLP, SGD lr {args.lr:g} with step decay, base batch {args.base_batch}, T = {args.steps}"
+    fig.suptitle(plotting.title(f"{workload}, seed {seed}", "S = 1..16 simulated", report))
+    plotting.save(fig, "adascale_digits", out_dir)
+
+
+def _plot_end_of_training(ax: Any, base: Run, pick: dict[tuple[str, int], Run], half: float, color: Any) -> None:
+    """The second half of training at S = 16, every method against the baseline."""
     ax.plot(*zip(*[p for p in base.curve if p[0] >= half], strict=True), color="black", lw=2.5, label="S = 1")
     top = 1.5 * max(loss for t, loss in base.curve if t >= half)
     for method, style in (("adascale", "-"), ("adascale-default", "--"), ("linear", ":")):
@@ -281,73 +267,70 @@ def plot(runs: list[Run], path: str, args: argparse.Namespace) -> None:
         label = f"{method}, S = 16"
         if run.final_loss > top:
             label += f" (off scale: ends at {run.final_loss / base.final_loss:.0f}x)"
-        ax.plot(*zip(*curve, strict=True), style, color=colors[-1], label=label)
+        ax.plot(*zip(*curve, strict=True), style, color=color, label=label)
     ax.set(ylim=(0.9 * base.final_loss, top), title="second half of training, S = 16")
     ax.set(xlabel="scale-invariant iterations", ylabel="training loss")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    fig.suptitle(
-        f"digits MLP, SGD lr {args.lr:g} with step decay, base batch {args.base_batch}, T = {args.steps}, seed {seed}"
-    )
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=90)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=3200, help="T: S = 1 iterations (a multiple of 16)")
-    parser.add_argument("--base-batch", type=int, default=16, help="samples per micro-batch")
-    parser.add_argument("--lr", type=float, default=0.2, help="the S = 1 learning rate")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--smoothing-window", type=float, default=None, help="W for 'adascale' (default: T / 20)")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--points", type=int, default=64, help="loss evaluations per run, for the plot")
-    parser.add_argument("--plot", default="benchmarks/figures/adascale_digits.png")
-    parser.add_argument("--json", default=None, help="also write the rows and the runs here")
-    args = parser.parse_args()
-    if args.steps % 16:
-        parser.error("--steps must be a multiple of 16 (the budget is divided by S for linear scaling)")
-    if args.smoothing_window is None:
-        args.smoothing_window = args.steps / 20
-    return args
+def table(report: dict[str, Any]) -> str:
+    rows = report["figures"]["rows"]
+    lines = [
+        "| method | S | updates | updates / (T/S) | final train loss | vs S = 1 | per seed | diverged | test acc. "
+        "| mean gain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['S']} | {r['updates']:.0f} | {r['updates_over_T_over_S']:.2f} | "
+            f"{r['final_loss']:.5f} | {100 * r['gap_to_baseline']:+.1f}% | "
+            f"{100 * min(r['gap_per_seed']):+.1f}% .. {100 * max(r['gap_per_seed']):+.1f}% | "
+            f"{r['diverged']}/{len(r['gap_per_seed'])} | {r['test_accuracy']:.3f} | "
+            f"{r['mean_gain']:.2f} |"
+        )
+    return "\n".join(lines + report["figures"]["verdict"])
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(1)
-    data = load_digits_data()
-    plan = [("baseline", 1)] + [(m, s) for s in SCALES for m in METHODS]
-    runs: list[Run] = []
-    start = time.perf_counter()
-    with tqdm(total=args.seeds * len(plan) * args.steps, unit="it", unit_scale=True, desc="S=1 iterations") as bar:
-        for seed in range(args.seeds):
-            for method, scale in plan:
-                bar.set_postfix_str(f"seed {seed} {method} S={scale}")
-                runs.append(train(args, data, method, scale, seed, bar))
-    rows = summarize(runs, args.steps)
-    print(table(rows))
-    print(f"\n{len(runs)} runs in {time.perf_counter() - start:.0f} s")
+def verdict(rows: list[dict]) -> list[str]:
+    """The goal: AdaScale within 1% of the S = 1 final loss using at most 1.5 x T/S updates, at every S."""
+    out = []
     for method in ("adascale", "adascale-default"):
         mine = [r for r in rows if r["method"] == method]
         worst_gap = max(r["gap_to_baseline"] for r in mine)
         worst_updates = max(r["updates_over_T_over_S"] for r in mine)
         met = worst_gap <= 0.01 and worst_updates <= 1.5
-        print(
+        out.append(
             f"{method}: final loss at most {100 * worst_gap:+.1f}% from S = 1, at most {worst_updates:.2f} x T/S "
             f"updates -> goal (<= +1%, <= 1.5 x T/S) {'met' if met else 'NOT met'}"
         )
     linear16 = next(r for r in rows if (r["method"], r["S"]) == ("linear", 16))
-    print(f"linear scaling at S = 16: final loss {100 * linear16['gap_to_baseline']:+.1f}% vs S = 1")
-    if args.plot:
-        plot(runs, args.plot, args)
-        print(f"plot: {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "runs": [asdict(r) for r in runs]}, f, indent=1)
+    return [*out, f"linear scaling at S = 16: final loss {100 * linear16['gap_to_baseline']:+.1f}% vs S = 1"]
 
 
-if __name__ == "__main__":
-    main()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=3200, help="T: S = 1 iterations (a multiple of 16)")
+    parser.add_argument("--base-batch", type=int, default=16, help="samples per micro-batch")
+    parser.add_argument("--lr", type=float, default=0.2, help="the S = 1 learning rate")
+    parser.add_argument("--hidden", type=int, default=64, help="MLP width")
+    parser.add_argument("--smoothing-window", type=float, default=None, help="W for 'adascale' (default: T / 20)")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1, each its own data order")
+    parser.add_argument("--points", type=int, default=64, help="loss evaluations per run, for the plot")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.steps % 16:
+        raise ValueError("--steps must be a multiple of 16 (the budget is divided by S for linear scaling)")
+    if args.smoothing_window is None:
+        args.smoothing_window = args.steps / 20
+    torch.set_num_threads(1)
+    data = load_digits_data()
+    plan = [("baseline", 1)] + [(m, s) for s in SCALES for m in METHODS]
+    runs: list[Run] = []
+    with tqdm(total=args.seeds * len(plan) * args.steps, unit="it", unit_scale=True, desc="adascale") as bar:
+        for seed in range(args.seeds):
+            for method, scale in plan:
+                bar.set_postfix_str(f"seed {seed} {method} S={scale}")
+                runs.append(train(args, data, method, scale, seed, bar))
+    rows = summarize(runs, args.steps)
+    return {"rows": rows, "runs": [asdict(r) for r in runs], "verdict": verdict(rows)}

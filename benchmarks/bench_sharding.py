@@ -1,43 +1,27 @@
-"""Step time, memory and traffic of sharded data parallelism against torch DDP, on 2 gloo CPU ranks.
+"""Sharding: is ddpkit's OSS + ShardedDataParallel faster and smaller than torch DDP, torch ZeRO and fairscale?
 
-Every strategy trains the same ~8.4M-parameter MLP (1024 -> 2048 -> 2048 -> 1024, ReLU) with Adam (lr 1e-3) on
-the same synthetic data, in a fresh pair of spawned processes (so peak memory is per strategy), each rank with
-``torch.set_num_threads(1)`` (2 ranks share 2 cores). After `--warmup` untimed steps, `--steps` steps are timed:
+Every strategy trains the same MLP with Adam (lr 1e-3) on the same synthetic data, in fresh spawned gloo CPU
+processes (so peak memory is per strategy), one thread per rank, at each world size of ``--world-size``. The
+strategies run interleaved, ``--rounds`` times round-robin, so a slow spell of the machine hits them alike; each
+strategy's step time is the best and the median of its rounds. Measured per strategy and world size:
 
-* step time: wall clock of zero_grad + forward + backward + optimizer step, after a barrier (not timed) so both
-  ranks start each step together; median over the timed steps, then the max over ranks;
-* optimizer state: bytes of the tensors in the optimizer state held on the rank (for sharded optimizers, their
-  local optimizer's state), max over ranks;
-* peak memory: the peak resident set (VmHWM) of the rank's process, max over ranks, and its growth over the
-  resident set the rank had when it started (torch imported, process group up). A page shared between the ranks
-  (ddpkit's shared-memory segments) counts in full in each rank's resident set, so the table also gives the
-  proportional set size (PSS, each shared page split between the processes that map it) after the last step,
-  summed over the ranks: the memory the job occupies;
-* bytes sent per step and rank, in the bandwidth-optimal wire model of `ddpkit.distributed.stats.wire_bytes`:
-  ddpkit's collectives count themselves in `comm_stats`; DDP's C++ all-reduce is routed through
-  `counting_allreduce_hook`; collectives that torch's ZeroRedundancyOptimizer and fairscale call from Python
-  (``torch.distributed.broadcast/reduce/all_reduce/all_gather``) are counted by a shim installed in the rank
-  processes, which skips calls made by ddpkit's own `comm` module so nothing is counted twice;
-* bytes handed over through shared memory per step and rank (ddpkit on one host: OSS's parameters and
-  ShardedDataParallel's gradients; CommStats kind ``shared_memory``), which do not touch the network;
-* final parameters: max absolute difference from the DDP baseline's (and between the two ranks), so the
-  comparison is between runs that computed the same thing.
-
-Run ``python benchmarks/bench_sharding.py`` (see benchmarks/README.md for the flags and the figures).
+* step time: median wall clock of zero_grad + forward + backward + optimizer step over the timed steps (after a
+  barrier, not timed, so every rank starts each step together), max over ranks;
+* optimizer state: bytes of the tensors in the rank's (local) optimizer state, max over ranks;
+* memory: peak resident set (VmHWM) and its growth over the rank's start, max over ranks, and the PSS after the
+  last step summed over the ranks (shared pages counted once: the memory the job occupies);
+* bytes sent per step and rank in the bandwidth-optimal wire model (`ddpkit.distributed.stats.wire_bytes`), and
+  bytes handed over through shared memory (ddpkit on one host), which do not touch the network;
+* final parameters: max |difference| from DDP's and between ranks, so the runs compared computed the same thing.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-import json
 import os
-import platform
-import statistics
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,74 +29,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from benchmarks.lib import memory, plotting, workloads
+from benchmarks.lib.cli import progress
+from benchmarks.lib.counting import install_counting_shim
+from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
-from ddpkit.distributed.stats import CommStats, wire_bytes
+from ddpkit.distributed.stats import CommStats
 from ddpkit.testing import run_distributed
+from ddpkit.train.config import TrainConfig
+from ddpkit.train.strategies import build_strategy
+from ddpkit.train.timing import PhaseTimer, RoundSummary, interleaved, optimizer_state_bytes, ratio
 
-WORLD_SIZE = 2
+QUESTION = "sharding: step time, memory and bytes of OSS + ShardedDataParallel against DDP, torch ZeRO, fairscale"
+QUICK = {
+    "world_size": "2",
+    "steps": 3,
+    "warmup": 1,
+    "rounds": 1,
+    "batch": 8,
+    "strategies": "ddp,zero,fairscale,oss_ddp,oss_sdp",
+    "reuse_processes": True,
+}
 LR = 1e-3
-DIM_IN, DIM_HIDDEN, DIM_OUT = 1024, 2048, 1024
-SHIMMED = ("broadcast", "reduce", "all_reduce", "all_gather")
-DDPKIT_COMM = "ddpkit.distributed.comm"
-LABEL_WIDTH = 47
-
-
-# -- the model and the data ------------------------------------------------------------------------------------------
-
-
-def make_model(seed: int) -> nn.Module:
-    """The benchmark MLP, initialised identically on every rank and for every strategy."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(DIM_IN, DIM_HIDDEN),
-        nn.ReLU(),
-        nn.Linear(DIM_HIDDEN, DIM_HIDDEN),
-        nn.ReLU(),
-        nn.Linear(DIM_HIDDEN, DIM_OUT),
-    )
-
-
-def count_parameters() -> int:
-    return sum(p.numel() for p in make_model(0).parameters())
-
-
-def make_batches(seed: int, rank: int, count: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`count` (input, target) batches for `rank`, made before timing starts."""
-    generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    return [
-        (torch.randn(batch, DIM_IN, generator=generator), torch.randn(batch, DIM_OUT, generator=generator))
-        for _ in range(count)
-    ]
-
-
-# -- counting the collectives that torch's ZeRO and fairscale call from Python ---------------------------------------
-
-
-def install_counting_shim(stats: CommStats) -> None:
-    """Wraps torch.distributed's Python collectives so calls made outside ddpkit are recorded in `stats`."""
-    for kind in SHIMMED:
-        original = getattr(dist, kind)
-        if getattr(original, "_bench_shim", False):
-            continue
-        setattr(dist, kind, _counting(kind, original, stats))
-
-
-def _counting(kind: str, original: Callable[..., Any], stats: CommStats) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    def shim(*args: Any, **kwargs: Any) -> Any:
-        if sys._getframe(1).f_globals.get("__name__") != DDPKIT_COMM:  # ddpkit counts its own
-            bound = signature.bind(*args, **kwargs)
-            tensor = bound.arguments["tensor"]
-            group = bound.arguments.get("group")
-            payload = tensor.numel() * tensor.element_size()
-            size = dist.get_world_size(group)
-            stats.record(kind, "python", payload, wire_bytes(kind, payload, size))
-        return original(*args, **kwargs)
-
-    shim._bench_shim = True  # type: ignore[attr-defined]
-    return shim
-
+PYTHON_STATS = CommStats()  # collectives that torch's ZeRO and fairscale call from Python, per rank process
+GOAL_VS_DDP, GOAL_VS_FAIRSCALE = 0.60, 0.90
 
 # -- the strategies ---------------------------------------------------------------------------------------------------
 
@@ -126,25 +66,26 @@ class Setup:
     local_optimizer: torch.optim.Optimizer
 
 
+def _ddpkit(strategy: str, model: nn.Module) -> Setup:
+    """The strategies `ddpkit train` and `ddpkit bench` offer, built by the same code."""
+    built = build_strategy(TrainConfig(strategy=strategy, optimizer="adam", lr=LR), model, torch.device("cpu"))
+    local = getattr(built.optimizer, "optim", built.optimizer)
+    return Setup(built.model, built.optimizer, local)
+
+
 def _counted_ddp(model: nn.Module) -> DDP:
     ddp = DDP(model)
-    ddp.register_comm_hook(None, counting_allreduce_hook)
+    ddp.register_comm_hook(None, counting_allreduce_hook)  # its C++ all-reduce then shows in comm_stats
     return ddp
 
 
-def build_ddp(model: nn.Module) -> Setup:
-    ddp = _counted_ddp(model)
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=LR)
-    return Setup(ddp, optimizer, optimizer)
-
-
-def build_ddp_fused(model: nn.Module) -> Setup:
+def _ddp_fused(model: nn.Module) -> Setup:
     ddp = _counted_ddp(model)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=LR, fused=True)
     return Setup(ddp, optimizer, optimizer)
 
 
-def build_zero(model: nn.Module) -> Setup:
+def _zero(model: nn.Module) -> Setup:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     ddp = _counted_ddp(model)
@@ -152,7 +93,7 @@ def build_zero(model: nn.Module) -> Setup:
     return Setup(ddp, optimizer, optimizer.optim)
 
 
-def build_fairscale(model: nn.Module) -> Setup:
+def _fairscale(model: nn.Module) -> Setup:
     from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
     from fairscale.optim import OSS as FairscaleOSS
 
@@ -160,14 +101,7 @@ def build_fairscale(model: nn.Module) -> Setup:
     return Setup(FairscaleSDP(model, optimizer), optimizer, optimizer.optim)
 
 
-def build_oss_ddp(model: nn.Module) -> Setup:
-    from ddpkit.optim import OSS
-
-    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=LR)
-    return Setup(_counted_ddp(model), optimizer, optimizer.optim)
-
-
-def _build_oss_sdp(model: nn.Module, sdp: dict[str, Any] | None = None, **adam: Any) -> Setup:
+def _oss_sdp(model: nn.Module, sdp: dict[str, Any] | None = None, **adam: Any) -> Setup:
     from ddpkit.nn import ShardedDataParallel
     from ddpkit.optim import OSS
 
@@ -175,417 +109,314 @@ def _build_oss_sdp(model: nn.Module, sdp: dict[str, Any] | None = None, **adam: 
     return Setup(ShardedDataParallel(model, optimizer, **(sdp or {})), optimizer, optimizer.optim)
 
 
-def build_oss_sdp(model: nn.Module) -> Setup:
-    return _build_oss_sdp(model)
-
-
-def build_oss_sdp_unfused(model: nn.Module) -> Setup:
-    return _build_oss_sdp(model, fused=False)
-
-
-def build_oss_sdp_unbucketed(model: nn.Module) -> Setup:
-    return _build_oss_sdp(model, sdp={"reduce_buffer_size": 0})
-
-
-def build_oss_sdp_sockets(model: nn.Module) -> Setup:
+def _oss_sdp_sockets(model: nn.Module) -> Setup:
     os.environ["DDPKIT_SHARED_MEMORY"] = "0"  # as between hosts: every byte over gloo (fresh processes per run)
-    return _build_oss_sdp(model)
+    return _oss_sdp(model)
 
 
-def build_no_comm(model: nn.Module) -> Setup:
+def _no_comm(model: nn.Module) -> Setup:
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
     return Setup(model, optimizer, optimizer)
 
 
-@dataclass(frozen=True)
-class Strategy:
-    key: str
-    label: str
-    build: Callable[[nn.Module], Setup]
-    extra: bool = False  # not one of the five the issue asks for; shown for honesty
-    reference: bool = False  # not data parallel: a floor for the step time, its parameters differ from DDP's
+STRATEGIES: dict[str, tuple[str, Any]] = {  # key: (label, build); extras after the five the goal names
+    "ddp": ("torch DDP + Adam (baseline)", lambda m: _ddpkit("ddp", m)),
+    "zero": ("torch DDP + ZeroRedundancyOptimizer(Adam)", _zero),
+    "fairscale": ("fairscale OSS(Adam) + ShardedDDP", _fairscale),
+    "oss_ddp": ("ddpkit OSS(Adam) + torch DDP", lambda m: _ddpkit("oss", m)),
+    "oss_sdp": ("ddpkit OSS(Adam) + ShardedDataParallel", lambda m: _ddpkit("sharded", m)),
+    "ddp_fused": ("extra: torch DDP + Adam(fused=True)", _ddp_fused),
+    "oss_sdp_unfused": ("extra: ddpkit OSS(Adam, fused=False) + SDP", lambda m: _oss_sdp(m, fused=False)),
+    "oss_sdp_rbs0": ("extra: ddpkit SDP(reduce_buffer_size=0)", lambda m: _oss_sdp(m, {"reduce_buffer_size": 0})),
+    "oss_sdp_sockets": ("extra: ddpkit OSS + SDP, no shared memory", _oss_sdp_sockets),
+    "no_comm": ("reference: no communication, Adam(fused)", _no_comm),
+}
+REFERENCE = {"no_comm"}  # not data parallel: a floor for the step time; its parameters differ from DDP's
 
 
-STRATEGIES = [
-    Strategy("ddp", "torch DDP + Adam (default, baseline)", build_ddp),
-    Strategy("ddp_fused", "torch DDP + Adam(fused=True)", build_ddp_fused, extra=True),
-    Strategy("zero", "torch DDP + ZeroRedundancyOptimizer(Adam)", build_zero),
-    Strategy("fairscale", "fairscale OSS(Adam) + ShardedDDP", build_fairscale),
-    Strategy("oss_ddp", "ddpkit OSS(Adam) + torch DDP", build_oss_ddp),
-    Strategy("oss_sdp", "ddpkit OSS(Adam) + ShardedDataParallel", build_oss_sdp),
-    Strategy("oss_sdp_unfused", "ddpkit OSS(Adam, fused=False) + SDP", build_oss_sdp_unfused, extra=True),
-    Strategy("oss_sdp_rbs0", "ddpkit OSS(Adam) + SDP(reduce_buffer_size=0)", build_oss_sdp_unbucketed, extra=True),
-    Strategy("oss_sdp_sockets", "ddpkit OSS(Adam) + SDP, no shared memory", build_oss_sdp_sockets, extra=True),
-    Strategy("no_comm", "reference: no communication, Adam(fused)", build_no_comm, extra=True, reference=True),
-]
-BY_KEY = {s.key: s for s in STRATEGIES}
-
-
-def fairscale_unavailable() -> str | None:
-    """Why fairscale cannot be benchmarked here, or None when it imports."""
+def peer_missing(key: str) -> str | None:
+    """Why a peer library's strategy cannot run here, or None."""
+    if key != "fairscale":
+        return None
     try:
         import fairscale  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install
-        name = f"{type(exc).__name__}: {exc}"
-        return f"`import fairscale` failed ({name}); to compare: pip install --no-deps fairscale==0.4.13"
+        return f"`import fairscale` failed ({type(exc).__name__}); to compare: pip install --no-deps fairscale"
     return None
 
 
 # -- one rank's run ---------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Timer:
-    """Wall-clock seconds per phase for the current step; `local_step` is filled in by the wrapped local optimizer."""
-
-    phases: dict[str, list[float]] = field(default_factory=dict)
-    local_step: float = 0.0
-
-    def add(self, name: str, seconds: float) -> None:
-        self.phases.setdefault(name, []).append(seconds)
-
-
-def wrap_local_step(optimizer: torch.optim.Optimizer, timer: Timer) -> None:
-    """Times the local optimizer's own update, to tell it apart from the sharded optimizer's communication."""
+def _time_local_update(optimizer: torch.optim.Optimizer, timer: PhaseTimer) -> None:
+    """Records the local optimizer's own update as phase "local_update", apart from the sharding's communication."""
     original = optimizer.step
 
-    def timed_step(*args: Any, **kwargs: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            timer.local_step += time.perf_counter() - start
+            timer.add("local_update", time.perf_counter() - start)
 
-    optimizer.step = timed_step  # type: ignore[method-assign]
+    optimizer.step = timed  # type: ignore[method-assign]
 
 
-def train_step(setup: Setup, batch: tuple[torch.Tensor, torch.Tensor], timer: Timer) -> None:
-    """One timed step: zero_grad + forward, backward (with its gradient communication), optimizer step."""
+def _step(setup: Setup, workload: workloads.Workload, batch: workloads.Batch, timer: PhaseTimer) -> None:
     x, y = batch
-    timer.local_step = 0.0
-    t0 = time.perf_counter()
+    timer.start()
     setup.model.zero_grad(set_to_none=True)  # fairscale's ShardedDDP needs its own zero_grad (bucket views)
-    loss = nn.functional.mse_loss(setup.model(x), y)
-    t1 = time.perf_counter()
+    loss = workload.loss(setup.model(x), y)
+    timer.lap("forward")
     loss.backward()
-    t2 = time.perf_counter()
+    timer.lap("backward")
     setup.optimizer.step()
-    t3 = time.perf_counter()
-    timer.add("step", t3 - t0)
-    timer.add("forward", t1 - t0)
-    timer.add("backward", t2 - t1)
-    timer.add("optimizer", t3 - t2)
-    timer.add("local_update", timer.local_step)
-    timer.add("optimizer_other", t3 - t2 - timer.local_step)
+    timer.lap("optimizer")
+    timer.stop()
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in `optimizer.state` (exp_avg, exp_avg_sq, step for Adam)."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                total += value.numel() * value.element_size()
-    return total
-
-
-def memory_mb(field_name: str) -> float:
-    """`VmHWM` (peak resident set) or `VmRSS` (current) of this process, in MiB, from /proc/self/status.
-
-    Not ``getrusage().ru_maxrss``: Linux carries that over from the parent across fork + exec, so a spawned rank
-    would report the benchmark parent's size; VmHWM belongs to the process's own address space.
-    """
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"{field_name} not found in /proc/self/status")
-
-
-def proportional_set_mb() -> float:
-    """This process's PSS in MiB (shared pages split between their mappers), from /proc/self/smaps_rollup."""
-    with open("/proc/self/smaps_rollup") as rollup:
-        for line in rollup:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError("Pss not found in /proc/self/smaps_rollup")
-
-
-def rank_divergence(params: torch.Tensor) -> float:
-    """Max |difference| between this rank's parameters and any other rank's (a collective)."""
-    high, low = params.clone(), params.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    return float((high - low).abs().max())
-
-
-def run_rank(rank: int, world_size: int, key: str, config: dict[str, Any]) -> dict[str, Any]:
+def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload, cfg: dict[str, Any]) -> dict:
     """Builds strategy `key` on this rank, trains, and returns its measurements (rank 0 adds its parameters)."""
     torch.set_num_threads(1)
-    python_stats = CommStats()
+    python_stats = PYTHON_STATS  # the shim is installed once per process and records here
     install_counting_shim(python_stats)
-    base_rss = memory_mb("VmRSS")
-    steps, warmup = config["steps"], config["warmup"]
-    batches = make_batches(config["seed"], rank, warmup + steps, config["batch"])
-    setup = BY_KEY[key].build(make_model(config["seed"]))
-    timer = Timer()
-    wrap_local_step(setup.local_optimizer, timer)
+    base_rss = memory.rss_mb()
+    batches = workload.batches(cfg["seed"], rank, cfg["warmup"] + cfg["steps"], cfg["batch"])
+    setup = STRATEGIES[key][1](workload.model(cfg["seed"]))
+    timer = PhaseTimer()
+    _time_local_update(setup.local_optimizer, timer)
     for i, batch in enumerate(batches):
-        if i == warmup:
-            timer.phases.clear()
+        if i == cfg["warmup"]:
+            timer.clear()
             comm_stats.reset()
             python_stats.reset()
         dist.barrier()
-        train_step(setup, batch, timer)
-        if rank == 0 and (i + 1) % 5 == 0:
-            print(f"    {key}: step {i + 1}/{len(batches)}", flush=True)
-    sent = comm_stats.total().sent_bytes + python_stats.total().sent_bytes
-    shared = comm_stats.payload_bytes("shared_memory")
-    calls = comm_stats.total().calls + python_stats.total().calls
+        _step(setup, workload, batch, timer)
+    steps = cfg["steps"]
+    sent = (comm_stats.total().sent_bytes + python_stats.total().sent_bytes) / steps  # before the checks below
     params = torch.cat([p.detach().reshape(-1) for p in setup.model.parameters()])
-    result = {
-        "phases_ms": {name: statistics.median(v) * 1e3 for name, v in timer.phases.items()},
-        "state_bytes": state_bytes(setup.local_optimizer),
-        "peak_rss_mb": memory_mb("VmHWM"),
-        "rss_growth_mb": memory_mb("VmHWM") - base_rss,
-        "pss_mb": proportional_set_mb(),
-        "sent_bytes_per_step": sent / steps,
-        "shared_bytes_per_step": shared / steps,
-        "calls_per_step": calls / steps,
-        "rank_divergence": rank_divergence(params),
-    }
-    if rank == 0:
-        result["params"] = params
-    return result
-
-
-# -- the parent: run every strategy, compare, print -----------------------------------------------------------------
-
-
-def run_strategy(key: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Runs `key` on fresh ranks; returns its row (max over ranks) plus rank 0's final parameters."""
-    ranks = run_distributed(run_rank, WORLD_SIZE, key, config, fresh=True, timeout=config["timeout"], pg_timeout=300)
+    high, low = params.clone(), params.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
     return {
-        "key": key,
-        "label": BY_KEY[key].label,
-        "extra": BY_KEY[key].extra,
-        "reference": BY_KEY[key].reference,
-        "step_ms": max(r["phases_ms"]["step"] for r in ranks),
-        "phases_ms": {name: max(r["phases_ms"][name] for r in ranks) for name in ranks[0]["phases_ms"]},
+        "phases_ms": timer.medians_ms(),
+        "state_bytes": optimizer_state_bytes(setup.local_optimizer),
+        "peak_rss_mb": memory.peak_rss_mb(),
+        "rss_growth_mb": memory.peak_rss_mb() - base_rss,
+        "pss_mb": memory.pss_mb(),
+        "sent_bytes": sent,
+        "shared_bytes": comm_stats.payload_bytes("shared_memory") / steps,
+        "rank_divergence": float((high - low).abs().max()),
+        "params": params if rank == 0 else None,
+    }
+
+
+def measure(key: str, world_size: int, workload: workloads.Workload, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One strategy at one world size on fresh ranks: its row (max over ranks; PSS summed) and rank 0's params."""
+    ranks = run_distributed(
+        run_rank,
+        world_size,
+        key,
+        workload,
+        cfg,
+        fresh=not cfg["reuse_processes"],
+        timeout=cfg["timeout"],
+        pg_timeout=300,
+    )
+    phases = {name: max(r["phases_ms"][name] for r in ranks) for name in ranks[0]["phases_ms"]}
+    phases["optimizer_other"] = phases["optimizer"] - phases.get("local_update", 0.0)
+    return {
+        "step_ms": phases["step"],
+        "phases_ms": phases,
         "state_mb": max(r["state_bytes"] for r in ranks) / 2**20,
-        "state_mb_per_rank": [r["state_bytes"] / 2**20 for r in ranks],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "rss_growth_mb": max(r["rss_growth_mb"] for r in ranks),
         "pss_sum_mb": sum(r["pss_mb"] for r in ranks),
-        "sent_mb_per_step": max(r["sent_bytes_per_step"] for r in ranks) / 2**20,
-        "shared_mb_per_step": max(r["shared_bytes_per_step"] for r in ranks) / 2**20,
-        "calls_per_step": max(r["calls_per_step"] for r in ranks),
+        "sent_mb_per_step": max(r["sent_bytes"] for r in ranks) / 2**20,
+        "shared_mb_per_step": max(r["shared_bytes"] for r in ranks) / 2**20,
         "rank_divergence": max(r["rank_divergence"] for r in ranks),
         "params": ranks[0]["params"],
     }
 
 
-def add_comparisons(rows: list[dict[str, Any]], tolerance: float) -> None:
-    """Ratios against the DDP baseline, and each run's max parameter difference from it."""
-    base = next((r for r in rows if r["key"] == "ddp"), rows[0])
-    for row in rows:
-        row["step_vs_ddp"] = row["step_ms"] / base["step_ms"]
-        row["median_rounds_vs_ddp"] = row["step_ms_median_rounds"] / base["step_ms_median_rounds"]
-        row["bytes_vs_ddp"] = row["sent_mb_per_step"] / base["sent_mb_per_step"] if base["sent_mb_per_step"] else None
-        row["max_param_diff_vs_ddp"] = float((row["params"] - base["params"]).abs().max())
-        same = row["max_param_diff_vs_ddp"] <= tolerance and row["rank_divergence"] <= tolerance
-        row["matches_ddp"] = None if row["reference"] else same
+# -- every strategy at every world size, interleaved -----------------------------------------------------------------
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    header = (
-        f"{'strategy':<{LABEL_WIDTH}}{'step ms':>8}{'x DDP':>7}{'rounds med':>11}{'x DDP':>7}"
-        f"{'opt state MB':>14}{'peak RSS MB':>13}{'RSS +MB':>9}{'PSS sum MB':>12}"
-        f"{'sent MB/step':>14}{'x DDP':>7}{'shm MB/step':>13}{'max |dp|':>10}  same?"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        ratio_bytes = f"{r['bytes_vs_ddp']:.2f}" if r["bytes_vs_ddp"] is not None else "-"
-        lines.append(
-            f"{r['label']:<{LABEL_WIDTH}}{r['step_ms']:>8.1f}{r['step_vs_ddp']:>7.2f}"
-            f"{r['step_ms_median_rounds']:>11.1f}{r['median_rounds_vs_ddp']:>7.2f}{r['state_mb']:>14.1f}"
-            f"{r['peak_rss_mb']:>13.0f}{r['rss_growth_mb']:>9.0f}{r.get('pss_sum_mb', float('nan')):>12.0f}"
-            f"{r['sent_mb_per_step']:>14.1f}{ratio_bytes:>7}"
-            f"{r['shared_mb_per_step']:>13.1f}"
-            f"{r['max_param_diff_vs_ddp']:>10.1e}  {_same(r['matches_ddp'])}"
-        )
-    return "\n".join(lines)
-
-
-def _same(matches: bool | None) -> str:
-    return "n/a" if matches is None else "yes" if matches else "NO"
-
-
-def format_phases(rows: list[dict[str, Any]]) -> str:
-    names = ["forward", "backward", "optimizer", "local_update", "optimizer_other"]
-    header = f"{'strategy':<{LABEL_WIDTH}}" + "".join(f"{n:>17}" for n in names)
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['label']:<{LABEL_WIDTH}}" + "".join(f"{r['phases_ms'][n]:>17.1f}" for n in names))
-    return "\n".join(lines)
-
-
-def verdict(rows: list[dict[str, Any]]) -> str:
-    """The issue's goal: ddpkit OSS + SDP at or below 0.60x DDP's step time and 0.90x fairscale's."""
-    by_key = {r["key"]: r for r in rows}
-    ours = by_key.get("oss_sdp")
-    if ours is None:
-        return "verdict: ddpkit OSS + ShardedDataParallel was not run"
-    parts = [_against(ours, by_key.get("ddp"), "DDP", 0.60), _against(ours, by_key.get("fairscale"), "fairscale", 0.90)]
-    return "verdict: ddpkit OSS + ShardedDataParallel " + "; ".join(parts)
-
-
-def _against(ours: dict[str, Any], other: dict[str, Any] | None, name: str, goal: float) -> str:
-    if other is None:
-        return f"{name} not measured"
-    best = ours["step_ms"] / other["step_ms"]
-    median = ours["step_ms_median_rounds"] / other["step_ms_median_rounds"]
-    met = "met" if max(best, median) <= goal else "NOT met"
-    return f"{best:.3f}x {name}'s step time (fastest rounds), {median:.3f}x (median of rounds): goal <= {goal} {met}"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per strategy (default 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run the whole list this many times, round-robin, and keep each strategy's fastest round (default 1)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument(
-        "--strategies",
-        default=",".join(s.key for s in STRATEGIES),
-        help="comma-separated subset of: " + ", ".join(s.key for s in STRATEGIES),
-    )
-    parser.add_argument("--no-extra", action="store_true", help="only the five strategies the issue asks for")
-    parser.add_argument("--tol", type=float, default=1e-4, help="max |param difference| from DDP counted as same")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy")
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.rounds < 1:
-        parser.error("--steps, --batch and --rounds must be >= 1, --warmup >= 0")
-    return args
-
-
-def selected_strategies(args: argparse.Namespace) -> list[Strategy]:
-    keys = [k.strip() for k in args.strategies.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in BY_KEY]
-    if unknown:
-        raise SystemExit(f"unknown strategies: {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
-    return [BY_KEY[k] for k in keys if not (args.no_extra and BY_KEY[k].extra)]
-
-
-def run_all(
-    strategies: list[Strategy], config: dict[str, Any], rounds: int
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Runs every strategy `rounds` times (round-robin); keeps, per strategy, the round with the lowest step time."""
-    runs: dict[str, list[dict[str, Any]]] = {}
-    skipped: dict[str, str] = {}
-    total = rounds * len(strategies)
-    for r in range(rounds):
-        for i, strategy in enumerate(strategies, 1):
-            if strategy.key in skipped:
-                continue
-            print(f"[{r * len(strategies) + i}/{total}] round {r + 1}/{rounds}: {strategy.label} ...", flush=True)
-            row, reason = run_one(strategy, config)
-            if reason:
-                print(f"    {reason}", flush=True)
-                skipped[strategy.key] = reason
-                continue
-            tries = runs.setdefault(strategy.key, [])
-            if tries and not torch.equal(row["params"], tries[0]["params"]):
-                print("    note: final parameters differ from this strategy's first round", flush=True)
-            tries.append(row)
-    return [best_round(tries) for tries in runs.values()], skipped
-
-
-def best_round(tries: list[dict[str, Any]]) -> dict[str, Any]:
-    best = dict(min(tries, key=lambda row: row["step_ms"]))
-    best["step_ms_rounds"] = [row["step_ms"] for row in tries]
-    best["step_ms_median_rounds"] = statistics.median(best["step_ms_rounds"])
-    return best
-
-
-def run_one(strategy: Strategy, config: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """(row, None), or (None, why it was skipped or failed)."""
-    if strategy.key == "fairscale":
-        reason = fairscale_unavailable()
-        if reason:
-            return None, f"skipped: {reason}"
-    start = time.monotonic()
-    try:
-        row = run_strategy(strategy.key, config)
-    except Exception as exc:  # e.g. fairscale on a torch it does not support: report it and go on
-        lines = str(exc).strip().splitlines()
-        return None, f"failed: {type(exc).__name__}: {lines[-1] if lines else ''}"
-    print(f"    done in {time.monotonic() - start:.1f} s: {row['step_ms']:.1f} ms/step", flush=True)
-    return row, None
-
-
-def machine() -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = parse_sizes(args.world_size)
+    keys = parse_strategies(args.strategies)
+    workload = workloads.workload("mlp", quick=args.quick)
+    cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout", "reuse_processes")}
+    skipped = {k: why for k in keys if (why := peer_missing(k))}
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    plan = [(size, r, key) for size in sizes for r, key in interleaved(keys, args.rounds) if key not in skipped]
+    for size, _, key in progress(plan, desc="sharding"):
+        if key in skipped:
+            continue
+        try:
+            runs.setdefault((size, key), []).append(measure(key, size, workload, cfg))
+        except Exception as exc:  # e.g. a peer library on a torch it does not support: report it and go on
+            skipped[key] = f"failed at world size {size}: {type(exc).__name__}: {str(exc).strip()[-300:]}"
+            print(f"{key}: {skipped[key]}", flush=True)
+    by_size = {str(size): compare([(k, runs[size, k]) for k in keys if (size, k) in runs], args.tol) for size in sizes}
     return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "backend": "gloo",
-        "world_size": WORLD_SIZE,
-        "threads_per_rank": 1,
+        "workload": workload.describe(),
+        "parameters": sum(p.numel() for p in workload.model(0).parameters()),
+        "world_sizes": sizes,
+        "by_world_size": by_size,
+        "scaling": scaling(by_size),
+        "skipped": skipped,
+        "verdict": verdict(by_size),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    config = {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seed": args.seed}
-    config["rounds"] = args.rounds
-    config["timeout"] = args.timeout
-    n_params = count_parameters()
-    print(
-        f"MLP {DIM_IN}->{DIM_HIDDEN}->{DIM_HIDDEN}->{DIM_OUT}: {n_params:,} parameters ({n_params * 4 / 2**20:.1f} MB "
-        f"fp32); Adam lr {LR}; {WORLD_SIZE} gloo ranks, torch.set_num_threads(1) per rank; batch {args.batch}/rank; "
-        f"{args.warmup} warm-up + {args.steps} timed steps",
-        flush=True,
+def compare(tries: list[tuple[str, list[dict[str, Any]]]], tol: float) -> list[dict[str, Any]]:
+    """One row per strategy: its fastest round's figures, the step time over rounds, ratios against DDP."""
+    rows = []
+    for key, rounds in tries:
+        row = dict(min(rounds, key=lambda r: r["step_ms"]))
+        row.update(key=key, label=STRATEGIES[key][0], step_ms_rounds=RoundSummary.of([r["step_ms"] for r in rounds]))
+        rows.append(row)
+    base = next((r for r in rows if r["key"] == "ddp"), rows[0])
+    for row in rows:
+        rounds, base_rounds = row["step_ms_rounds"], base["step_ms_rounds"]
+        row["step_vs_ddp"] = ratio(rounds.best, base_rounds.best)
+        row["median_vs_ddp"] = ratio(rounds.median, base_rounds.median)
+        row["bytes_vs_ddp"] = ratio(row["sent_mb_per_step"], base["sent_mb_per_step"])
+        row["pss_vs_ddp"] = ratio(row["pss_sum_mb"], base["pss_sum_mb"])
+        row["max_param_diff_vs_ddp"] = float((row["params"] - base["params"]).abs().max())
+        same = row["max_param_diff_vs_ddp"] <= tol and row["rank_divergence"] <= tol
+        row["matches_ddp"] = None if row["key"] in REFERENCE else same
+    for row in rows:
+        row["step_ms_rounds"] = row["step_ms_rounds"].as_dict()
+        row.pop("params")
+    return rows
+
+
+def scaling(by_size: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per strategy and world size: step time, memory and bytes, each also as a ratio against DDP at that size."""
+    fields = ("step_ms", "step_vs_ddp", "median_vs_ddp", "state_mb", "pss_sum_mb", "pss_vs_ddp")
+    fields += ("sent_mb_per_step", "bytes_vs_ddp")
+    return [
+        {"world_size": int(size), "key": r["key"], **{f: r[f] for f in fields}}
+        for size, rows in by_size.items()
+        for r in rows
+    ]
+
+
+def verdict(by_size: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """The goal at each world size: OSS + SDP at or below 0.60x DDP's step time and 0.90x fairscale's."""
+    out = {}
+    for size, rows in by_size.items():
+        by_key = {r["key"]: r["step_ms_rounds"] for r in rows}
+        parts = []
+        for name, key, goal in (("DDP", "ddp", GOAL_VS_DDP), ("fairscale", "fairscale", GOAL_VS_FAIRSCALE)):
+            if "oss_sdp" not in by_key or key not in by_key:
+                parts.append(f"OSS + SDP against {name}: not measured")
+                continue
+            ours, other = by_key["oss_sdp"], by_key[key]
+            best, median = ours["best"] / other["best"], ours["median"] / other["median"]
+            met = "met" if max(best, median) <= goal else "NOT met"
+            parts.append(f"OSS + SDP {best:.2f}x {name} (best rounds), {median:.2f}x (median): goal <= {goal} {met}")
+        out[size] = "; ".join(parts)
+    return out
+
+
+# -- the tables and the plot -----------------------------------------------------------------------------------------
+
+
+HEADER = ["strategy", "step ms (best)", "x DDP", "x DDP (median)", "opt state MB", "peak RSS MB", "PSS sum MB"]
+HEADER += ["sent MB/step", "x DDP", "shm MB/step", "max abs dp", "same as DDP"]
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    same = {None: "n/a", True: "yes", False: "NO"}[r["matches_ddp"]]
+    ratios = [num(r["step_vs_ddp"]), num(r["median_vs_ddp"])]
+    memory = [f"{r['state_mb']:.1f}", f"{r['peak_rss_mb']:.0f}", f"{r['pss_sum_mb']:.0f}"]
+    traffic = [f"{r['sent_mb_per_step']:.1f}", num(r["bytes_vs_ddp"]), f"{r['shared_mb_per_step']:.1f}"]
+    return [r["label"], f"{r['step_ms']:.1f}", *ratios, *memory, *traffic, f"{r['max_param_diff_vs_ddp']:.1e}", same]
+
+
+def table(report: dict[str, Any]) -> str:
+    figures = report["figures"]
+    out = [f"{figures['workload']}; Adam lr {LR}; batch {report['config']['batch']}/rank; gloo, 1 thread per rank"]
+    for size, rows in figures["by_world_size"].items():
+        out += ["", f"world size {size}", markdown(HEADER, [_row(r) for r in rows])]
+        out.append(f"verdict at world size {size}: {figures['verdict'][size]}")
+    if len(figures["by_world_size"]) > 1:
+        out += [
+            "",
+            "scaling: step time / PSS sum / bytes sent, each x DDP at the same world size",
+            scaling_table(figures),
+        ]
+    out += [f"skipped {k}: {why}" for k, why in figures["skipped"].items()]
+    if report["config"].get("reuse_processes"):
+        out.append("--reuse-processes: the strategies shared rank processes, so peak RSS and PSS are not per strategy")
+    return "\n".join(out)
+
+
+def scaling_table(figures: dict[str, Any]) -> str:
+    """Strategies down, world sizes across."""
+    sizes = figures["world_sizes"]
+    at = {(p["key"], p["world_size"]): p for p in figures["scaling"]}
+    keys = dict.fromkeys(p["key"] for p in figures["scaling"])
+    fields = ("step_vs_ddp", "pss_vs_ddp", "bytes_vs_ddp")
+    cells = [[k] + [" / ".join(num(at[k, s][f]) for f in fields) if (k, s) in at else "-" for s in sizes] for k in keys]
+    return markdown(["strategy"] + [f"{s} ranks" for s in sizes], cells)
+
+
+def plot(report: dict[str, Any], out_dir: Path) -> None:
+    """Step time, PSS and bytes per step against DDP's, per strategy, one line per world size."""
+    plt = plotting.pyplot()
+    figures = report["figures"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    panels = (
+        ("step_vs_ddp", "step time x DDP"),
+        ("pss_vs_ddp", "memory (PSS sum) x DDP"),
+        ("bytes_vs_ddp", "bytes sent x DDP"),
     )
-    load_start = os.getloadavg()
-    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}", flush=True)
-    rows, skipped = run_all(selected_strategies(args), config, args.rounds)
-    if not rows:
-        print("nothing ran")
-        return 1
-    add_comparisons(rows, args.tol)
-    print()
-    print(format_table(rows))
-    print()
-    print("median ms per phase (max over ranks); optimizer = local_update + optimizer_other (communication, copies)")
-    print(format_phases(rows))
-    for key, reason in skipped.items():
-        print(f"skipped {key}: {reason}")
-    load_end = os.getloadavg()
-    print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
-    print(verdict(rows))
-    if args.json:
-        for row in rows:
-            row.pop("params")
-        report = {"config": config, "parameters": n_params, "machine": machine(), "results": rows}
-        report["skipped"] = skipped
-        report["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        report["load_average_start"] = list(load_start)
-        report["load_average_end"] = list(os.getloadavg())
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {args.json}")
-    return 0 if all(r["matches_ddp"] is not False for r in rows) else 2
+    for size, rows in figures["by_world_size"].items():
+        labels = [r["key"] for r in rows]
+        for ax, (field, name) in zip(axes, panels, strict=True):
+            ax.plot([r[field] or 0 for r in rows], labels, "o", label=f"{size} ranks")
+            ax.axvline(1.0, color="black", lw=0.8)
+            ax.set_xlabel(name)
+    axes[0].legend()
+    sizes = ",".join(str(s) for s in figures["world_sizes"])
+    fig.suptitle(plotting.title(figures["workload"], sizes, report))
+    plotting.save(fig, "sharding", out_dir)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# -- options ---------------------------------------------------------------------------------------------------------
+
+
+def parse_sizes(text: str) -> list[int]:
+    sizes = [int(s) for s in text.split(",") if s.strip()]
+    if not sizes or any(s < 2 for s in sizes):
+        raise ValueError(f"--world-size: expected sizes >= 2 separated by commas, e.g. 2,4,8; got {text!r}")
+    return sizes
+
+
+def parse_strategies(text: str) -> list[str]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in STRATEGIES]
+    if unknown or not keys:
+        raise ValueError(f"--strategies: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(STRATEGIES)}")
+    return keys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", default="2", help="ranks, or sizes to compare separated by commas: 2,4,8")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy, interleaved round-robin")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data")
+    parser.add_argument("--tol", type=float, default=1e-4, help="max abs parameter difference from DDP counted as same")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
+    parser.add_argument(
+        "--reuse-processes",
+        action="store_true",
+        help="run every strategy in one pool of rank processes (faster to start; peak memory then not per strategy)",
+    )

@@ -1,52 +1,28 @@
-"""SlowMo's training quality on 4 workers: synchronous SGD vs SlowMo vs local SGD without slow momentum.
+"""SlowMo's training quality on 4 workers: does SlowMo end as low as synchronous SGD where local SGD does not?
 
-Run::
-
-    python benchmarks/bench_slowmo_quality.py                   # digits, 4 lrs x 5 seeds x 4 configs, ~3 min
-    python benchmarks/bench_slowmo_quality.py --data teacher    # streaming synthetic data, ~7 min
-    python benchmarks/bench_slowmo_quality.py --lrs 0.03 --seeds 0 1        # a quick look
-    python benchmarks/bench_slowmo_quality.py --from-json results.json      # tables and plot again, no training
-
-4 gloo ranks on one machine (`ddpkit.testing.run_distributed`, one thread each), each a node of its own
-(``nprocs_per_node=1``); an MLP 64 -> 128 -> 128 -> 10 (ReLU), the same initial weights on every rank; base
-optimizer SGD with momentum 0.9 and a constant lr (the paper's local optimizer keeps its momentum); batch 16 per
-worker and step. The configurations, with the same base lr, steps, initial weights and data order:
+4 gloo ranks on one machine, each a node of its own (``nprocs_per_node=1``); an MLP 64 -> 128 -> 128 -> 10
+(ReLU), the same initial weights on every rank; SGD with momentum 0.9; batch 16 per worker. For every base lr
+and seed (initial weights and data order) the configurations share everything but the algorithm:
 
 * ``sync``: synchronous SGD, torch DDP (gradients averaged every step);
-* ``slowmo``: ddpkit SlowMo, localsgd_frequency=12, slowmo_momentum=0.7, slowmo_frequency=12, slowmo_lr=1
-  (the paper's setting: a slow step with every averaging);
-* ``localsgd``: the same without slow momentum (slowmo_momentum=0, so SlowMo is off): plain local SGD;
-* ``slowmo_lr0.3`` (extra, not in the goal): SlowMo with slowmo_lr=0.3 = 1 - beta, so that its long-run step
-  size ``slowmo_lr * lr / (1 - beta)`` equals the base lr: separates the slow momentum from the larger step.
+* ``slowmo``: ddpkit SlowMo, localsgd_frequency=12, slowmo_momentum=0.7, slowmo_frequency=12, slowmo_lr=1;
+* ``localsgd``: the same with slowmo_momentum=0 (SlowMo off): plain local SGD;
+* ``slowmo_lr0.3`` (extra): slowmo_lr = 1 - beta, so its long-run step ``slowmo_lr * lr / (1 - beta)`` equals
+  the base lr: separates the slow momentum from the larger step.
 
-Data (``--data``), nothing downloaded:
-
-* ``digits``: scikit-learn's bundled digits (1797 8x8 images), split 80/20 (stratified, fixed); the training part
-  is dealt into 4 disjoint shards, one per worker, each visited in a fresh random order every epoch. The loss is
-  the cross-entropy on the whole training set (the objective, as the paper plots); default 300 steps (13 epochs).
-* ``teacher``: fresh samples every step from a fixed random tanh network labelling Gaussian inputs (10 classes),
-  so nothing can be memorised; the loss is measured on 8192 held-out samples; default 600 steps. With
-  ``--split by-label`` each worker draws only from its own 2-3 classes (heterogeneous workers) and the held-out
-  samples are an equal mix of the 4 workers' distributions (the objective every configuration minimises).
-
-Every 12 steps (right after the local-SGD replicas have been averaged, so they are equal) rank 0 measures the
-loss. Each (base lr, configuration) runs once per seed (initial weights and data order). The table gives the mean
-and min..max over seeds of the final loss, the difference of the means from synchronous SGD, and on how many seeds
-(paired: same initial weights and data) the configuration ended above synchronous SGD. The goal is checked at each lr in
-two readings: SlowMo's mean within 3% of synchronous SGD's either way, or at most 3% above it; both also need
-local SGD to end worse than synchronous SGD on every seed. The plot (``--plot``) has a
-panel per lr with the mean loss against steps and the min..max band.
+Data (``--data``; nothing downloaded): ``digits`` (scikit-learn's, 80/20 split, the training part dealt into 4
+shards; loss = cross-entropy on the whole training set) or ``teacher`` (fresh samples from a fixed random tanh
+network; loss on 8192 held-out samples). ``--split by-label`` gives each worker only 2-3 classes. The loss is
+measured every 12 steps, right after averaging. The goal is checked at each lr: SlowMo's mean within 3% of
+synchronous SGD's (or at most 3% above it) while local SGD ends worse on every seed; each configuration is also
+shown at its own best lr.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import sys
-import time
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -54,37 +30,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.lib import plotting
+from benchmarks.lib.cli import progress
+from benchmarks.lib.workloads import digits_split, mlp
+from ddpkit.testing import run_distributed
+
+QUESTION = "slowmo_quality: does SlowMo end as low as synchronous SGD on 4 workers where local SGD does not?"
+QUICK = {"lrs": "0.03", "seeds": "0", "steps": 24, "configs": "sync,slowmo,localsgd"}
 WORLD_SIZE = 4
 FREQUENCY = 12
+DIMS = (64, 128, 128, 10)
+
+# -- the configurations ----------------------------------------------------------------------------------------------
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "sync": {"label": "synchronous SGD (torch DDP)", "style": "-"},
     "slowmo": {"label": "SlowMo, freq 12, beta 0.7", "slowmo_momentum": 0.7, "style": "-"},
     "localsgd": {"label": "local SGD, freq 12, no slow momentum", "slowmo_momentum": 0.0, "style": "--"},
-    "slowmo_lr0.3": {
-        "label": "extra: SlowMo, beta 0.7, slowmo_lr 0.3",
-        "slowmo_momentum": 0.7,
-        "slowmo_lr": 0.3,
-        "style": ":",
-    },
+    "slowmo_lr0.3": {"label": "extra: SlowMo, beta 0.7, slowmo_lr 0.3", "slowmo_momentum": 0.7, "slowmo_lr": 0.3},
 }
 
 
-@lru_cache(maxsize=1)
-def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(train x, train y, test x, test y) of scikit-learn's digits, pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+def build(name: str, model: nn.Module, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The strategy as `ddpkit train` builds it: torch DDP, or SlowMo with every 12 steps an averaging."""
+    from ddpkit.train.config import TrainConfig
+    from ddpkit.train.strategies import build_strategy
 
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.2, stratify=y, random_state=0)
-    as_x, as_y = (lambda a: torch.tensor(a, dtype=torch.float32)), (lambda a: torch.tensor(a, dtype=torch.long))
-    return as_x(x_train), as_y(y_train), as_x(x_test), as_y(y_test)
+    cfg = CONFIGS[name]
+    train = TrainConfig(strategy="ddp" if name == "sync" else "slowmo", optimizer="sgd", lr=lr, momentum=0.9)
+    if name != "sync":
+        train.slowmo_momentum, train.slowmo_lr = cfg["slowmo_momentum"], cfg.get("slowmo_lr", 1.0)
+        train.localsgd_frequency = train.slowmo_frequency = FREQUENCY
+        train.nprocs_per_node_slowmo = 1
+    built = build_strategy(train, model, torch.device("cpu"))
+    return built.model, built.optimizer
 
 
-def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+# -- the data --------------------------------------------------------------------------------------------------------
 
 
 class Shard:
@@ -95,7 +77,7 @@ class Shard:
     """
 
     def __init__(self, rank: int, seed: int, split: str = "iid") -> None:
-        x, y, _, _ = digits()
+        x, y, _, _ = digits_split()
         if split == "by-label":
             order = torch.sort(y, stable=True).indices
             part = order.tensor_split(WORLD_SIZE)[rank]
@@ -145,12 +127,10 @@ class TeacherStream:
         return torch.cat(xs), torch.cat(ys)
 
 
-def data(
-    name: str, rank: int, seed: int, split: str = "iid"
-) -> tuple[Any, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def data(name: str, rank: int, seed: int, split: str) -> tuple[Any, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """(this worker's sampler, the data the loss is measured on, the test data)."""
     if name == "digits":
-        x_train, y_train, x_test, y_test = digits()
+        x_train, y_train, x_test, y_test = digits_split()
         return Shard(rank, seed, split), (x_train, y_train), (x_test, y_test)
     stream = TeacherStream(rank, seed, split)
     if split == "by-label":  # the objective: an equal mix of every worker's distribution
@@ -161,50 +141,29 @@ def data(
     return stream, held_out, held_out
 
 
+# -- one run on 4 ranks ----------------------------------------------------------------------------------------------
+
+
 @torch.no_grad()
 def loss_on(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     logits = model(x)
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def train(
-    rank: int,
-    world_size: int,
-    dataset: str,
-    name: str,
-    lr: float,
-    seed: int,
-    steps: int,
-    batch: int,
-    split: str = "iid",
-    schedule: str = "constant",
-) -> dict[str, Any]:
-    """One run on this rank; rank 0 returns the training-loss curve and the final test metrics."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ddpkit.nn import SlowMoDistributedDataParallel
-
-    cfg = CONFIGS[name]
-    model = make_model(seed)
-    if name == "sync":
-        wrapped: nn.Module = DDP(model)
-    else:
-        wrapped = SlowMoDistributedDataParallel(
-            model,
-            nprocs_per_node=1,
-            localsgd_frequency=FREQUENCY,
-            slowmo_frequency=FREQUENCY,
-            slowmo_momentum=cfg["slowmo_momentum"],
-            slowmo_lr=cfg.get("slowmo_lr", 1.0),
-        )
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+def train(rank: int, world_size: int, name: str, lr: float, seed: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One run on this rank; rank 0 returns the loss curve and the final test metrics."""
+    steps = args["steps"]
+    model = mlp(DIMS, seed)
+    wrapped, optimizer = build(name, model, lr)
     # cosine: from lr down to lr/100 at the last step (the slow step divides by the current lr, so never 0)
-    decay = (lambda t: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * t / steps))) if schedule == "cosine" else None
+    decay = (
+        (lambda t: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * t / steps))) if args["schedule"] == "cosine" else None
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay) if decay else None
-    sampler, (x_train, y_train), (x_test, y_test) = data(dataset, rank, seed, split)
+    sampler, (x_train, y_train), (x_test, y_test) = data(args["data"], rank, seed, args["split"])
     curve = [(0, loss_on(model, x_train, y_train)[0])] if rank == 0 else []
     for step in range(1, steps + 1):
-        x, y = sampler.batch(batch)
+        x, y = sampler.batch(args["batch"])
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(wrapped(x), y).backward()
         optimizer.step()
@@ -221,80 +180,104 @@ def train(
     return {"curve": curve, "train_loss": curve[-1][1], "test_loss": test_loss, "test_acc": test_acc}
 
 
-def summary(runs: list[dict[str, Any]], key: str) -> tuple[float, float, float]:
-    values = [r[key] for r in runs]
-    return statistics.mean(values), min(values), max(values)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every (lr, seed, configuration) as a 4-rank job."""
+    lrs, seeds = [float(x) for x in args.lrs.split(",")], [int(x) for x in args.seeds.split(",")]
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    if any(n not in CONFIGS for n in names) or "sync" not in names:
+        raise ValueError(f"--configs: a subset of {', '.join(CONFIGS)} that includes sync; got {args.configs!r}")
+    if args.steps % FREQUENCY:
+        raise ValueError(f"--steps must be a multiple of {FREQUENCY}; got {args.steps}")
+    job = {k: getattr(args, k) for k in ("data", "steps", "batch", "split", "schedule")}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {f"{lr:g}": {n: [] for n in names} for lr in lrs}
+    plan = [(lr, seed, name) for lr in lrs for seed in seeds for name in names]
+    for lr, seed, name in progress(plan, desc="slowmo_quality"):
+        out = run_distributed(train, WORLD_SIZE, name, lr, seed, job, timeout=600.0, pg_timeout=120.0)[0]
+        results[f"{lr:g}"][name].append(out)
+    return {"results": results, "verdicts": verdicts(results), "best_lr": best_lr(results)}
 
 
-def print_tables(results: dict[float, dict[str, list[dict[str, Any]]]], args: argparse.Namespace) -> None:
-    what = "training loss (whole training set)" if args.data == "digits" else "held-out loss (fresh samples)"
-    print(
-        f"\n{args.data}: {WORLD_SIZE} workers, {args.steps} steps x {args.batch} samples per worker, "
-        f"{len(args.seeds)} seeds; final {what}, mean [min..max] over seeds"
-    )
-    print(
-        "| base lr | configuration | final loss | vs sync (means) | above sync on | test loss | test accuracy |\n"
-        "|---|---|---|---|---|---|---|"
-    )
-    verdicts = []
+# -- the tables and the plot -----------------------------------------------------------------------------------------
+
+
+def _mean(runs: list[dict[str, Any]], key: str = "train_loss") -> float:
+    return statistics.mean(r[key] for r in runs)
+
+
+def _above(runs: list[dict[str, Any]], sync: list[dict[str, Any]]) -> int:
+    return sum(r["train_loss"] > s["train_loss"] for r, s in zip(runs, sync, strict=True))
+
+
+def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    out = []
     for lr, by_config in results.items():
-        sync_runs = by_config["sync"]
-        sync = summary(sync_runs, "train_loss")[0]
-        rel = {}
-        for name, runs in by_config.items():
-            mean, lo, hi = summary(runs, "train_loss")
-            rel[name] = mean / sync - 1
-            above = sum(r["train_loss"] > s["train_loss"] for r, s in zip(runs, sync_runs, strict=True))
-            print(
-                f"| {lr:g} | {CONFIGS[name]['label']} | {mean:.4f} [{lo:.4f}..{hi:.4f}] | "
-                f"{100 * rel[name]:+.1f}% | {'-' if name == 'sync' else f'{above}/{len(runs)} seeds'} | "
-                f"{summary(runs, 'test_loss')[0]:.4f} | {summary(runs, 'test_acc')[0]:.3f} |"
-            )
-        local_worse = all(
-            r["train_loss"] > s["train_loss"] for r, s in zip(by_config["localsgd"], sync_runs, strict=True)
+        sync = _mean(by_config["sync"])
+        rel = {name: _mean(runs) / sync - 1 for name, runs in by_config.items()}
+        if "slowmo" not in rel or "localsgd" not in rel:
+            continue
+        worse = _above(by_config["localsgd"], by_config["sync"]) == len(by_config["sync"])
+        two, one = abs(rel["slowmo"]) <= 0.03 and worse, rel["slowmo"] <= 0.03 and worse
+        out.append(
+            f"lr {lr}: SlowMo {100 * rel['slowmo']:+.1f}% vs sync, local SGD {100 * rel['localsgd']:+.1f}% "
+            f"({'worse on every seed' if worse else 'not worse on every seed'}) -> goal "
+            f"{'met' if two else 'NOT met'} read as |SlowMo - sync| <= 3%, {'met' if one else 'NOT met'} as <= +3%"
         )
-        two_sided = abs(rel["slowmo"]) <= 0.03 and local_worse
-        one_sided = rel["slowmo"] <= 0.03 and local_worse
-        verdicts.append(
-            f"lr {lr:g}: SlowMo {100 * rel['slowmo']:+.1f}% vs sync, local SGD {100 * rel['localsgd']:+.1f}% "
-            f"({'worse on every seed' if local_worse else 'not worse on every seed'}) -> goal "
-            f"{'met' if two_sided else 'NOT met'} read as |SlowMo - sync| <= 3%, "
-            f"{'met' if one_sided else 'NOT met'} read as SlowMo <= sync + 3%"
-        )
-    print("\n".join(["", *verdicts, "", *best_lr_verdict(results)]))
+    return out
 
 
-def best_lr_verdict(results: dict[float, dict[str, list[dict[str, Any]]]]) -> list[str]:
-    """Each configuration at the base lr where its mean final loss is lowest, against synchronous SGD at its own."""
-    best: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+def best_lr(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    """Each configuration at the lr where its mean final loss is lowest (a diverged, nan run never is)."""
+    best: dict[str, dict[str, Any]] = {}
     for lr, by_config in results.items():
         for name, runs in by_config.items():
-            mean = summary(runs, "train_loss")[0]
-            if not math.isnan(mean) and (name not in best or mean < summary(best[name][1], "train_loss")[0]):
-                best[name] = (lr, runs)  # a diverged run (nan) is never the best
-    if "sync" not in best:
-        return []
-    sync_lr, sync_runs = best["sync"]
-    sync = summary(sync_runs, "train_loss")[0]
-    lines = [f"each at its best lr: synchronous SGD {sync:.4f} at lr {sync_lr:g}"]
-    for name, (lr, runs) in best.items():
-        if name != "sync":
-            above = sum(r["train_loss"] > s["train_loss"] for r, s in zip(runs, sync_runs, strict=True))
-            mean = summary(runs, "train_loss")[0]
+            mean = _mean(runs)
+            if not math.isnan(mean) and (name not in best or mean < best[name]["loss"]):
+                best[name] = {"lr": lr, "loss": mean}
+    for entry in best.values():
+        entry["vs_sync"] = entry["loss"] / best["sync"]["loss"] - 1 if "sync" in best else None
+    return best
+
+
+def table(report: dict[str, Any]) -> str:
+    cfg, figures = report["config"], report["figures"]
+    lines = [
+        f"{cfg['data']} ({cfg['split']}, {cfg['schedule']} lr): {WORLD_SIZE} workers, {cfg['steps']} steps x "
+        f"{cfg['batch']} samples; final loss, mean [min..max] over seeds {cfg['seeds']}",
+        "| base lr | configuration | final loss | vs sync | above sync on | test loss | test acc. |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for lr, by_config in figures["results"].items():
+        sync = by_config["sync"]
+        for name, runs in by_config.items():
+            losses = [r["train_loss"] for r in runs]
+            above = "-" if name == "sync" else f"{_above(runs, sync)}/{len(runs)}"
             lines.append(
-                f"  {CONFIGS[name]['label']}: {mean:.4f} at lr {lr:g}, {100 * (mean / sync - 1):+.1f}%, "
-                f"above sync on {above}/{len(runs)} seeds"
+                f"| {lr} | {CONFIGS[name]['label']} | {_mean(runs):.4f} [{min(losses):.4f}..{max(losses):.4f}] "
+                f"| {100 * (_mean(runs) / _mean(sync) - 1):+.1f}% | {above} | {_mean(runs, 'test_loss'):.4f} "
+                f"| {_mean(runs, 'test_acc'):.3f} |"
             )
-    return lines
+    lines += ["", *figures["verdicts"], "each at its best lr:"]
+    for name, b in figures["best_lr"].items():
+        lines.append(
+            f"  {CONFIGS[name]['label']}: {b['loss']:.4f} at lr {b['lr']} ({100 * b['vs_sync']:+.1f}% vs sync)"
+        )
+    return "\n".join(lines)
 
 
-def plot(results: dict[float, dict[str, list[dict[str, Any]]]], path: str, args: argparse.Namespace) -> None:
-    """One panel per base lr: mean training loss against steps over the seeds, with the min..max band."""
-    import matplotlib
+def result_name(args: argparse.Namespace) -> str:
+    """slowmo_quality, or slowmo_quality_<data>[_by-label][_cosine] for the other variants."""
+    parts = [] if args.data == "digits" else [args.data]
+    parts += [args.split] if args.split != "iid" else []
+    parts += [args.schedule] if args.schedule != "constant" else []
+    if args.data == "digits" and parts:
+        parts.insert(0, "digits")
+    return "_".join(["slowmo_quality", *parts])
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot(report: dict[str, Any], out_dir: Path) -> None:
+    """One panel per base lr: mean loss against steps over the seeds, with the min..max band."""
+    plt = plotting.pyplot()
+    results, cfg = report["figures"]["results"], report["config"]
     cols = min(2, len(results))
     rows = (len(results) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.0 * rows), squeeze=False)
@@ -303,82 +286,27 @@ def plot(results: dict[float, dict[str, list[dict[str, Any]]]], path: str, args:
             steps = [s for s, _ in runs[0]["curve"]]
             curves = list(zip(*[[loss for _, loss in r["curve"]] for r in runs], strict=True))
             mean = [statistics.mean(c) for c in curves]
-            label = f"{CONFIGS[name]['label']} (final {mean[-1]:.3g})"
-            (line,) = ax.plot(steps, mean, CONFIGS[name]["style"], label=label)
+            style = CONFIGS[name].get("style", ":")
+            (line,) = ax.plot(steps, mean, style, label=f"{CONFIGS[name]['label']} (final {mean[-1]:.3g})")
             ax.fill_between(
                 steps, [min(c) for c in curves], [max(c) for c in curves], color=line.get_color(), alpha=0.2
             )
-        ax.set_yscale("log")
-        ax.set_title(f"base lr {lr:g}", fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss" if args.data == "digits" else "held-out loss (fresh data)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        ax.set(yscale="log", title=f"base lr {lr}", xlabel="step")
+        ax.set_ylabel("training loss" if cfg["data"] == "digits" else "held-out loss (fresh data)")
+        ax.legend()
     for ax in list(axes.flat)[len(results) :]:
         ax.set_visible(False)
-    fig.suptitle(
-        f"{args.data}: MLP, {WORLD_SIZE} workers x batch {args.batch}, SGD(momentum 0.9), mean of {len(args.seeds)} "
-        "seeds (band: min..max)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    workload = f"{cfg['data']} ({cfg['split']}, {cfg['schedule']} lr), MLP, SGD(0.9), mean of {len(runs)} seeds"
+    fig.suptitle(plotting.title(workload, WORLD_SIZE, report))
+    plotting.save(fig, report["benchmark"], out_dir)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", choices=["digits", "teacher"], default="digits")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[0.003, 0.01, 0.03, 0.1], help="base learning rates")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--steps", type=int, default=None, help="a multiple of 12 (default: digits 300, teacher 600)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", choices=["digits", "teacher"], default="digits", help="data set")
+    parser.add_argument("--lrs", default="0.003,0.01,0.03,0.1", help="base learning rates, comma-separated")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="seeds, comma-separated")
+    parser.add_argument("--steps", type=int, default=300, help="a multiple of 12 (the teacher figures used 600)")
     parser.add_argument("--batch", type=int, default=16, help="samples per worker and step")
     parser.add_argument("--split", choices=["iid", "by-label"], default="iid", help="how workers share the data")
     parser.add_argument("--schedule", choices=["constant", "cosine"], default="constant", help="base lr schedule")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--plot", default=None, help="default: benchmarks/figures/slowmo_quality_<data>.png")
-    parser.add_argument("--json", default=None, help="write the raw results here")
-    parser.add_argument("--from-json", default=None, help="print the tables and plot from saved results")
-    args = parser.parse_args()
-    if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
-        for key in ("data", "seeds", "steps", "batch", "split", "schedule"):
-            setattr(args, key, saved["args"].get(key, getattr(args, key)))
-        results = {float(lr): by_config for lr, by_config in saved["results"].items()}
-    else:
-        args.steps = args.steps or (300 if args.data == "digits" else 600)
-        if args.steps % FREQUENCY:
-            parser.error(f"--steps must be a multiple of {FREQUENCY}")
-        results = run_all(args)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}))
-    print_tables(results, args)
-    plot(results, args.plot or f"benchmarks/figures/slowmo_quality_{args.data}.png", args)
-    return 0
-
-
-def run_all(args: argparse.Namespace) -> dict[float, dict[str, list[dict[str, Any]]]]:
-    """Every (lr, seed, configuration) as a 4-rank job; progress on stdout."""
-    from ddpkit.testing import run_distributed
-
-    results: dict[float, dict[str, list[dict[str, Any]]]] = {}
-    total, done, began = len(args.lrs) * len(args.configs) * len(args.seeds), 0, time.monotonic()
-    for lr in args.lrs:
-        results[lr] = {name: [] for name in args.configs}
-        for seed in args.seeds:
-            for name in args.configs:
-                job = (args.data, name, lr, seed, args.steps, args.batch, args.split, args.schedule)
-                out = run_distributed(train, WORLD_SIZE, *job, timeout=600.0, pg_timeout=120.0)[0]
-                results[lr][name].append(out)
-                done += 1
-                print(
-                    f"[{done}/{total}, {time.monotonic() - began:.0f} s] lr {lr:g} seed {seed} {name:9s} "
-                    f"loss {out['train_loss']:.4f}  test accuracy {out['test_acc']:.3f}",
-                    flush=True,
-                )
-    return results
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    parser.add_argument("--configs", default="sync,slowmo,localsgd,slowmo_lr0.3", help="comma-separated subset")

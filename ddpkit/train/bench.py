@@ -21,6 +21,8 @@ from ddpkit.train.config import STRATEGIES, TrainConfig
 from ddpkit.train.models import mlp
 from ddpkit.train.report import gather_per_rank, peak_memory_mb
 from ddpkit.train.strategies import build_strategy
+from ddpkit.train.timing import optimizer_state_bytes as state_bytes
+from ddpkit.train.timing import timed_steps
 from ddpkit.train.trainer import Trainer
 
 FEATURES, CLASSES = 1024, 10
@@ -28,8 +30,7 @@ FEATURES, CLASSES = 1024, 10
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of tensors in this rank's optimizer state (OSS: its shard only)."""
-    state = optimizer.optim.state if isinstance(optimizer, OSS) else optimizer.state
-    return sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t))
+    return state_bytes(optimizer.optim if isinstance(optimizer, OSS) else optimizer)
 
 
 def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) -> dict[str, Any]:
@@ -41,14 +42,13 @@ def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) ->
         (torch.randn(cfg.batch_size, FEATURES, generator=g), torch.randint(0, CLASSES, (cfg.batch_size,), generator=g))
     ]
     trainer = Trainer(strategy.model, strategy.optimizer, batches)  # type: ignore[arg-type]
-    times, sent = [], []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
+
+    def step() -> float:
         with comm_stats.measure() as delta:
             trainer.train_step(batches)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-            sent.append(delta.sent_bytes())
+        return delta.sent_bytes()
+
+    times, sent = timed_steps(step, steps, warmup)
     return {
         "strategy": cfg.strategy,
         "parameters": sum(p.numel() for p in module.parameters()),

@@ -1,0 +1,1 @@
+"""ddpkit's benchmarks: ``python -m benchmarks`` lists them, ``python -m benchmarks NAME`` runs one."""

@@ -1,0 +1,91 @@
+"""The command line every benchmark shares: its own options with their defaults, ``--quick``, ``--out``,
+``--plot-only``; a run writes the result file, prints the table and draws the plot from the file.
+
+A benchmark module defines ``QUESTION`` (one line: what it answers), ``QUICK`` (option values for the smoke size),
+``add_arguments(parser)``, ``run(args) -> figures``, ``table(report) -> str`` and ``plot(report, out_dir)``;
+optionally ``result_name(args)`` where variants of one benchmark keep separate result files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+from benchmarks.lib import results
+
+T = TypeVar("T")
+
+
+class Skip(Exception):
+    """Raised by a benchmark's ``run`` when it cannot run here (e.g. no root for network namespaces): the reason
+    is printed and the command exits with status 0 after writing nothing."""
+
+
+def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
+    """A tqdm progress bar on stderr (leaves stdout to the tables)."""
+    from tqdm import tqdm
+
+    yield from tqdm(items, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none (None) or it is a flag's False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(name: str, module: ModuleType, quick: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks {name}",
+        description=module.QUESTION,
+        formatter_class=_Help,
+    )
+    module.add_arguments(parser)
+    parser.add_argument("--quick", action="store_true", help="smoke size: " + _quick_text(module.QUICK))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write NAME.json and the plots here (default: benchmarks/results, benchmarks/figures)",
+    )
+    parser.add_argument("--plot-only", action="store_true", help="redraw the table and plots from the result file")
+    if quick:
+        parser.set_defaults(**module.QUICK)
+    return parser
+
+
+def _quick_text(values: dict[str, Any]) -> str:
+    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+
+
+def main(name: str, module: ModuleType, argv: list[str]) -> int:
+    """Runs benchmark `name` (``python -m benchmarks NAME ...``); returns the exit status."""
+    parser = build_parser(name, module, quick="--quick" in argv)
+    args = parser.parse_args(argv)
+    figures_dir = Path(args.out) if args.out else results.FIGURES
+    result = module.result_name(args) if hasattr(module, "result_name") else name  # variants keep their own file
+    if args.plot_only:
+        report = results.load(result, args.out)
+    else:
+        recorder = results.Recorder(result, _config(args), args.out)
+        try:
+            figures = module.run(args)
+        except Skip as reason:
+            print(f"{name}: skipped: {reason}", flush=True)
+            return 0
+        recorder.config = _config(args)  # as the run completed it (e.g. defaults that depend on other options)
+        recorder.write(figures, command=results.command_line([name, *argv]))
+        report = results.load(result, args.out)
+    print(module.table(report), flush=True)
+    module.plot(report, figures_dir)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("out", "plot_only")}

@@ -1,0 +1,45 @@
+"""Counting the bytes of collectives that torch or fairscale call from Python, in ddpkit's wire model.
+
+ddpkit's own collectives count themselves in `ddpkit.distributed.comm_stats`, and DDP's C++ all-reduce is counted
+through `counting_allreduce_hook`; torch's ZeroRedundancyOptimizer, PostLocalSGD and fairscale call
+``torch.distributed.broadcast/reduce/all_reduce/all_gather`` from Python, which `install_counting_shim` wraps so
+that those calls are recorded too. Calls made by ddpkit's `comm` module are skipped: nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit.distributed.stats import CommStats, wire_bytes
+
+SHIMMED = ("broadcast", "reduce", "all_reduce", "all_gather")
+DDPKIT_COMM = "ddpkit.distributed.comm"
+
+
+def install_counting_shim(stats: CommStats, kinds: tuple[str, ...] = SHIMMED) -> None:
+    """Wraps torch.distributed's Python collectives `kinds` so calls made outside ddpkit are recorded in `stats`."""
+    for kind in kinds:
+        original = getattr(dist, kind)
+        if not getattr(original, "_bench_shim", False):
+            setattr(dist, kind, _counting(kind, original, stats))
+
+
+def _counting(kind: str, original: Callable[..., Any], stats: CommStats) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def shim(*args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_globals.get("__name__") != DDPKIT_COMM:  # ddpkit counts its own
+            bound = signature.bind(*args, **kwargs)
+            tensor = bound.arguments["tensor"]
+            payload = tensor.numel() * tensor.element_size()
+            size = dist.get_world_size(bound.arguments.get("group"))
+            stats.record(kind, "python", payload, wire_bytes(kind, payload, size))
+        return original(*args, **kwargs)
+
+    shim._bench_shim = True  # type: ignore[attr-defined]
+    return shim

@@ -1,0 +1,132 @@
+"""benchmarks/ cannot rot: every benchmark runs at smoke size through ``python -m benchmarks all --quick`` and
+writes its result file with the fields the README's record relies on; the shared timing helpers and the
+network-namespace hosts (set up, and torn down on an error or SIGTERM) are checked on their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.train import timing
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+FIELDS = ("benchmark", "command", "date", "commit", "torch", "machine", "config", "figures")
+
+
+def benchmarks_here() -> list[str]:
+    return sorted(p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py"))
+
+
+def netns_unavailable() -> str | None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.lib import netns
+
+    return netns.unavailable()
+
+
+def test_listing_names_every_benchmark_with_its_question():
+    done = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for name in benchmarks_here():
+        line = next((x for x in done.stdout.splitlines() if x.strip().startswith(name + " ")), None)
+        assert line is not None and len(line.split(maxsplit=1)[1]) > 20, done.stdout
+
+
+@pytest.mark.slow
+def test_every_benchmark_quick_writes_its_result_file(tmp_path):
+    began = time.time()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    skipped_link = netns_unavailable()
+    for name in benchmarks_here():
+        path = tmp_path / f"{name}.json"
+        if name == "slowmo_link" and skipped_link:
+            assert not path.exists() and "slowmo_link: skipped" in done.stdout
+            continue
+        report = json.loads(path.read_text())
+        assert all(report.get(key) is not None for key in FIELDS if key != "commit"), (name, report.keys())
+        assert report["benchmark"] == name and report["command"].startswith(f"python -m benchmarks {name} --quick")
+        assert report["machine"]["cores"] >= 1 and report["machine"]["memory_gb"] > 0 and "gpu" in report["machine"]
+        assert report["config"]["quick"] is True and report["figures"]
+        assert time.strptime(report["date"], "%Y-%m-%d %H:%M UTC").tm_year >= time.gmtime(began).tm_year
+        assert list(tmp_path.glob("*.png")), "plots are drawn from the result file"
+    sharding = json.loads((tmp_path / "sharding.json").read_text())["figures"]
+    rows = {r["key"]: r for r in sharding["by_world_size"]["2"]}
+    assert rows["ddp"]["step_vs_ddp"] == 1.0 and rows["oss_sdp"]["state_mb"] < rows["ddp"]["state_mb"]
+    assert all(r["matches_ddp"] for r in rows.values()), "every strategy computed DDP's parameters"
+    redraw = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "sharding", "--plot-only", "--out", str(tmp_path)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert redraw.returncode == 0 and "world size 2" in redraw.stdout, redraw.stderr
+
+
+def test_timed_steps_drop_the_warmup_and_keep_return_values():
+    calls = []
+    seconds, values = timing.timed_steps(lambda: calls.append(len(calls)) or len(calls), steps=3, warmup=2)
+    assert len(calls) == 5 and values == [3, 4, 5] and len(seconds) == 3 and all(s >= 0 for s in seconds)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        timing.timed_steps(lambda: None, steps=0)
+
+
+def test_rounds_interleave_and_summarise():
+    assert list(timing.interleaved(["a", "b"], 2)) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    summary = timing.RoundSummary.of([3.0, 1.0, 2.0])
+    assert (summary.best, summary.median, summary.rounds) == (1.0, 2.0, (3.0, 1.0, 2.0))
+    assert timing.ratio(1.0, 4.0) == 0.25 and timing.ratio(1.0, 0.0) is None and timing.ratio(None, 1.0) is None
+    timer = timing.PhaseTimer()
+    timer.start()
+    timer.lap("forward")
+    timer.stop()
+    assert set(timer.medians_ms()) == {"forward", "step"} and timer.medians_ms()["step"] >= 0
+
+
+HOSTS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from benchmarks.lib.netns import Hosts
+    with Hosts(2) as hosts:
+        print(" ".join([hosts.switch, *hosts.namespaces]), flush=True)
+        sys.stdin.readline()  # the test looks at the namespaces, then says go (or sends SIGTERM meanwhile)
+        raise RuntimeError("boom")
+    """
+)
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("ending", ["error", "sigterm"])
+def test_hosts_are_torn_down_on_an_error_and_on_sigterm(ending):
+    if why := netns_unavailable():
+        pytest.skip(why)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOSTS_SCRIPT],
+        cwd=ROOT,
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    names = proc.stdout.readline().split()
+    assert len(names) == 3
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert all(n in listed for n in names), listed
+    if ending == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    assert proc.wait(timeout=60) == (128 + signal.SIGTERM if ending == "sigterm" else 1)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names), listed
