@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpkit.train import config as cfgmod
@@ -17,7 +17,10 @@ EXAMPLES = """examples:
   ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 2
   torchrun --nproc-per-node 2 -m ddpkit train          # under torchrun
   ddpkit train --world-size 2 --rank 0 --host 10.0.0.1   # on machine 0, then --rank 1 on machine 1
+  ddpkit train --model gpt --data text --max-steps 200  # a byte-level GPT on the stdlib's source
+  ddpkit train --model mypkg.models:build --data mypkg.data:load --loss mse   # your own model and data
   ddpkit bench --nproc-per-node 2                      # every strategy on one synthetic workload
+  ddpkit bench --model gpt --link-mbit 1000            # which strategy for a GPT over a 1 Gbit/s link
 """
 
 
@@ -34,14 +37,15 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     what.add_argument("--epochs", type=int)
     what.add_argument("--batch-size", type=int, help="per process (default 32)")
     what.add_argument("--seed", type=int)
-    what.add_argument("--data", choices=cfgmod.DATASETS, help="digits (default, bundled with scikit-learn)")
+    data_help = "digits (default) | mnist | synthetic | text | PACKAGE.MODULE:FACTORY"
+    what.add_argument("--data", type=_name_or_factory(cfgmod.DATASETS), help=data_help)
     what.add_argument("--data-dir", help="folder with the four MNIST IDX files (gzipped or not)")
     what.add_argument("--synthetic-samples", type=int)
     what.add_argument("--synthetic-features", type=int)
     what.add_argument("--synthetic-classes", type=int)
-    what.add_argument("--model", choices=cfgmod.MODELS, help="mlp (default) | cnn")
     what.add_argument("--hidden", type=int, help="MLP width (default 256)")
     what.add_argument("--depth", type=int, help="MLP hidden layers (default 2)")
+    _add_workload_flags(what)
     slowmo = p.add_argument_group("SlowMo (--strategy slowmo)")
     slowmo.add_argument("--slowmo-momentum", type=float)
     slowmo.add_argument("--slowmo-lr", type=float)
@@ -53,6 +57,27 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         help="processes per SlowMo node (default: --nproc-per-node across machines, 1 on one machine)",
     )
+
+
+def _name_or_factory(names: tuple[str, ...]) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if value in names or ":" in value:
+            return value
+        raise argparse.ArgumentTypeError(f"invalid choice {value!r} (choose {', '.join(names)} or PKG.MODULE:FACTORY)")
+
+    return check
+
+
+def _add_workload_flags(group: argparse._ArgumentGroup) -> None:
+    """--model, --loss, --max-steps and the GPT's shape (shared by `train` and `bench`)."""
+    model_help = "mlp (default) | cnn | gpt | PACKAGE.MODULE:FACTORY (returns a module)"
+    group.add_argument("--model", type=_name_or_factory(cfgmod.MODELS), help=model_help)
+    group.add_argument("--loss", choices=cfgmod.LOSSES, help="default: the model factory's loss, else cross_entropy")
+    group.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps")
+    group.add_argument("--gpt-layers", type=int, help="transformer blocks of --model gpt (default 6)")
+    group.add_argument("--gpt-width", type=int, help="embedding width of --model gpt (default 384)")
+    group.add_argument("--gpt-heads", type=int, help="attention heads of --model gpt (default 6)")
+    group.add_argument("--context", type=int, help="bytes per window of --data text and the GPT's context (128)")
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:
@@ -93,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--depth", type=int, help="MLP hidden layers (default 4)")
     bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="default adam")
     bench.add_argument("--strategies", help="comma-separated subset (default: all)")
+    advice = bench.add_argument_group("your workload and your network (the advisor)")
+    _add_workload_flags(advice)
+    advice.add_argument("--data", type=_name_or_factory(cfgmod.DATASETS), help="default synthetic; text with gpt")
+    advice.add_argument("--link-mbit", type=float, metavar="N", help="predict every strategy on an N Mbit/s link")
+    advice.add_argument("--link-latency-ms", type=float, help="latency per collective of that link (default 0.5)")
+    advice.add_argument("--hosts", help="ADDR0,ADDR1,...: one bench process per host (with --node-rank on each)")
     bench.add_argument("--json", dest="json_path", help="write the results as JSON here")
     bench.add_argument("--plot", help="bar chart PNG path (default bench.png)")
     return parser
@@ -140,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             from ddpkit.train.bench import run_bench
 
             run_bench(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         report_and_exit(exc)
     except KeyboardInterrupt:
         print("ddpkit: interrupted; stopped every local process", file=sys.stderr)

@@ -256,7 +256,8 @@ def check_run(result, out, strategy, epochs=1, world=2, steps=DIGITS_STEPS_PER_E
     assert metrics["epochs"][-1]["steps"] == s["steps"]
     with open(out / "steps.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert set(rows[0]) == {"epoch", "step", "loss", "correct", "samples", "seconds", "sent_bytes", "shared_bytes"}
+    columns = {"epoch", "step", "loss", "correct", "samples", "seconds", "sent_bytes", "shared_bytes", "targets"}
+    assert set(rows[0]) == columns
     assert all(float(r["shared_bytes"]) >= 0 for r in rows)  # > 0 with OSS on one host (checked below)
     assert len(rows) == steps * epochs
     assert [int(r["step"]) for r in rows] == list(range(len(rows)))

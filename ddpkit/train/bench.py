@@ -1,8 +1,14 @@
-"""`ddpkit bench`: every strategy on the same synthetic workload, side by side, with ratios against DDP."""
+"""`ddpkit bench`: every strategy on the same workload, side by side, with ratios against DDP, and advice.
+
+The workload is an MLP on synthetic data unless ``--model``/``--data`` name another (``gpt``/``text``, or your
+factories). Each strategy runs in fresh processes for ``--warmup`` + ``--steps`` steps on one fixed batch per
+rank; the link between the processes is measured first. ``ddpkit.train.advisor`` turns the figures into a
+predicted step time per strategy on a given link and a recommendation."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,20 +16,24 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.distributed import comm, comm_stats
 from ddpkit.distributed.launch import Placement, free_port, join, leave, pick_backend, spawn
 from ddpkit.optim import OSS
-from ddpkit.train.config import STRATEGIES, TrainConfig
-from ddpkit.train.models import mlp
+from ddpkit.train import advisor
+from ddpkit.train.config import STRATEGIES, TrainConfig, validate
 from ddpkit.train.report import gather_per_rank, peak_memory_mb
 from ddpkit.train.strategies import build_strategy
 from ddpkit.train.timing import optimizer_state_bytes as state_bytes
 from ddpkit.train.timing import timed_steps
 from ddpkit.train.trainer import Trainer
+from ddpkit.train.workload import build_workload
 
 FEATURES, CLASSES = 1024, 10
 
@@ -33,40 +43,54 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return state_bytes(optimizer.optim if isinstance(optimizer, OSS) else optimizer)
 
 
-def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)
-    module = mlp(FEATURES, CLASSES, cfg.hidden, cfg.depth)
-    strategy = build_strategy(cfg, module, torch.device("cpu"))
-    g = torch.Generator().manual_seed(placement.rank)
-    batches = [
-        (torch.randn(cfg.batch_size, FEATURES, generator=g), torch.randint(0, CLASSES, (cfg.batch_size,), generator=g))
-    ]
-    trainer = Trainer(strategy.model, strategy.optimizer, batches)  # type: ignore[arg-type]
+def _first_batch(dataset: Any, cfg: TrainConfig, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+    sampler = DistributedSampler(dataset, placement.world_size, placement.rank, shuffle=True, seed=cfg.seed)
+    return next(iter(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)))
 
-    def step() -> float:
+
+def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) -> dict[str, Any]:
+    link = advisor.measure_link("measured between hosts" if cfg.nnodes > 1 else "measured between local processes")
+    work = build_workload(cfg, torch.device("cpu"))
+    strategy = build_strategy(cfg, work.module, torch.device("cpu"))
+    batches = [_first_batch(work.train, cfg, placement)]
+    trainer = Trainer(strategy.model, strategy.optimizer, batches, work.loss_fn)  # type: ignore[arg-type]
+
+    def step() -> tuple[float, int, int]:
         with comm_stats.measure() as delta:
             trainer.train_step(batches)
-        return delta.sent_bytes()
+        shared = delta.total("shared_memory")
+        return delta.sent_bytes(), delta.calls() - shared.calls, shared.payload_bytes
 
-    times, sent = timed_steps(step, steps, warmup)
+    times, values = timed_steps(step, steps, warmup)
+    sent, messages, shared = ([v[i] for v in values] for i in range(3))
     return {
         "strategy": cfg.strategy,
-        "parameters": sum(p.numel() for p in module.parameters()),
+        "workload": work.name,
+        "world_size": placement.world_size,
+        "timed_steps": steps,
+        "warmup_steps": warmup,
+        "parameters": sum(p.numel() for p in work.module.parameters()),
         "step_ms_median": max(gather_per_rank(statistics.median(times) * 1e3)),
+        "step_ms_mean": max(gather_per_rank(statistics.fmean(times) * 1e3)),
         "samples_per_second": cfg.batch_size * placement.world_size / max(gather_per_rank(statistics.median(times))),
         "sent_bytes_per_step": statistics.fmean(gather_per_rank(statistics.fmean(sent))),
+        "wire_bytes_per_step": max(gather_per_rank(statistics.fmean(sent))),
+        "messages_per_step": max(gather_per_rank(statistics.fmean(messages))),
+        "shared_memory_bytes_per_step": statistics.fmean(gather_per_rank(statistics.fmean(shared))),
         "optimizer_state_bytes_per_rank": max(gather_per_rank(optimizer_state_bytes(strategy.optimizer))),
         "peak_memory_mb": max(gather_per_rank(peak_memory_mb())),
+        "link": dataclasses.asdict(link),
     }
 
 
 def _bench_process(local_rank: int, cfg: TrainConfig, port: int, steps: int, warmup: int, out: str) -> None:
     torch.set_num_threads(1)
-    placement = Placement(local_rank, cfg.world_size, local_rank, "127.0.0.1", port)
-    join(placement, pick_backend(cfg.backend, device="cpu"), cfg.timeout)
+    rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+    placement = Placement(rank, cfg.world_size, local_rank, cfg.master_addr, port)
+    join(placement, pick_backend(cfg.backend, device="cpu"), cfg.timeout, multi_node=cfg.nnodes > 1)
     try:
         result = _measure(cfg, steps, warmup, placement)
-        if local_rank == 0:
+        if rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
         comm.barrier()
@@ -99,67 +123,117 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def plot(results: list[dict[str, Any]], path: str) -> None:
-    """Three bar charts: step time, bytes sent per step and optimizer state per rank."""
-    import matplotlib
+BENCH_SETTINGS = (
+    "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "batch_size", "hidden", "depth",
+    "optimizer", "backend", "timeout", "model", "data", "loss", "gpt_layers", "gpt_width", "gpt_heads", "context",
+)  # fmt: skip
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    names = [r["strategy"] for r in results]
-    panels = [
-        ("step_ms_median", "median step time (ms)", 1.0),
-        ("sent_bytes_per_step", "sent per step and rank (MB)", 1e6),
-        ("optimizer_state_bytes_per_rank", "optimizer state per rank (MB)", 1e6),
-    ]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    for ax, (key, title, unit) in zip(axes, panels, strict=True):
-        ax.bar(names, [r[key] / unit for r in results], color="tab:blue")
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def bench_config(given: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig a bench runs every strategy with: the flags given, the bench's own defaults otherwise."""
+    values = {"nproc_per_node": 2, "hidden": 1024, "depth": 4, "data": "synthetic"}
+    if given.get("model") == "gpt" and "data" not in given:
+        values["data"] = "text"
+    values.update({k: given[k] for k in BENCH_SETTINGS if k in given})
+    if "hosts" in given:
+        hosts = [h for h in given["hosts"].split(",") if h]
+        if len(hosts) < 2 or "node_rank" not in given:
+            raise ValueError("--hosts needs 2+ comma-separated addresses (the first runs rank 0) and --node-rank")
+        values.update(nnodes=len(hosts), master_addr=hosts[0], nproc_per_node=given.get("nproc_per_node", 1))
+    cfg = TrainConfig(
+        **values,
+        synthetic_features=FEATURES,
+        synthetic_classes=CLASSES,
+        slowmo_momentum=0.0,  # plain local SGD every 3 steps: the cheapest SlowMo traffic pattern
+        nprocs_per_node_slowmo=values["nproc_per_node"] if values.get("nnodes", 1) > 1 else 1,
+    )
+    validate(cfg)
+    return cfg
+
+
+def step_budget(steps: int, warmup: int, max_steps: int | None, period: int) -> tuple[int, int]:
+    """(timed, warm-up) steps, both rounded up to a multiple of SlowMo's averaging `period`: its first averaging
+    (which allocates) falls in the warm-up and its mean counts averaging steps in proportion. With `max_steps`,
+    the total is cut to it, the warm-up first (timed steps stay a multiple of `period` where possible)."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0; got {steps}, {warmup}")
+    steps, warmup = -(-steps // period) * period, -(-warmup // period) * period
+    if max_steps is not None and warmup + steps > max_steps:
+        warmup = min(warmup, max_steps // 4 // period * period)
+        steps = max_steps - warmup
+        steps = steps // period * period or steps
+    return steps, warmup
+
+
+def _port(cfg: TrainConfig, index: int) -> int:
+    """A fresh port per strategy: any free one on one host; the master port + index across hosts."""
+    if cfg.nnodes == 1:
+        return free_port() if cfg.master_port is None else cfg.master_port + index
+    return (cfg.master_port or 29500) + index
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """Sets `name` to `value` (None: leaves it alone) for the block; the spawned processes inherit it."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None and old is None:
+            del os.environ[name]
+        elif value is not None and old is not None:
+            os.environ[name] = old
 
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Runs each strategy in its own fresh processes (so peak memory is per strategy) and prints the table."""
+    """Runs each strategy in its own fresh processes (so peak memory is per strategy), prints the table and the
+    advice, and writes the plot (and JSON) on the machine of rank 0."""
     given = vars(args)
     names = given.get("strategies", ",".join(STRATEGIES)).split(",")
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise ValueError(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
-    cfg = TrainConfig(
-        nproc_per_node=given.get("nproc_per_node", 2),
-        batch_size=given.get("batch_size", 32),
-        hidden=given.get("hidden", 1024),
-        depth=given.get("depth", 4),
-        optimizer=given.get("optimizer", "adam"),
-        backend=given.get("backend", "auto"),
-        timeout=given.get("timeout", 60.0),
-        slowmo_momentum=0.0,  # plain local SGD every 3 steps: the cheapest SlowMo traffic pattern
-        nprocs_per_node_slowmo=1,
-    )
-    steps, warmup = given.get("steps", 20), given.get("warmup", 3)
+    cfg = bench_config(given)
+    target = None
+    if "link_mbit" in given:
+        target = advisor.link_from_mbit(given["link_mbit"], given.get("link_latency_ms", 0.5))
+    elif "link_latency_ms" in given:
+        raise ValueError("--link-latency-ms goes with --link-mbit")
+    steps, warmup = step_budget(given.get("steps", 20), given.get("warmup", 3), given.get("max_steps"), 3)
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            print(f"bench: {name} on {cfg.nproc_per_node} processes ...", flush=True)
+    # predicting a multi-host job from one host: count what the strategies would send over sockets
+    sockets = target is not None and cfg.nnodes == 1
+    with tempfile.TemporaryDirectory() as tmp, _environment("DDPKIT_SHARED_MEMORY", "0" if sockets else None):
+        for index, name in enumerate(names):
+            print(f"bench: {name} on {cfg.world_size} processes ...", flush=True)
             out = os.path.join(tmp, f"{name}.json")
-            spawn(
-                _bench_process,
-                cfg.nproc_per_node,
-                (dataclasses.replace(cfg, strategy=name), free_port(), steps, warmup, out),
-            )
-            with open(out) as f:
-                results.append(json.load(f))
-    print(f"MLP with {results[0]['parameters'] / 1e6:.1f}M parameters, batch {cfg.batch_size} per process, "
-          f"{cfg.optimizer}, {steps} timed steps")  # fmt: skip
+            run_cfg = dataclasses.replace(cfg, strategy=name)
+            spawn(_bench_process, cfg.nproc_per_node, (run_cfg, _port(cfg, index), steps, warmup, out))
+            if cfg.node_rank == 0:
+                with open(out) as f:
+                    results.append(json.load(f))
+    if cfg.node_rank != 0:
+        print("bench: done; the figures are printed on the machine of rank 0")
+        return []
+    _report(results, cfg, steps, target, given)
+    return results
+
+
+def _report(
+    results: list[dict[str, Any]], cfg: TrainConfig, steps: int, target: advisor.Link | None, given: dict[str, Any]
+) -> None:
+    from ddpkit.train.plots import plot_bench
+
+    print(f"{results[0]['workload']}: {results[0]['parameters'] / 1e6:.1f}M parameters, batch {cfg.batch_size} "
+          f"per process, {cfg.optimizer}, {steps} timed steps on {cfg.world_size} processes")  # fmt: skip
     print(format_table(results))
+    print(advisor.format_advice(results, target))
     plot_path = given.get("plot", "bench.png")
-    plot(results, plot_path)
+    plot_bench(results, plot_path, target)
     print(f"wrote {plot_path}")
     if "json_path" in given:
         with open(given["json_path"], "w") as f:
             json.dump(results, f, indent=2)
         print(f"wrote {given['json_path']}")
-    return results

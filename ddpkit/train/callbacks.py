@@ -34,7 +34,7 @@ class ProgressBar(Callback):
         self.bar.set_postfix(
             epoch=last.epoch,
             loss=f"{last.loss:.3f}",
-            acc=f"{last.correct / last.samples:.2f}",
+            acc=f"{last.accuracy:.2f}",
             samples_s=f"{last.samples * self.world_size / max(last.seconds, 1e-9):.0f}",
             MB_sent=f"{last.sent_bytes / 1e6:.3f}",
         )
@@ -61,12 +61,13 @@ class MetricsRecorder(Callback):
     def on_epoch_end(self, trainer: Trainer) -> None:
         records, self._epoch_steps = self._epoch_steps, []
         samples = sum(r.samples for r in records) or 1
+        targets = sum(r.targets for r in records)
         accuracy, test_loss = trainer.evaluate(self.test_loader)
         entry: dict[str, Any] = {
             "epoch": trainer.state.epoch - 1,
             "steps": trainer.state.step,
             "train_loss": sum(r.loss * r.samples for r in records) / samples,
-            "train_accuracy": sum(r.correct for r in records) / samples,
+            "train_accuracy": sum(r.correct for r in records) / targets if targets else float("nan"),
             "test_loss": test_loss,
             "test_accuracy": accuracy,
             "seconds": sum(r.seconds for r in records),

@@ -17,8 +17,9 @@ else:  # pragma: no cover
 STRATEGIES = ("ddp", "oss", "sharded", "slowmo")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
-DATASETS = ("digits", "mnist", "synthetic")
-MODELS = ("mlp", "cnn")
+DATASETS = ("digits", "mnist", "synthetic", "text")  # or PACKAGE.MODULE:FACTORY (ddpkit.train.factories)
+MODELS = ("mlp", "cnn", "gpt")  # or PACKAGE.MODULE:FACTORY
+LOSSES = ("cross_entropy", "mse")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
@@ -48,6 +49,13 @@ class TrainConfig:
     model: str = "mlp"
     hidden: int = 256
     depth: int = 2
+    loss: str | None = None  # cross_entropy | mse; None: the model factory's loss, else cross_entropy
+    max_steps: int | None = None  # stop after this many optimizer steps, whatever --epochs says
+    # --model gpt (ddpkit.train.gpt) and --data text (ddpkit.train.text)
+    gpt_layers: int = 6
+    gpt_width: int = 384
+    gpt_heads: int = 6
+    context: int = 128  # bytes per window of --data text, and the GPT's context
     # SlowMo
     slowmo_momentum: float = 0.5
     slowmo_lr: float = 1.0
@@ -109,12 +117,13 @@ def validate(cfg: TrainConfig) -> None:
         ("strategy", STRATEGIES),
         ("optimizer", OPTIMIZERS),
         ("amp", AMP_MODES),
-        ("data", DATASETS),
-        ("model", MODELS),
         ("backend", BACKENDS),
         ("device", DEVICES),
     ):
         _choice(name, getattr(cfg, name), allowed)
+    from ddpkit.train.workload import validate_workload
+
+    validate_workload(cfg)
     for name in ("grad_accum", "epochs", "batch_size", "nproc_per_node", "nnodes", "hidden", "depth"):
         _at_least(name, getattr(cfg, name), 1)
     for name in ("slowmo_frequency", "localsgd_frequency", "synthetic_samples", "synthetic_features"):

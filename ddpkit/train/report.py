@@ -77,25 +77,15 @@ def write_metrics(out: str, summary: dict[str, Any], history: list[dict[str, Any
         writer = csv.DictWriter(f, fieldnames=list(steps[0]) if steps else ["step"])
         writer.writeheader()
         writer.writerows(steps)
-    plot_metrics(paths[2], history, steps)
+    plot_metrics(paths[2], history, steps, summary)
     return paths
 
 
-def plot_metrics(path: str, history: list[dict[str, Any]], steps: list[dict]) -> None:
-    """Training loss per step, and train/test accuracy per epoch, side by side."""
-    import matplotlib
+def plot_metrics(
+    path: str, history: list[dict[str, Any]], steps: list[dict], summary: dict[str, Any] | None = None
+) -> None:
+    """metrics.png: smoothed training loss with epoch ticks, held-out accuracy (or bits per byte) per epoch and
+    bytes sent per step, titled with the run's settings (`ddpkit.train.plots.plot_run`)."""
+    from ddpkit.train.plots import plot_run
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot([s["step"] for s in steps], [s["loss"] for s in steps], lw=1)
-    left.set(xlabel="step", ylabel="training loss (rank 0's batches)", title="loss")
-    epochs = [h["epoch"] for h in history]
-    right.plot(epochs, [h["train_accuracy"] for h in history], marker="o", label="train")
-    right.plot(epochs, [h["test_accuracy"] for h in history], marker="o", label="test")
-    right.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plot_run(path, summary or {}, history, steps)

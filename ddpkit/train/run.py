@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -20,29 +19,11 @@ from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar
 from ddpkit.train.checkpoint import load_checkpoint
 from ddpkit.train.config import TrainConfig
-from ddpkit.train.data import Data, digits, mnist, synthetic
-from ddpkit.train.models import mlp, small_cnn
 from ddpkit.train.report import format_summary, gather_digests, gather_per_rank, peak_memory_mb, write_metrics
 from ddpkit.train.strategies import build_strategy
+from ddpkit.train.text import bits_per_byte
 from ddpkit.train.trainer import Trainer
-
-
-def load_data(cfg: TrainConfig) -> Data:
-    if cfg.data == "digits":
-        return digits(cfg.seed)
-    if cfg.data == "mnist":
-        assert cfg.data_dir is not None
-        return mnist(cfg.data_dir)
-    return synthetic(cfg.synthetic_samples, cfg.synthetic_features, cfg.synthetic_classes, cfg.seed)
-
-
-def build_model(cfg: TrainConfig, data: Data) -> nn.Module:
-    torch.manual_seed(cfg.seed)  # the same initial model on every rank (wrappers also sync from rank 0)
-    if cfg.model == "cnn":
-        if data.image_shape is None:
-            raise ValueError("--model cnn needs image-shaped data")
-        return small_cnn(data.image_shape, data.num_classes)
-    return mlp(data.num_features, data.num_classes, cfg.hidden, cfg.depth)
+from ddpkit.train.workload import build_workload
 
 
 def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.device:
@@ -58,15 +39,16 @@ def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.d
 def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any]:
     """Trains on this rank (the process group is joined) and returns the run's summary."""
     device = rank_device(cfg, placement, backend)
-    data = load_data(cfg)
-    strategy = build_strategy(cfg, build_model(cfg, data).to(device), device)
-    sampler = DistributedSampler(data.train, placement.world_size, placement.rank, shuffle=True, seed=cfg.seed)
-    loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler)
-    recorder = MetricsRecorder(DataLoader(data.test, batch_size=512))
-    steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)
+    work = build_workload(cfg, device)
+    strategy = build_strategy(cfg, work.module, device)
+    sampler = DistributedSampler(work.train, placement.world_size, placement.rank, shuffle=True, seed=cfg.seed)
+    loader = DataLoader(work.train, batch_size=cfg.batch_size, sampler=sampler)
+    recorder = MetricsRecorder(DataLoader(work.heldout, batch_size=64 if cfg.data == "text" else 512))
+    total_steps = cfg.epochs * math.ceil(len(loader) / cfg.grad_accum)
+    total_steps = min(total_steps, cfg.max_steps or total_steps)
     label = f"{cfg.strategy} x{placement.world_size}"
     callbacks = [
-        ProgressBar(cfg.epochs * steps_per_epoch, placement.rank, placement.world_size, label, cfg.progress),
+        ProgressBar(total_steps, placement.rank, placement.world_size, label, cfg.progress),
         recorder,
     ]
     if cfg.out:
@@ -75,6 +57,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
         strategy.model,
         strategy.optimizer,
         loader,
+        work.loss_fn,
         grad_accum=cfg.grad_accum,
         amp_dtype=strategy.amp_dtype,
         scaler=strategy.scaler,
@@ -84,17 +67,31 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
         assert cfg.out is not None
         trainer.state = load_checkpoint(cfg.out, strategy)
     start = time.perf_counter()
-    trainer.fit(cfg.epochs)
+    trainer.fit(cfg.epochs, cfg.max_steps)
     wall = time.perf_counter() - start
     if isinstance(strategy.model, SlowMoDistributedDataParallel):
         strategy.model.average_parameters()  # one model at the end, whatever step the run stopped at
     summary = summarize(cfg, placement, backend, trainer, recorder, wall)
     if placement.rank == 0:
         print(format_summary(summary), flush=True)
+        if "heldout_bits_per_byte" in summary:
+            print(f"held-out bits per byte  {summary['heldout_bits_per_byte']:.4f}", flush=True)
         if cfg.out:
             for path in write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows()):
                 print(f"wrote {path}")
     return summary
+
+
+def run_settings(cfg: TrainConfig, world_size: int) -> str:
+    """The settings a plot title names, e.g. "adam lr 0.001, batch 32 x 2, amp bf16"."""
+    text = f"{cfg.optimizer} lr {cfg.learning_rate:g}, batch {cfg.batch_size} x {world_size}"
+    if cfg.grad_accum > 1:
+        text += f" x {cfg.grad_accum} accumulated"
+    if cfg.amp != "off":
+        text += f", amp {cfg.amp}"
+    if cfg.strategy == "slowmo":
+        text += f", localsgd every {cfg.localsgd_frequency}, slowmo every {cfg.slowmo_frequency}"
+    return text
 
 
 def summarize(
@@ -110,7 +107,10 @@ def summarize(
     memory = gather_per_rank(peak_memory_mb())
     digests = gather_digests(getattr(trainer.model, "module", trainer.model))
     accuracy, test_loss = trainer.evaluate(recorder.test_loader)
+    extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
     return {
+        "workload": f"{cfg.model} on {cfg.data}",
+        "settings": run_settings(cfg, placement.world_size),
         "strategy": cfg.strategy,
         "world_size": placement.world_size,
         "backend": backend,
@@ -128,6 +128,7 @@ def summarize(
         "peak_memory_mb": memory,
         "replicas_equal": len(set(digests)) == 1,
         "parameter_digests": digests,
+        **extra,
     }
 
 

@@ -41,6 +41,11 @@ class StepRecord:
     seconds: float
     sent_bytes: float
     shared_bytes: float = 0.0  # handed to other ranks of this host through shared memory (not on the wire)
+    targets: int = 0  # predictions `correct` counts (a sequence model predicts several per sample; 0: no classes)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.targets if self.targets else float("nan")
 
 
 @dataclass
@@ -100,10 +105,13 @@ class Trainer:
         for callback in self.callbacks:
             getattr(callback, hook)(self)
 
-    def fit(self, epochs: int) -> None:
-        """Runs epochs ``state.epoch .. epochs - 1`` (so a restored state resumes where it stopped)."""
+    def fit(self, epochs: int, max_steps: int | None = None) -> None:
+        """Runs epochs ``state.epoch .. epochs - 1`` (so a restored state resumes where it stopped).
+
+        With `max_steps`, training stops once ``state.step`` reaches it; an epoch cut short still ends with
+        ``on_epoch_end`` (its metrics and checkpoint), and a resumed run starts at the next epoch."""
         self._emit("on_train_start")
-        while self.state.epoch < epochs:
+        while self.state.epoch < epochs and (max_steps is None or self.state.step < max_steps):
             sampler = getattr(self.train_loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.state.epoch)
@@ -113,13 +121,15 @@ class Trainer:
                 self.last = self.train_step(batches)
                 self.state.step += 1
                 self._emit("after_step")
+                if max_steps is not None and self.state.step >= max_steps:
+                    break
             self.state.epoch += 1
             self._emit("on_epoch_end")
         self._emit("on_train_end")
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepRecord:
         start = time.perf_counter()
-        loss_sum, correct, samples = 0.0, 0, 0
+        loss_sum, correct, samples, targets = 0.0, 0, 0, 0
         with comm_stats.measure() as sent:
             for i, (x, y) in enumerate(batches):
                 x, y = x.to(self.device), y.to(self.device)
@@ -131,15 +141,15 @@ class Trainer:
                     scaled = loss / len(batches)
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 loss_sum += loss.item() * len(y)
-                correct += int((out.argmax(1) == y).sum())
-                samples += len(y)
+                hits, predicted = count_correct(out, y)
+                correct, targets, samples = correct + hits, targets + predicted, samples + len(y)
             self._emit("after_backward")
             self._optimizer_step()
         seconds = time.perf_counter() - start
         loss_mean = loss_sum / samples
         shared = float(sent.payload_bytes("shared_memory"))
         return StepRecord(
-            self.state.epoch, self.state.step, loss_mean, correct, samples, seconds, sent.sent_bytes(), shared
+            self.state.epoch, self.state.step, loss_mean, correct, samples, seconds, sent.sent_bytes(), shared, targets
         )
 
     def _maybe_no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
@@ -165,15 +175,26 @@ class Trainer:
         module = getattr(self.model, "module", self.model)
         was_training = module.training
         module.eval()
-        correct, total, loss_sum = 0, 0, 0.0
+        correct, predicted, total, loss_sum = 0, 0, 0, 0.0
         for x, y in loader:
             x, y = x.to(self.device), y.to(self.device)
             out = module(x).float()
             loss_sum += float(self.loss_fn(out, y)) * len(y)
-            correct += int((out.argmax(1) == y).sum())
-            total += len(y)
+            hits, count = count_correct(out, y)
+            correct, predicted, total = correct + hits, predicted + count, total + len(y)
         module.train(was_training)
-        return correct / max(total, 1), loss_sum / max(total, 1)
+        return (correct / predicted if predicted else float("nan")), loss_sum / max(total, 1)
+
+
+def count_correct(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
+    """(correct predictions, predictions): the arg-max over the class dimension (the last one for outputs of 3+
+    dimensions, as `ddpkit.train.factories.cross_entropy`) against integer targets; (0, 0) for float targets."""
+    if target.is_floating_point() or output.dim() < 2:
+        return 0, 0
+    predicted = output.argmax(-1 if output.dim() > 2 else 1)
+    if predicted.shape != target.shape:
+        return 0, 0
+    return int((predicted == target).sum()), target.numel()
 
 
 def _chunks(batches: Iterator[Any], size: int) -> Iterator[list[Any]]:

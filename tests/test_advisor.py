@@ -1,0 +1,164 @@
+"""The advisor: fitting a link, the step-time prediction, the recommendation, the bench's step budget, and the
+bench's per-strategy figures (wire bytes, messages) counted at 2 ranks against what each strategy must send."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.testing import run_distributed
+from ddpkit.train import advisor, bench
+from ddpkit.train.advisor import Link, advise, fit_link, link_from_mbit, predict_seconds
+from ddpkit.train.config import STRATEGIES
+
+HERE = Path(__file__).resolve().parent
+
+
+FAST = Link(1e9, 1e-4, "test")
+
+
+def _result(name, step_ms, wire, messages, memory, link=FAST):
+    figures = {"step_ms_mean": step_ms, "wire_bytes_per_step": wire, "messages_per_step": messages}
+    link_fields = {"bandwidth": link.bandwidth, "latency": link.latency, "source": link.source}
+    return {"strategy": name, **figures, "peak_memory_mb": memory, "link": link_fields}
+
+
+def test_fit_link_recovers_bandwidth_and_latency():
+    bandwidth, latency = 12.5e6, 2e-3
+    points = [(w, latency + w / bandwidth) for w in (4096.0, 4 << 20)]
+    link = fit_link(points[0], points[1], "test")
+    assert link.bandwidth == pytest.approx(bandwidth) and link.latency == pytest.approx(latency)
+    assert link.mbit == pytest.approx(100.0)
+    noisy = fit_link((4096.0, 0.01), (1e6, 0.009), "test")  # the large call was faster: no latency to separate
+    assert noisy.bandwidth == pytest.approx(1e6 / 0.009) and noisy.latency == 0.0
+    assert link_from_mbit(100, 0.5) == Link(12.5e6, 5e-4, "given")
+    with pytest.raises(ValueError, match="--link-mbit must be > 0"):
+        link_from_mbit(0)
+
+
+def test_prediction_formula():
+    here = Link(1e9, 1e-4, "loopback")
+    there = Link(12.5e6, 1e-3, "given")
+    r = _result("ddp", step_ms=30.0, wire=2.5e6, messages=4, memory=100, link=here)
+    compute = 0.030 - (2.5e6 / 1e9 + 4 * 1e-4)
+    assert predict_seconds(r, here, there) == pytest.approx(compute + 2.5e6 / 12.5e6 + 4 * 1e-3)
+    assert predict_seconds(r, here, here) == pytest.approx(0.030)  # the link it was measured on: as measured
+    tiny = _result("ddp", step_ms=0.1, wire=2.5e6, messages=4, memory=100, link=here)
+    assert predict_seconds(tiny, here, there) == pytest.approx(0.2 + 0.004)  # compute never below zero
+
+
+def test_recommendation_picks_fastest_then_least_memory_and_says_why():
+    results = [
+        _result("ddp", 20.0, 8e6, 2, 1000),
+        _result("oss", 22.0, 12e6, 6, 800),
+        _result("sharded", 15.0, 8e6, 6, 700),
+        _result("slowmo", 19.0, 8e6 / 3, 1, 1000),
+    ]
+    here = advise(results, None)
+    assert here.strategy == "sharded" and here.seconds["ddp"] == pytest.approx(0.020)
+    assert here.reason.startswith("sharded: 0.75x ddp's step time and 0.70x its peak memory here")
+    slow = advise(results, link_from_mbit(100, 0.5))  # 8 MB per step at 12.5 MB/s: DDP is communication-bound
+    assert slow.strategy == "slowmo" and slow.seconds["slowmo"] < slow.seconds["ddp"] / 2
+    assert "DDP is communication-bound" in slow.reason and "check that your model converges" in slow.reason
+    fast = advise(results, Link(1e12, 0.0, "given"))
+    assert fast.strategy == "sharded" and "compute-bound" in fast.reason and "slowmo (local SGD" in fast.reason
+    near = advise([_result("ddp", 20.0, 0, 0, 1000), _result("sharded", 20.5, 0, 0, 600)], None)
+    assert near.strategy == "sharded"  # within 5% of the fastest: the smaller memory wins
+    text = advisor.format_advice(results, link_from_mbit(100, 0.5))
+    assert "predicted for 100 Mbit/s" in text and text.splitlines()[-1].startswith("recommendation: slowmo")
+
+
+def test_step_budget():
+    assert bench.step_budget(20, 3, None, 3) == (21, 3)
+    assert bench.step_budget(3, 1, None, 3) == (3, 3)  # SlowMo's first averaging falls in the warm-up
+    assert bench.step_budget(20, 3, 12, 3) == (9, 3)
+    assert bench.step_budget(20, 6, 24, 3) == (18, 6)
+    assert bench.step_budget(20, 3, 2, 3) == (2, 0)
+    with pytest.raises(ValueError, match="--steps must be >= 1"):
+        bench.step_budget(0, 3, None, 3)
+    with pytest.raises(ValueError, match="--hosts needs 2"):
+        bench.bench_config({"hosts": "10.0.0.1"})
+    cfg = bench.bench_config({"hosts": "10.0.0.1,10.0.0.2", "node_rank": 1})
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.nproc_per_node) == (2, 1, "10.0.0.1", 1)
+    assert bench.bench_config({"model": "gpt"}).data == "text"
+
+
+def _bench_every_strategy(rank: int, world_size: int) -> list[dict]:
+    from ddpkit.distributed.launch import Placement
+
+    cfg = bench.bench_config({"nproc_per_node": world_size, "hidden": 32, "depth": 1, "batch_size": 8})
+    placement = Placement(rank, world_size, rank, "127.0.0.1", 0)
+    os.environ["DDPKIT_SHARED_MEMORY"] = "0"  # every byte over sockets, as between hosts
+    try:
+        return [bench._measure(cfg.__class__(**{**vars(cfg), "strategy": s}), 3, 3, placement) for s in STRATEGIES]
+    finally:
+        del os.environ["DDPKIT_SHARED_MEMORY"]
+
+
+def test_bench_figures_count_what_each_strategy_sends():
+    results = run_distributed(_bench_every_strategy, 2, timeout=300)
+    assert results[0] == results[1]  # every figure is agreed over ranks
+    by = {r["strategy"]: r for r in results[0]}
+    parameter_bytes = 4 * by["ddp"]["parameters"]  # 1024 -> 32 -> 10 MLP
+    assert by["ddp"]["parameters"] == 1024 * 32 + 32 + 32 * 10 + 10
+    # ring all-reduce at 2 ranks: each rank sends 2 (N-1)/N = 1 copy of the gradients per step
+    assert by["ddp"]["wire_bytes_per_step"] == pytest.approx(parameter_bytes)
+    # ZeRO-2 over sockets: a reduce to the owner and the owner's broadcast, the all-reduce's bytes in total
+    assert by["sharded"]["sent_bytes_per_step"] == pytest.approx(by["ddp"]["sent_bytes_per_step"], rel=1e-6)
+    # SlowMo with one process per node: parameters all-reduced every 3rd step only
+    assert by["slowmo"]["wire_bytes_per_step"] == pytest.approx(parameter_bytes / 3)
+    assert by["oss"]["wire_bytes_per_step"] > by["ddp"]["wire_bytes_per_step"]  # + the parameter broadcast
+    for r in results[0]:
+        assert r["messages_per_step"] > 0 and r["shared_memory_bytes_per_step"] == 0
+        assert r["step_ms_mean"] > 0 and r["timed_steps"] == 3 and r["warmup_steps"] == 3
+        link = Link(**r["link"])
+        assert link.bandwidth > 1e6 and link.latency < 0.1  # loopback: far faster than 8 Mbit/s
+    advice = advise(results[0], link_from_mbit(10, 1.0))
+    ddp = by["ddp"]
+    assert advice.seconds["ddp"] == pytest.approx(predict_seconds(ddp, Link(**ddp["link"]), link_from_mbit(10, 1.0)))
+    assert advice.strategy == "slowmo"  # a third of the bytes on a 10 Mbit/s link
+
+
+@pytest.mark.slow
+def test_bench_command_with_factories_and_a_link(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    argv = ["--model", "test_factories:regression_model", "--data", "test_factories:regression_data"]
+    argv += ["--strategies", "ddp,slowmo", "--link-mbit", "100", "--max-steps", "6", "--timeout", "60"]
+    argv += ["--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png")]
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "bench", *argv], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "predicted for 100 Mbit/s" in done.stdout and "recommendation: " in done.stdout
+    import json
+
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["strategy"] for r in results] == ["ddp", "slowmo"]
+    assert all(r["timed_steps"] + r["warmup_steps"] <= 6 and r["parameters"] == 5 for r in results)
+    assert results[0]["workload"] == "test_factories:regression_model on test_factories:regression_data"
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_plots(tmp_path):
+    from ddpkit.train.plots import plot_bench, plot_run, run_title, smooth, smoothing_weight
+
+    assert smooth([5.0, 5.0, 5.0], 0.9) == pytest.approx([5.0, 5.0, 5.0])  # bias-corrected: no pull towards 0
+    assert smooth([0.0, 10.0], 0.5) == pytest.approx([0.0, 10.0 * 0.5 / 0.75])
+    assert smoothing_weight(60) == pytest.approx(1 - 10 / 60) and smoothing_weight(10**6) == 0.98
+    results = [
+        {**_result(name, 10.0, 1e6, 2, 300), "sent_bytes_per_step": 1e6, "shared_memory_bytes_per_step": shared,
+         "optimizer_state_bytes_per_rank": 4e6, "parameters": 1e6, "workload": "gpt on text", "world_size": 2}
+        for name, shared in (("ddp", 0.0), ("sharded", 5e5))
+    ]  # fmt: skip
+    plot_bench(results, str(tmp_path / "bench.png"), link_from_mbit(100))
+    summary = {"strategy": "ddp", "world_size": 2, "workload": "gpt on text", "settings": "adam lr 0.001", "steps": 3}
+    assert run_title(summary) == "ddp on 2 processes, gpt on text, adam lr 0.001, 3 steps"
+    steps = [{"step": i, "loss": 5.0 - i, "sent_bytes": 10.0, "shared_bytes": 0.0} for i in range(3)]
+    plot_run(str(tmp_path / "metrics.png"), {**summary, "heldout_bits_per_byte": 4.0}, [], steps)
+    for name in ("bench.png", "metrics.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
