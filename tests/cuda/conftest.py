@@ -11,6 +11,7 @@ Tests that need a real GPU (NCCL, ``ddpkit train --device cuda``, CUDA streams) 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 ON_CPU = os.environ.get("DDPKIT_CUDA_TESTS_ON_CPU") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if ON_CPU else None)
 _HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(1, os.path.dirname(_HERE))  # the CPU tests' helpers (tests/test_*.py) are reused here
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

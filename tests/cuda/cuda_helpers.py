@@ -71,13 +71,3 @@ def state_devices(optimizer: torch.optim.Optimizer) -> list[str]:
     """The device types of an optimizer's per-parameter state tensors (step counters aside)."""
     kinds = {v.device.type for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()}
     return sorted(kinds)
-
-
-def clear(model: nn.Module, optimizer: torch.optim.Optimizer, how: str) -> None:
-    """Clears gradients one of the three ways a training loop does."""
-    if how == "model":
-        model.zero_grad()
-    elif how == "optimizer":
-        optimizer.zero_grad()
-    else:
-        optimizer.zero_grad(set_to_none=False)

@@ -6,8 +6,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from cuda_helpers import batch, clear, max_diff, mlp, nbytes, placed
-from torch import nn
+from cuda_helpers import batch, max_diff, mlp, nbytes, placed
+from test_sharded_ddp import _clear as clear  # the CPU tests' helpers, reused
+from test_sharded_ddp import _Routed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.distributed import comm_stats
@@ -71,19 +72,6 @@ def test_sharded_data_parallel_matches_ddp_for_each_way_of_clearing(device, worl
             assert r["reduce"] == r["broadcast"] == r["param_bytes"], (case, rank, r)
             # on gloo: every gradient copied out once, the owned ones back once; every parameter crosses once
             assert r["staged"] == 2 * r["param_bytes"] + r["own_bytes"], (case, rank, r)
-
-
-class _Routed(nn.Module):
-    """`b` is used on rank 0 only, `c` on no rank."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x, rank):
-        y = self.a(x)
-        return self.b(y) if rank == 0 else y
 
 
 def _features(rank, world, device):
