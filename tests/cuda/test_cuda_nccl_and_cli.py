@@ -26,12 +26,12 @@ WIDE = (256, 1024, 1024, 256, 8)  # ~1.6M parameters: kernels long enough for a 
 def _nccl_one(rank, world, device):
     with placed(device) as dev:
         plain = mlp(dev)
-        plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+        plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01, fused=True)  # the same kernel on every side
         model = mlp(dev)
-        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01, fused=True)
         sdp = ShardedDataParallel(model, opt)
         ddp_model = DDP(mlp(dev), device_ids=[dev.index])
-        ddp_opt = OSS(ddp_model.parameters(), optim=torch.optim.Adam, lr=0.01)
+        ddp_opt = OSS(ddp_model.parameters(), optim=torch.optim.Adam, lr=0.01, fused=True)
         with comm_stats.measure() as counted:
             for step in range(5):
                 x, y = batch(rank, step, dev)
