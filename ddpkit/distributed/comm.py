@@ -13,8 +13,10 @@ it keeps for the next reduce of the same shape (`_ScratchPool`): a new buffer of
 a page fault per 4 KiB on first touch, which took longer than the transfer on the benchmark machine.
 
 CUDA tensors on gloo are staged through host memory here, by ddpkit, for every collective (`_HostStaging`): gloo's
-point-to-point send and receive hand the tensor's raw pointer to a socket, which is only valid for host memory,
-and which of gloo's collectives accept CUDA tensors differs between torch versions. Each rank copies its CUDA
+point-to-point send and receive hand the tensor's raw pointer to a socket, which is only valid for host memory;
+torch's gloo backend stages CUDA tensors itself for some collectives (all-reduce, broadcast, reduce, all-gather,
+gather, scatter, all-to-all in the sources read) but not for others (reduce-scatter, coalesced all-reduce), and
+this differs between versions (`benchmarks/gloo_cuda_probe.py` tells for the torch at hand). Each rank copies its CUDA
 input into a pinned host tensor (a synchronous copy: it waits for the work queued on the current stream that
 produces the tensor), runs the CPU code path above on the host copies, and copies the results back to the GPU
 when the collective is waited for, synchronously too, so they are in place for every stream once `wait()`
