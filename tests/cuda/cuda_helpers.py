@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -13,8 +12,9 @@ from torch import nn
 from ddpkit.distributed import comm
 from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.testing import rank_device
+from ddpkit.train import models
 
-SIZES = (16, 64, 32, 8)
+SHAPE = (16, 8, 64, 2)  # features, outputs, hidden width, hidden layers
 
 
 @contextmanager
@@ -36,21 +36,17 @@ def placed(device: str) -> Iterator[torch.device]:
             os.environ[SHARED_MEMORY_ENV] = old_env
 
 
-def mlp(device: torch.device, seed: int = 0, sizes: tuple[int, ...] = SIZES) -> nn.Sequential:
-    """The same MLP on every rank (built on CPU from `seed`, then moved: identical values on every device)."""
+def mlp(device: torch.device, seed: int = 0, shape: tuple[int, int, int, int] = SHAPE) -> nn.Module:
+    """`ddpkit train`'s MLP, the same on every rank (built on CPU from `seed`, then moved: the same values on every
+    device)."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-        layers.append(nn.Linear(a, b))
-        if i < len(sizes) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers).to(device)
+    return models.mlp(*shape).to(device)
 
 
-def batch(rank: int, step: int, device: torch.device, rows: int = 8, sizes: tuple[int, ...] = SIZES):
+def batch(rank: int, step: int, device: torch.device, rows: int = 8, shape: tuple[int, ...] = SHAPE):
     """Rank `rank`'s batch at `step` (made on CPU, so every device gets the same numbers)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(rows, sizes[0], generator=g), torch.randn(rows, sizes[-1], generator=g)
+    x, y = torch.randn(rows, shape[0], generator=g), torch.randn(rows, shape[1], generator=g)
     return x.to(device), y.to(device)
 
 

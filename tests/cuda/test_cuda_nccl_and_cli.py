@@ -20,7 +20,7 @@ from ddpkit.testing import run_distributed
 pytestmark = pytest.mark.cuda
 
 TOL = 1e-6
-WIDE = (256, 1024, 1024, 256, 8)  # ~1.6M parameters: kernels long enough for a missing synchronisation to show
+WIDE = (256, 8, 1024, 3)  # ~2.4M parameters: kernels long enough for a missing synchronisation to show
 
 
 def _nccl_one(rank, world, device):
@@ -56,16 +56,16 @@ def test_nccl_at_world_size_one(real_cuda):
 def _side_stream(rank, world, device):
     assert os.environ.get("CUDA_LAUNCH_BLOCKING", "0") == "0", "this test must run with asynchronous kernels"
     with placed(device) as dev:
-        ref = DDP(mlp(dev, sizes=WIDE))
+        ref = DDP(mlp(dev, shape=WIDE))
         ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-        model = mlp(dev, sizes=WIDE)
+        model = mlp(dev, shape=WIDE)
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
         sdp = ShardedDataParallel(model, opt, reduce_buffer_size=2**20)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         worst = 0.0
         for step in range(20):
-            x, y = batch(rank, step, dev, rows=64, sizes=WIDE)
+            x, y = batch(rank, step, dev, rows=64, shape=WIDE)
             ref_opt.zero_grad()
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
