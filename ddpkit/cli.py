@@ -90,7 +90,8 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     where.add_argument("--world-size", type=int, help="machines, one process each (with --rank and --host)")
     where.add_argument("--rank", type=int, help="this machine's rank (with --world-size and --host)")
     where.add_argument("--host", help="address of rank 0's machine (with --world-size and --rank)")
-    where.add_argument("--backend", choices=cfgmod.BACKENDS, help="auto: nccl with CUDA, else gloo")
+    where.add_argument("--backend", choices=cfgmod.BACKENDS, help="auto: nccl with a GPU per local process, else gloo")
+    where.add_argument("--device", choices=cfgmod.DEVICES, help="auto: cuda with nccl, else cpu; cuda with gloo too")
     where.add_argument("--timeout", type=float, help="seconds before a stuck rendezvous/collective fails")
 
 

@@ -50,10 +50,12 @@ def from_torchrun() -> Placement | None:
     )
 
 
-def pick_backend(requested: str) -> str:
-    """``auto``: NCCL when CUDA is present, else gloo."""
+def pick_backend(requested: str, local_processes: int = 1, device: str = "auto") -> str:
+    """``auto``: NCCL when CUDA is present with a GPU for each of the `local_processes` (NCCL refuses two ranks on
+    one GPU) and `device` is not ``"cpu"``, else gloo."""
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "nccl" if device != "cpu" and gpus >= local_processes else "gloo"
     return requested
 
 

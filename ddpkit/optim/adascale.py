@@ -336,9 +336,10 @@ class AdaScale(WrappedOptimizer):
         norms = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
         self._meter.totals_into(norms)
         for i, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.requires_grad and p.grad is not None and self._counts_average(p):
-                    norms[n_groups + i] += square_norm(p.grad).to(device)
+            params = [p for p in group["params"] if p.requires_grad and p.grad is not None]
+            grads = [p.grad for p in params if self._counts_average(p)]
+            if grads:  # summed where the gradients are, then moved once (a CUDA-to-host copy synchronises)
+                norms[n_groups + i] += torch.stack([square_norm(g).to(grads[0].device) for g in grads]).sum().to(device)
         if self._world_size > 1:
             comm.all_reduce(norms, self._group)
         values = norms.tolist()

@@ -272,8 +272,9 @@ class OSS(Optimizer):
             total = total ** (1.0 / norm_type)
         total = total.reshape(())  # a 0-d tensor, like torch.nn.utils.clip_grad_norm_
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef_on = {d: clip_coef.to(d) for d in {p.grad.device for p in params}}  # one copy per device, not per grad
         for p in params:
-            p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+            p.grad.mul_(coef_on[p.grad.device].to(p.grad.dtype))
         return total
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -403,7 +404,8 @@ def _local_norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.
     """This shard's contribution: ``max |g|`` for the inf-norm, else ``sum ||g||_p ** p`` (float32)."""
     if not grads:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(device) for g in grads])
+    home = grads[0].device  # reduced where the gradients are, then moved once (a CUDA-to-host copy synchronises)
+    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(home) for g in grads])
     if norm_type == float("inf"):
-        return norms.max().reshape(1)
-    return (norms**norm_type).sum().reshape(1)
+        return norms.max().reshape(1).to(device)
+    return (norms**norm_type).sum().reshape(1).to(device)

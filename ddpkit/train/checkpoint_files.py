@@ -149,7 +149,7 @@ def load_verified(folder: str, name: str, manifest: dict[str, Any]) -> Any:
             f"({len(data)} bytes now)"
         )
     try:
-        return torch.load(io.BytesIO(data), weights_only=False)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # GPU-written: onto CPU too
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {exc}") from None
 

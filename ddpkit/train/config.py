@@ -23,6 +23,7 @@ DATASETS = ("digits", "mnist", "synthetic", "text")  # or PACKAGE.MODULE:FACTORY
 MODELS = ("mlp", "cnn", "gpt")  # or PACKAGE.MODULE:FACTORY
 LOSSES = ("cross_entropy", "mse")
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
 FLAG_NAMES = {"nprocs_per_node_slowmo": "slowmo-nprocs-per-node"}  # fields whose flag is not the field's name
@@ -72,6 +73,7 @@ class TrainConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port on one machine, 29500 across machines
     backend: str = "auto"
+    device: str = "auto"  # auto: CUDA with NCCL, else CPU; "cuda" with gloo puts the model on GPUs too
     timeout: float = 60.0
     # outputs
     out: str | None = None
@@ -183,6 +185,7 @@ def validate(cfg: TrainConfig) -> None:
         ("optimizer", OPTIMIZERS),
         ("amp", AMP_MODES),
         ("backend", BACKENDS),
+        ("device", DEVICES),
     ):
         _choice(name, getattr(cfg, name), allowed)
     for name, low in INT_MINIMA.items():
@@ -203,29 +206,27 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.master_port is not None and not 0 < cfg.master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535; got {cfg.master_port}")
     _validate_combinations(cfg)
+    _validate_device(cfg)
     _check_backend(cfg)
     if cfg.out:
         check_writable_folder(cfg.out)
 
 
 def _check_backend(cfg: TrainConfig) -> None:
-    """NCCL (asked for, or picked by auto because CUDA is present) needs one visible GPU per local process."""
-    if cfg.backend == "gloo":
+    """--backend nccl needs one visible GPU per local process (auto picks gloo where there are fewer)."""
+    if cfg.backend != "nccl":
         return
     import torch
 
     if not torch.cuda.is_available():
-        if cfg.backend == "nccl":
-            raise ValueError(
-                "--backend nccl needs CUDA GPUs, and torch sees none on this machine (torch.cuda.is_available() "
-                "is False); use --backend gloo or auto"
-            )
-        return
+        raise ValueError(
+            "--backend nccl needs CUDA GPUs, and torch sees none on this machine (torch.cuda.is_available() "
+            "is False); use --backend gloo or auto"
+        )
     gpus = torch.cuda.device_count()
     if gpus < cfg.nproc_per_node:
-        how = "--backend nccl" if cfg.backend == "nccl" else "--backend auto (NCCL, as CUDA is present)"
         raise ValueError(
-            f"{how} gives each local process a GPU of its own: {cfg.nproc_per_node} local processes need "
+            f"--backend nccl gives each local process a GPU of its own: {cfg.nproc_per_node} local processes need "
             f"{cfg.nproc_per_node} GPUs and {gpus} are visible; use --nproc-per-node {gpus} or --backend gloo"
         )
 
@@ -246,6 +247,16 @@ def check_writable_folder(path: str) -> None:
     except OSError as exc:
         where = "" if existing == os.path.abspath(path) else f" (its folder {existing!r} exists)"
         raise ValueError(f"--out {path!r} cannot be written{where}: {exc.strerror or exc}") from None
+
+
+def _validate_device(cfg: TrainConfig) -> None:
+    if cfg.backend == "nccl" and cfg.device == "cpu":
+        raise ValueError("--device cpu needs --backend gloo (NCCL communicates CUDA tensors only)")
+    if cfg.device == "cuda":  # (--backend nccl without CUDA is refused by _check_backend)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda needs CUDA, which this machine's PyTorch does not see; use --device cpu")
 
 
 def _validate_combinations(cfg: TrainConfig) -> None:

@@ -48,9 +48,19 @@ from ddpkit.train.trainer import Trainer
 from ddpkit.train.workload import build_workload
 
 
+def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.device:
+    """This rank's device: its own GPU with NCCL; with gloo the CPU, or with ``--device cuda`` a GPU (shared when
+    there are fewer GPUs than local processes)."""
+    if backend != "nccl" and cfg.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", placement.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any]:
     """Trains on this rank (the process group is joined) and returns the run's summary."""
-    device = torch.device("cuda", placement.local_rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(cfg, placement, backend)
     work = build_workload(cfg, device)
     check_job_agrees(cfg, backend, work)  # every rank, before the wrappers' first collective
     strategy = build_strategy(cfg, work.module, device)
@@ -145,6 +155,7 @@ def summarize(
         "strategy": cfg.strategy,
         "world_size": placement.world_size,
         "backend": backend,
+        "device": str(next(trainer.model.parameters()).device.type),
         "epochs": cfg.epochs,
         "steps": trainer.state.step,
         "test_accuracy": accuracy,
@@ -187,7 +198,7 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
     shared_memory.sweep_stale(min_age=0)  # what a killed job on this host left, whatever this job's strategy
     faulthandler.enable()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.nproc_per_node, 1)))
-    backend = pick_backend(cfg.backend)
+    backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     try:
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         return train(cfg, placement, backend)
