@@ -1,0 +1,198 @@
+"""SGP (stochastic gradient push) under SlowMo: graphs, mixing, gossip rounds and training on 2 and 4 gloo ranks.
+
+The graphs and the mixing are plain Python and are checked directly: their schedules, regularity, the rate at
+which their mixing matrices reach the average. The gossip and SlowMo's SGP are checked against a single-process
+simulation of the nodes written from SGP's algorithm, through CommStats, across a checkpoint and on the error
+paths. Each spawned run covers many settings at once and returns numbers; the assertions are made here.
+"""
+
+import pytest
+import torch
+
+from ddpkit.distributed.gossip_graphs import (
+    GRAPHS,
+    DynamicBipartiteExponentialGraph,
+    DynamicBipartiteLinearGraph,
+    DynamicDirectedExponentialGraph,
+    DynamicDirectedLinearGraph,
+    GraphManager,
+    NPeerDynamicDirectedExponentialGraph,
+    RingGraph,
+)
+from ddpkit.distributed.gossip_mixing import UniformMixing
+
+GRAPH_CLASSES = list(GRAPHS.values())
+
+
+# -- 1. graphs and mixing (no processes) -----------------------------------------------------------------------
+
+
+def _views(cls, nodes, ppi=1):
+    return [cls(r, nodes, peers_per_itr=ppi) for r in range(nodes)]
+
+
+def test_schedules_at_four_nodes():
+    """Node 0's out-peers at rounds 0, 1, 2, ...: the schedules the graphs are defined by."""
+    expected = {
+        (DynamicDirectedExponentialGraph, 1): [[1], [3], [2], [2], [1]],
+        (NPeerDynamicDirectedExponentialGraph, 1): [[1], [2], [1], [2], [1]],
+        (NPeerDynamicDirectedExponentialGraph, 2): [[1, 2], [3, 2], [1, 2], [3, 2], [1, 2]],
+        (NPeerDynamicDirectedExponentialGraph, 3): [[1, 2, 3]] * 5,
+        (DynamicBipartiteExponentialGraph, 1): [[1], [3], [3], [1], [1]],
+        (DynamicDirectedLinearGraph, 2): [[1, 3], [3, 1], [1, 3], [3, 1], [1, 3]],
+        (DynamicBipartiteLinearGraph, 1): [[1], [3], [3], [1], [1]],
+        (RingGraph, 1): [[1]] * 5,
+        (RingGraph, 2): [[1, 3]] * 5,
+    }
+    for (cls, ppi), rounds in expected.items():
+        graph = cls(0, 4, peers_per_itr=ppi)
+        assert [graph.out_peers(t) for t in range(5)] == rounds, cls.__name__
+    ring = RingGraph(2, 4)
+    assert [ring.in_peers(t) for t in range(3)] == [[1]] * 3 and not ring.is_dynamic_graph()
+    assert DynamicDirectedExponentialGraph(0, 4).in_peers(0) == [3]
+    assert DynamicDirectedExponentialGraph(0, 4).in_peers(2) == [2]
+
+
+def test_in_peers_mirror_out_peers_and_declared_regularity_holds():
+    """For every graph, size and peers per round it can serve: who hears from whom, and the declared properties."""
+    served = 0
+    for cls in GRAPH_CLASSES:
+        for nodes in range(2, 11):
+            for ppi in (1, 2, 3):
+                try:
+                    views = _views(cls, nodes, ppi)
+                except ValueError:
+                    continue
+                served += 1
+                g = views[0]
+                assert g.is_regular_graph() == g.computed_regular() is True, (cls, nodes, ppi)
+                assert not g.needs_push_sum()
+                for t in range(g.period() + 1):
+                    for r, view in enumerate(views):
+                        outs = view.out_peers(t)
+                        assert outs == g.out_peers(t, r) and len(set(outs)) == ppi and r not in outs
+                        senders = [s for s in range(nodes) if r in views[s].out_peers(t)]
+                        assert view.in_peers(t) == senders, (cls, nodes, ppi, t, r)
+                        if g.is_bipartite_graph():
+                            assert all(view.is_passive() != g.is_passive(p) for p in outs)
+                if g.is_dynamic_graph():  # the schedule repeats after period() rounds, not before
+                    p = g.period()
+                    assert all(g.out_peers(t + p, r) == g.out_peers(t, r) for t in range(p) for r in range(nodes))
+    assert served > 60
+
+
+class _Star(GraphManager):
+    """Every node pushes to node 0 (node 0 to node 1): irregular, so uniform mixing needs push-sum."""
+
+    def _make_graph(self):
+        for r in range(self.world_size):
+            self._add_peers(r, [0 if r else 1])
+
+    def is_bipartite_graph(self):
+        return False
+
+    def is_dynamic_graph(self):
+        return False
+
+
+def test_an_irregular_graph_needs_push_sum():
+    star = _Star(0, 4)
+    assert star.in_peers(0) == [1, 2, 3] and _Star(2, 4).in_peers(0) == []
+    assert not star.is_regular_graph() and star.needs_push_sum()
+    assert not UniformMixing(star).is_regular() and UniformMixing(RingGraph(0, 4)).is_regular()
+
+
+def test_graph_errors():
+    cases = [
+        (lambda: DynamicBipartiteExponentialGraph(0, 5), "even number of nodes"),
+        (lambda: DynamicBipartiteLinearGraph(1, 3), "even number of nodes"),
+        (lambda: RingGraph(0, 4, peers_per_itr=3), "peers_per_itr=3 cannot be served at world_size=4"),
+        (lambda: DynamicDirectedExponentialGraph(0, 4, peers_per_itr=2), "round 1 the peers [2, 2]"),
+        (lambda: NPeerDynamicDirectedExponentialGraph(0, 2, peers_per_itr=2), "cannot be served"),
+        (lambda: RingGraph(0, 1), "world_size (the number of nodes) must be an int >= 2"),
+        (lambda: RingGraph(4, 4), "rank (this node's index) must be an int in [0, 4)"),
+        (lambda: RingGraph(0, 4, peers_per_itr=0), "peers_per_itr must be an int >= 1"),
+        (lambda: RingGraph(0, 4.0), "world_size"),
+        (lambda: RingGraph(0, 4, 2, 2), "local_rank"),
+    ]
+    for build, text in cases:
+        with pytest.raises(ValueError) as info:
+            build()
+        assert text in str(info.value), (text, str(info.value))
+    graph = RingGraph(0, 4)
+    with pytest.raises(ValueError, match="cannot be served"):
+        graph.peers_per_itr = 3
+    graph.peers_per_itr = 2
+    assert graph.out_peers(0) == [1, 3]
+    with pytest.raises(TypeError, match="GraphManager"):
+        UniformMixing("ring")
+
+
+def test_get_peers_rotates_like_a_phone_book():
+    graph = DynamicDirectedExponentialGraph(1, 4)
+    assert graph.get_peers() == ([2], [0])
+    assert graph.get_peers(rotate=True) == ([0], [2])
+    assert graph.get_peers(rotate=True) == ([3], [3]) and graph.phase == 2
+    ring = RingGraph(1, 4)
+    assert ring.get_peers(rotate=True) == ([2], [0]) and ring.phase == 0
+
+
+def test_uniform_mixing():
+    graph = NPeerDynamicDirectedExponentialGraph(0, 4, peers_per_itr=3)
+    mixing = UniformMixing(graph)
+    assert mixing.shares([1, 2, 3]) == (0.25, [0.25] * 3)
+    weights = mixing.get_mixing_weights(residual_adjusted=False)
+    assert sorted(weights, key=str) == [1, 2, 3, "lo", "uniform"]
+    assert all(float(w) == 0.25 for w in weights.values())
+    assert float(mixing.get_mixing_weights()["uniform"]) == 1.0  # relative to the kept share
+    assert mixing.is_uniform() and mixing.is_regular()
+
+
+def _mixing_matrix(views, mixing_cls, t):
+    """Column-stochastic A with A[j, i] the share of node i's mass that lands on node j at round t."""
+    n = len(views)
+    a = torch.zeros(n, n, dtype=torch.float64)
+    for i, view in enumerate(views):
+        outs = view.out_peers(t)
+        kept, shares = mixing_cls(view).shares(outs)
+        a[i, i] += kept
+        for j, share in zip(outs, shares, strict=True):
+            a[j, i] += share
+    return a
+
+
+def _disagreement(cls, nodes, rounds, ppi=1):
+    """After each of `rounds` rounds: the spectral norm of (product of mixing matrices - exact averaging)."""
+    views = _views(cls, nodes, ppi)
+    product = torch.eye(nodes, dtype=torch.float64)
+    average = torch.full_like(product, 1.0 / nodes)
+    out = []
+    for k in range(rounds):
+        product = _mixing_matrix(views, UniformMixing, k) @ product
+        assert torch.allclose(product.sum(0), torch.ones(nodes, dtype=torch.float64))  # no mass lost
+        out.append(torch.linalg.matrix_norm(product - average, ord=2).item())
+    return out
+
+
+def _rounds_to_average(cls, nodes, ppi=1, limit=12):
+    """The first k at which k rounds of the graph's mixing average every node exactly (None: not by `limit`)."""
+    exact = [k + 1 for k, d in enumerate(_disagreement(cls, nodes, limit, ppi)) if d < 1e-12]
+    return exact[0] if exact else None
+
+
+def test_rate_of_consensus():
+    """The exponential graph averages (p+1)^k nodes exactly in k rounds; the others as their schedules allow."""
+    assert [_rounds_to_average(NPeerDynamicDirectedExponentialGraph, n) for n in (2, 4, 8, 16)] == [1, 2, 3, 4]
+    assert _rounds_to_average(NPeerDynamicDirectedExponentialGraph, 9, ppi=2) == 2
+    assert _rounds_to_average(NPeerDynamicDirectedExponentialGraph, 4, ppi=3) == 1
+    assert _rounds_to_average(DynamicDirectedExponentialGraph, 4) == 3  # +1, -1, +2
+    assert _rounds_to_average(DynamicDirectedExponentialGraph, 8) == 5  # +1, -1, +2, -2, +4
+    assert _rounds_to_average(DynamicDirectedLinearGraph, 4, ppi=2) is None
+    assert _rounds_to_average(RingGraph, 4) is None
+    # the ones that only contract do so at the rate of their second eigenvalue: |1 + i| / 2 and 1/3 at four nodes
+    ring = _disagreement(RingGraph, 4, 6)
+    assert all(abs(d - (0.5**0.5) ** (k + 1)) < 1e-9 for k, d in enumerate(ring)), ring
+    linear = _disagreement(DynamicDirectedLinearGraph, 4, 6, ppi=2)
+    assert all(abs(d - 3.0 ** -(k + 1)) < 1e-9 for k, d in enumerate(linear)), linear
+    for cls in GRAPH_CLASSES:
+        assert _rounds_to_average(cls, 2) == 1, cls
