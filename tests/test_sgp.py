@@ -196,3 +196,131 @@ def test_rate_of_consensus():
     assert all(abs(d - 3.0 ** -(k + 1)) < 1e-9 for k, d in enumerate(linear)), linear
     for cls in GRAPH_CLASSES:
         assert _rounds_to_average(cls, 2) == 1, cls
+
+
+# -- 2. gossip rounds among 4 processes (one per node) -----------------------------------------------------------
+
+GOSSIP_CASES = [
+    (NPeerDynamicDirectedExponentialGraph, 1),
+    (NPeerDynamicDirectedExponentialGraph, 3),
+    (DynamicDirectedExponentialGraph, 1),
+    (DynamicBipartiteLinearGraph, 2),
+    (RingGraph, 2),
+    (_Star, 1),
+]
+GOSSIP_ROUNDS = 5
+P = 37  # parameters in the gossiped buffer
+
+
+def _start_values(world):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(world, P, generator=g)
+    return torch.cat([x, torch.ones(world, 1)], dim=1)  # [x, w] per node
+
+
+def _gossip_rounds(rank, world):
+    from ddpkit.distributed import comm_stats
+    from ddpkit.distributed.gossip import PushPull, PushSum
+
+    out = {}
+    for cls, ppi in GOSSIP_CASES:
+        for gossiper_cls in (PushSum, PushPull):
+            graph = cls(rank, world, peers_per_itr=ppi)
+            try:
+                gossiper = gossiper_cls(graph)
+            except ValueError as exc:
+                out[(cls.__name__, ppi, gossiper_cls.__name__)] = str(exc)
+                continue
+            buffer = _start_values(world)[rank].clone()
+            history, counts, models = [], [], []
+            for t in range(GOSSIP_ROUNDS):
+                with comm_stats.measure() as delta:
+                    before = buffer[:-1] / buffer[-1]
+                    pending = gossiper.start(buffer, t)
+                    models.append((buffer[:-1] / buffer[-1] - before).abs().max().item())  # x/w unchanged by sending
+                    pending.finish(buffer)
+                history.append(buffer.clone())
+                counts.append({k: (c.calls, c.payload_bytes, c.sent_bytes) for k, c in delta.snapshot().items()})
+            out[(cls.__name__, ppi, gossiper_cls.__name__)] = (torch.stack(history), counts, max(models))
+    graph = RingGraph(rank, world)
+    gossiper = PushSum(graph)
+    buffer = _start_values(world)[rank].clone()
+    gossiper.start(buffer, 0)
+    try:
+        gossiper.start(buffer, 1)
+        out["twice"] = "no error"
+    except RuntimeError as exc:
+        out["twice"] = str(exc)
+    gossiper._round.finish(buffer)
+    return out
+
+
+def _simulate_gossip(cls, ppi, world, push_sum):
+    """The rounds in one process: each node sends share * [x, w] to its out-peers, keeps kept * [x, w], adds."""
+    views = [cls(r, world, peers_per_itr=ppi) for r in range(world)]
+    buffers = list(_start_values(world))
+    size = P + 1 if push_sum else P
+    history = []
+    for t in range(GOSSIP_ROUNDS):
+        inbox = [[] for _ in range(world)]
+        for r, view in enumerate(views):
+            outs = view.out_peers(t)
+            kept, shares = UniformMixing(view).shares(outs)
+            for peer, share in zip(outs, shares, strict=True):
+                inbox[peer].append((r, buffers[r][:size] * share))
+            buffers[r] = buffers[r] * kept
+        for r in range(world):
+            received = [m for _, m in sorted(inbox[r], key=lambda item: item[0])]
+            if received:
+                total = received[0].clone()
+                for m in received[1:]:
+                    total += m
+                buffers[r][:size] += total
+            if not push_sum:
+                buffers[r][-1] = 1.0
+        history.append(torch.stack(buffers))
+    return torch.stack(history)  # [rounds, nodes, P + 1]
+
+
+def test_gossip_rounds_match_the_simulation_and_count_their_messages():
+    from ddpkit.testing import run_distributed
+
+    world = 4
+    results = run_distributed(_gossip_rounds, world)
+    start = _start_values(world)
+    average = start[:, :-1].sum(0) / world
+    for cls, ppi in GOSSIP_CASES:
+        views = _views(cls, world, ppi)
+        for push_sum in (True, False):
+            key = (cls.__name__, ppi, "PushSum" if push_sum else "PushPull")
+            if not push_sum and cls is _Star:
+                assert all("push_sum=False (PushPull) needs a regular graph" in r[key] for r in results)
+                continue
+            expected = _simulate_gossip(cls, ppi, world, push_sum)
+            got = torch.stack([results[r][key][0] for r in range(world)], dim=1)
+            assert (got - expected).abs().max().item() < 1e-6, key
+            totals = got.sum(1)  # over nodes: the numerators' and the weights' sums never change
+            assert (totals[:, :-1] - start[:, :-1].sum(0)).abs().max().item() < 1e-5, key
+            assert (totals[:, -1] - world).abs().max().item() < 1e-6, key
+            if not push_sum:
+                assert (got[:, :, -1] == 1.0).all(), key
+            size = 4 * (P + 1 if push_sum else P)
+            for r in range(world):
+                assert results[r][key][2] < 1e-6, key  # sending leaves x / w as it was
+                for t, counts in enumerate(results[r][key][1]):
+                    outs, ins = views[r].out_peers(t), views[r].in_peers(t)
+                    expected_counts = {("send", "world"): (len(outs), len(outs) * size, float(len(outs) * size))}
+                    if ins:
+                        expected_counts[("recv", "world")] = (len(ins), len(ins) * size, 0.0)
+                    assert counts == expected_counts, (key, r, t, counts)
+        rounds = {NPeerDynamicDirectedExponentialGraph: {1: 2, 3: 1}, DynamicDirectedExponentialGraph: {1: 3}}
+        if cls in rounds:  # consensus: the exact average after the rounds the graph promises, not before
+            k = rounds[cls][ppi]
+            got = torch.stack([results[r][(cls.__name__, ppi, "PushSum")][0] for r in range(world)], dim=1)
+            models = got[:, :, :-1] / got[:, :, -1:]
+            assert (models[k - 1] - average).abs().max().item() < 1e-6, (cls, ppi)
+            if k > 1:
+                assert (models[k - 2] - average).abs().max().item() > 1e-2, (cls, ppi)
+    star = torch.stack([results[r][("_Star", 1, "PushSum")][0] for r in range(world)], dim=1)
+    assert (star[:, :, -1] - 1.0).abs().max().item() > 0.5  # irregular: the weights move, the model stays unbiased
+    assert all("still in flight" in r["twice"] for r in results)

@@ -18,6 +18,8 @@ reduce_scatter  this rank's full input                 ``(N-1)/N B``
 gather          this rank's input                      ``B`` on non-roots, 0 on the root
 barrier         nothing                                0
 shared_memory   a copy out of another rank's segment   0 (same host, no wire; see shared_memory.py)
+send            a point-to-point message (gossip)      ``B``, recorded as such by p2p.py
+recv            a point-to-point message received      0, recorded as such by p2p.py
 =============== ====================================== ==================================
 
 Summed over the ranks, a reduce to the owner plus a broadcast from the owner sends exactly what one all-reduce of
