@@ -10,9 +10,16 @@ On gloo, whose point-to-point calls take CPU tensors only, a CUDA tensor is stag
 before sending, and received into a CPU buffer that `wait()` copies to the device. On NCCL the CUDA tensors go
 as they are, in one batch (`torch.distributed.batch_isend_irecv`), as NCCL needs for sends and receives between
 the same ranks in both directions.
+
+A round that is never waited for (a model dropped while its gossip is in flight) must not take its pending
+transfers with it: gloo left the group's connections unusable when a pending send or receive was destroyed (the
+next exchange on the group hung). So every exchange stays referenced here until waited for, and the next
+exchange on the same group first waits for any left over (they completed long ago: every rank posted its side).
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -29,8 +36,11 @@ def _is_nccl(group: ProcessGroup | None) -> bool:
 class Exchange:
     """The pending sends and receives of one round; `wait()` completes them and fills the receive tensors."""
 
-    def __init__(self, works: list, copies: list[tuple[torch.Tensor, torch.Tensor]], keep: list[torch.Tensor]) -> None:
-        self.works, self.copies, self._keep = works, copies, keep
+    def __init__(
+        self, label: str, works: list, copies: list[tuple[torch.Tensor, torch.Tensor]], keep: list[torch.Tensor]
+    ) -> None:
+        self.label, self.works, self.copies, self._keep = label, works, copies, keep
+        _unfinished[label].append(self)
 
     def wait(self) -> None:
         for work in self.works:
@@ -38,6 +48,11 @@ class Exchange:
         for device_tensor, staged in self.copies:
             device_tensor.copy_(staged)
         self.works, self.copies, self._keep = [], [], []
+        if self in _unfinished[self.label]:
+            _unfinished[self.label].remove(self)
+
+
+_unfinished: defaultdict[str, list[Exchange]] = defaultdict(list)
 
 
 def _stage(tensor: torch.Tensor, nccl: bool) -> torch.Tensor:
@@ -59,6 +74,8 @@ def exchange(
     """
     nccl = _is_nccl(group)
     label = group_label(group)
+    for left_over in list(_unfinished[label]):
+        left_over.wait()
     staged_sends = [(_stage(tensor, nccl), dst) for tensor, dst in sends]
     staged_recvs = [
         (tensor if tensor.device.type == "cpu" or nccl else torch.empty_like(tensor, device="cpu"), src)
@@ -76,4 +93,4 @@ def exchange(
     else:
         works = [dist.isend(t, global_rank(group, dst), group=group, tag=tag) for t, dst in staged_sends]
         works += [dist.irecv(t, global_rank(group, src), group=group, tag=tag) for t, src in staged_recvs]
-    return Exchange(works, copies, [t for t, _ in staged_sends])
+    return Exchange(label, works, copies, [t for t, _ in staged_sends])
