@@ -71,6 +71,7 @@ def save_checkpoint(out: str, strategy: Strategy, state: TrainerState) -> None:
     mine["optimizer"] = strategy.optimizer.state_dict() if per_rank else None
     optimizer_state = None if per_rank else _optimizer_state(strategy.optimizer)
     slowmo = strategy.model.slowmo_state_dict() if isinstance(strategy.model, SlowMoDistributedDataParallel) else None
+    mine["slowmo"] = slowmo if slowmo is not None and "sgp_buffer" in slowmo else None  # SGP's differs per node
     _save(mine, os.path.join(folder, f"rank{rank}.pt"))
     if rank == 0:
         shared = {"optimizer": optimizer_state, "slowmo": slowmo, "trainer": dataclasses.asdict(state)}
@@ -100,5 +101,5 @@ def load_checkpoint(out: str, strategy: Strategy) -> TrainerState:
     per_rank = _per_rank_optimizer(strategy)
     strategy.optimizer.load_state_dict(mine["optimizer"] if per_rank else shared["optimizer"])
     if isinstance(strategy.model, SlowMoDistributedDataParallel):
-        strategy.model.load_slowmo_state_dict(shared["slowmo"])
+        strategy.model.load_slowmo_state_dict(mine.get("slowmo") or shared["slowmo"])
     return TrainerState(**shared["trainer"])
