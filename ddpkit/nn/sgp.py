@@ -136,6 +136,8 @@ class SGPEngine:
                 "load_slowmo_state_dict: the checkpoint has a gossip round in flight but not its messages; load "
                 "each node master's own checkpoint"
             )
+        if self._round is not None:  # a live round of this run: complete its transfers before dropping it
+            self._round.received()
         self.buffer.copy_(buffer)
         self.phase, self.age, self._round = int(state["sgp_phase"]), age, None
         if age is not None and self.gossiper is not None:
