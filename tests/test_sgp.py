@@ -694,6 +694,8 @@ def _resume(rank, cfg, n, groups, total=11, stop=5):
     opt2.load_state_dict(saved["optimizer"])
     model2.load_slowmo_state_dict(saved["slowmo"])
     resumed = [_step(model2, opt2, rank, step) for step in range(stop, total)]
+    model.load_slowmo_state_dict(saved["slowmo"])  # into a model with a round in flight: it goes on gossiping
+    _step(model, opt, rank, total)
     same = all(torch.equal(a, b) for a, b in zip(straight[stop:], resumed, strict=True))
     return same, sorted(saved["slowmo"]), saved["slowmo"]["sgp_phase"], saved["slowmo"]["sgp_buffer"][-1].item()
 
