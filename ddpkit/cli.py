@@ -14,6 +14,7 @@ from ddpkit.train.config import TrainConfig
 EXAMPLES = """examples:
   ddpkit train                                         # 2 local processes, digits, OSS + ShardedDataParallel
   ddpkit train --strategy slowmo --nproc-per-node 4 --localsgd-frequency 3
+  ddpkit train --strategy slowmo --slowmo-base sgp --graph ring --nproc-per-node 4 --overlap
   ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 2
   torchrun --nproc-per-node 2 -m ddpkit train          # under torchrun
   ddpkit train --world-size 2 --rank 0 --host 10.0.0.1   # on machine 0, then --rank 1 on machine 1
@@ -56,6 +57,15 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
         dest="nprocs_per_node_slowmo",
         type=int,
         help="processes per SlowMo node",
+    )
+    slowmo.add_argument("--slowmo-base", choices=cfgmod.SLOWMO_BASES, help="between slow steps: averaging or gossip")
+    slowmo.add_argument("--graph", choices=cfgmod.SGP_GRAPHS, help="sgp: who gossips with whom")
+    slowmo.add_argument("--peers-per-itr", type=int, help="sgp: peers each node sends to per step")
+    slowmo.add_argument("--no-push-sum", dest="push_sum", action="store_false", help="sgp: PushPull, no weights")
+    slowmo.add_argument("--overlap", action="store_true", help="sgp: mix each round while the next steps compute")
+    slowmo.add_argument("--synch-freq", type=int, help="sgp --overlap: steps a round may travel (0 and 1: one)")
+    slowmo.add_argument(
+        "--slowmo-sgp-average-params", action="store_true", help="sgp: exact average every --localsgd-frequency"
     )
 
 

@@ -56,11 +56,31 @@ def error_of(argv: list[str]) -> str:
         (["--seed=-1"], "--seed must be an integer >= 0; got -1"),
         (["--model", "cnn", "--data", "synthetic", "--synthetic-features", "10"], "needs a square"),
         (["--backend", "nccl"], "--backend nccl needs CUDA GPUs"),
+        (["--slowmo-base", "sgp"], "--slowmo-base sgp needs --strategy slowmo (got sharded)"),
+        (["--strategy", "slowmo", "--slowmo-base", "sgp", "--peers-per-itr", "0"], "--peers-per-itr must be an"),
+        (["--strategy", "slowmo", "--slowmo-base", "sgp", "--synch-freq=-1"], "--synch-freq must be an integer >= 0"),
+        (
+            ["--strategy", "slowmo", "--slowmo-base", "sgp", "--graph", "bipartite-linear", "--nproc-per-node", "3"],
+            "--graph bipartite-linear with --peers-per-itr 1 on 3 nodes: DynamicBipartiteLinearGraph: a bipartite",
+        ),
+        (
+            ["--strategy", "slowmo", "--slowmo-base", "sgp", "--graph", "ring", "--peers-per-itr", "2"],
+            "--graph ring with --peers-per-itr 2 on 2 nodes: RingGraph: peers_per_itr=2 cannot be served",
+        ),
     ],
 )
 def test_numbers_are_finite_and_in_range(flags, needle, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert needle in error_of(flags)
+
+
+def test_sgp_graph_names_are_the_library_graphs():
+    from ddpkit.distributed.gossip_graphs import GRAPHS
+
+    assert sorted(cfgmod.SGP_GRAPHS) == sorted(GRAPHS)
+    flags = ["--strategy", "slowmo", "--slowmo-base", "sgp", "--graph", "linear", "--overlap", "--no-push-sum"]
+    cfg = config_from(flags)
+    assert (cfg.slowmo_base, cfg.graph, cfg.overlap, cfg.push_sum, cfg.synch_freq) == ("sgp", "linear", True, False, 0)
 
 
 def test_toml_values_of_the_wrong_type_name_the_key(tmp_path):

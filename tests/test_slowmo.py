@@ -612,8 +612,7 @@ def _errors(rank, world):
         "slowmo_zero": lambda: SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_frequency=0),
         "shards_zero": lambda: SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_num_shards=0),
         "shards_negative": lambda: SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_num_shards=-1),
-        "sgp": lambda: SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP),
-        "sgp_string": lambda: SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_base_algorithm="sgp"),
+        "unknown_base": lambda: SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_base_algorithm="gossip"),
         "not_a_module": lambda: SlowMoDDP("model", nprocs_per_node=1),
     }
     out = {label: _error(build) for label, build in cases.items()}
@@ -651,8 +650,7 @@ def test_clear_errors_before_any_collective():
             "slowmo_zero": ("ValueError", "slowmo_frequency"),
             "shards_zero": ("ValueError", "slowmo_num_shards"),
             "shards_negative": ("ValueError", "slowmo_num_shards"),
-            "sgp": ("NotImplementedError", "not implemented yet"),
-            "sgp_string": ("NotImplementedError", "not implemented yet"),
+            "unknown_base": ("ValueError", "'gossip' is not a valid SlowMoBaseAlgorithm"),
             "not_a_module": ("TypeError", "torch.nn.Module"),
             "bf16_without_master": ("ValueError", "fp32_params"),
             "master_not_in_optimizer": ("ValueError", "does not hold"),

@@ -44,6 +44,7 @@ DIGITS_STEPS_PER_EPOCH = math.ceil(math.ceil(1437 / 2) / 16)
 # SlowMo with its flags: local SGD every 4 steps and a slow-momentum step every 8, so an epoch (45 steps) ends
 # between averagings (replicas differ at the checkpoint) and after several slow-momentum updates
 SLOWMO = ["--slowmo-frequency", "8", "--localsgd-frequency", "4"]
+SGP = ["--slowmo-base", "sgp", "--graph", "ring", "--overlap", "--synch-freq", "2"]
 ACCURACY_FLOOR = 0.8  # measured 0.90-0.92 for every strategy after this one epoch
 LONG_RUN = ["--epochs", "100000", "--no-progress", "--data", "synthetic", "--synthetic-samples", "512"]
 LONG_RUN += ["--hidden", "32", "--depth", "1"]
@@ -302,6 +303,8 @@ VARIANTS = {
     "oss": ("oss", [], DIGITS_STEPS_PER_EPOCH),
     "sharded": ("sharded", [], DIGITS_STEPS_PER_EPOCH),
     "slowmo": ("slowmo", SLOWMO, DIGITS_STEPS_PER_EPOCH),
+    # SGP on a ring, overlapped two steps: the checkpoint holds a gossip round in flight
+    "sgp": ("slowmo", [*SLOWMO, *SGP], DIGITS_STEPS_PER_EPOCH),
     # AdaScale on OSS + ShardedDataParallel, 2 batches per step: 45 batches make 23 steps
     "adascale": ("sharded", ["--optimizer", "sgd", "--lr", "0.05", "--adascale", "--grad-accum", "2"], 23),
 }
@@ -354,14 +357,14 @@ def test_strategies_send_what_they_should(one_epoch):
     assert sent["slowmo"] < 0.5 * sent["ddp"]
 
 
-@pytest.mark.parametrize("name", ["sharded", "slowmo", pytest.param("adascale", marks=ADASCALE_WIP)])
+@pytest.mark.parametrize("name", ["sharded", "slowmo", "sgp", pytest.param("adascale", marks=ADASCALE_WIP)])
 def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale
     state restored; for SlowMo the replicas differ between ranks at the checkpoint: 45 steps, averaging every 4)."""
     first, first_out = one_epoch(name)
     assert first.returncode == 0, str(first)
     strategy, _, per_epoch = VARIANTS[name]
-    if name == "slowmo":  # the case that needs each rank's own replica and optimizer state back
+    if name in ("slowmo", "sgp"):  # the cases that need each rank's own replica and optimizer state back
         ckpt = [torch.load(latest_checkpoint(first_out) / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
         assert any(not torch.equal(ckpt[0]["model"][k], ckpt[1]["model"][k]) for k in ckpt[0]["model"])
         exp_avg = [c["optimizer"]["state"][0]["exp_avg"] for c in ckpt]
@@ -392,7 +395,7 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == list(range(2 * per_epoch))  # the first epoch's rows were kept
     # the checkpoints after epoch 2 (SlowMo: each rank's replica before the final averaging) are bit-identical too
-    for file in ["rank0.pt", "rank1.pt"] if name == "slowmo" else ["shared.pt"]:
+    for file in ["rank0.pt", "rank1.pt"] if name in ("slowmo", "sgp") else ["shared.pt"]:
         x = torch.load(latest_checkpoint(resumed) / file, weights_only=False)["model"]
         y = torch.load(latest_checkpoint(tmp_path / "straight") / file, weights_only=False)["model"]
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

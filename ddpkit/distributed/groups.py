@@ -70,8 +70,8 @@ def make_node_groups(
             if k == node:
                 local = group
     if master is None:
-        group = dist.new_group([k * nprocs_per_node for k in range(num_nodes)], timeout=timeout)
-        master = group if local_rank == 0 else None
+        master = dist.new_group([k * nprocs_per_node for k in range(num_nodes)], timeout=timeout)
+    master = master if local_rank == 0 else None  # a master group given on every rank serves the masters only
     return NodeGroups(
         nprocs_per_node=nprocs_per_node,
         node=node,

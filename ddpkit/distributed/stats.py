@@ -20,6 +20,8 @@ barrier         nothing                                0
 shared_memory   a copy out of another rank's segment   0 (same host, no wire; see shared_memory.py)
 cpu_staging     a copy of a CUDA tensor to or from     0 (gloo only; see comm.py)
                 host memory
+send            a point-to-point message (gossip)      ``B``, recorded as such by p2p.py
+recv            a point-to-point message received      0, recorded as such by p2p.py
 =============== ====================================== ==================================
 
 Summed over the ranks, a reduce to the owner plus a broadcast from the owner sends exactly what one all-reduce of

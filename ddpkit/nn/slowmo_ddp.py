@@ -20,6 +20,7 @@ from ddpkit.distributed.env import ProcessGroup, require_initialized
 from ddpkit.distributed.groups import check_nprocs_per_node, make_node_groups
 from ddpkit.distributed.hooks import counting_allreduce_hook
 from ddpkit.distributed.objects import gather_objects
+from ddpkit.nn.sgp import SGPEngine, resolve_sgp_arguments, sgp_settings
 from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.nn.wrapper import ModuleWrapper
 
@@ -31,7 +32,7 @@ _DDP_BUFFER_FLAG = (
 
 
 class SlowMoBaseAlgorithm(str, Enum):
-    """The base algorithm between slow steps: local SGD (parameter averaging) or SGP (gossip, not yet)."""
+    """The base algorithm between slow steps: local SGD (parameter averaging) or SGP (gossip, `ddpkit.nn.sgp`)."""
 
     LOCALSGD = "localsgd"
     SGP = "sgp"
@@ -59,6 +60,13 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 
     Memory: two extra copies of the parameters (x0 and u) in fp32, divided over the shard keepers when
     `slowmo_memory_efficient`, plus a transient flat copy of the parameters on averaging steps.
+
+    With ``slowmo_base_algorithm=SGP``, node masters gossip every step instead (stochastic gradient push on
+    `graph`, by default `NPeerDynamicDirectedExponentialGraph`, with `mixing`, PushSum or PushPull by `push_sum`,
+    one step late with `overlap`, `synch_freq` steps late with it; see `ddpkit.nn.sgp.SGPEngine`), and the nodes
+    are averaged exactly only on slow steps, plus every `localsgd_frequency` steps with
+    `slowmo_sgp_average_params`. Memory: one more flat copy of the parameters (the push-sum numerators) and the
+    gossip's message and receive buffers on node masters.
 
     When to use the outer Nesterov option: DiLoCo-style training with long local phases (hundreds of steps,
     ``slowmo_lr=0.7, slowmo_momentum=0.9, slowmo_nesterov=True``), where the averaged progress is treated as an
@@ -107,15 +115,18 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         require_initialized("SlowMoDistributedDataParallel")
         if not isinstance(module, nn.Module):
             raise TypeError(f"SlowMoDistributedDataParallel: module must be a torch.nn.Module, got {type(module)}")
-        if SlowMoBaseAlgorithm(slowmo_base_algorithm) == SlowMoBaseAlgorithm.SGP:
-            raise NotImplementedError(
-                "SlowMoDistributedDataParallel: the SGP (stochastic gradient push) base algorithm is not implemented "
-                "yet; use slowmo_base_algorithm=SlowMoBaseAlgorithm.LOCALSGD"
-            )
-        _warn_sgp_only(graph=graph, mixing=mixing, overlap=overlap, synch_freq=synch_freq)
+        self.slowmo_base_algorithm = SlowMoBaseAlgorithm(slowmo_base_algorithm)
         self.process_rank = dist.get_rank() if process_rank is None else process_rank
         self.process_world_size = dist.get_world_size() if process_world_size is None else process_world_size
         _check_settings(nprocs_per_node, self.process_world_size, localsgd_frequency, slowmo_frequency)
+        sgp_args = (graph, mixing, push_sum, overlap, synch_freq)
+        sgp_flags = {"use_streams": use_streams, "slowmo_sgp_average_params": slowmo_sgp_average_params}
+        if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
+            node, local_rank = divmod(self.process_rank, nprocs_per_node)
+            layout = (node, self.process_world_size // nprocs_per_node, nprocs_per_node, local_rank)
+            graph, mixing = resolve_sgp_arguments(*sgp_args, sgp_flags, layout)
+        else:
+            _warn_sgp_only(graph=graph, mixing=mixing, overlap=overlap, synch_freq=synch_freq)
         _check_positive_int("slowmo_num_shards", slowmo_num_shards)
         if not 0.0 <= slowmo_momentum < 1.0 or slowmo_lr <= 0:
             raise ValueError(
@@ -136,6 +147,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.verbose = verbose
         self.num_updates = 0
         agreed = _agreed_settings(self, slowmo_num_shards)  # one 8-byte all-gather, before any group is made
+        if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
+            agreed.update(sgp_settings(graph, mixing), sgp_args=sgp_args[2:], sgp_flags=sgp_flags)
         check_parameters_agree(module, global_group, "SlowMoDistributedDataParallel", agreed)
         self.groups = make_node_groups(
             nprocs_per_node, self.process_rank, self.process_world_size, global_group, local_node_group, master_group
@@ -157,6 +170,10 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.num_shards = min(self.process_world_size, slowmo_num_shards) if slowmo_memory_efficient else None
         flat = self._flat(list(module.parameters())).float()
         self.slow_buffers = SlowBuffers(flat, self.process_rank, self.num_shards) if self.slowmo else None
+        self.slowmo_sgp_average_params = slowmo_sgp_average_params
+        self._sgp = None
+        if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
+            self._sgp = SGPEngine(flat, self.groups, graph, mixing, push_sum, overlap, synch_freq)
         self._checked_optimizers: set[int] = set()
 
     def _wrap_for_node(self, module: nn.Module) -> DistributedDataParallel | None:
@@ -233,10 +250,22 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.num_updates += 1
         slow_step = self.slowmo and self.num_updates % self.slowmo_frequency == 0
         average = self.num_updates % self.localsgd_frequency == 0
-        if not (slow_step or average):
+        if self._sgp is not None:  # gossip every step; an exact average on slow steps (and every k with the flag)
+            average = slow_step or (average and self.slowmo_sgp_average_params)
+        elif not (slow_step or average):
             return
         flat = self._flat(params)
         lr = float(optimizer.param_groups[0]["lr"])
+        if self._sgp is not None:
+            self._sgp.step(flat, average, lambda x: self._average_and_slow_step(x, slow_step, lr))
+        else:
+            self._average_and_slow_step(flat, slow_step, lr)
+        unflatten_into(flat, params)
+        if fp32_params is not None:
+            unflatten_into(flat, list(self.module.parameters()))
+
+    def _average_and_slow_step(self, flat: torch.Tensor, slow_step: bool, lr: float) -> None:
+        """Averages `flat` exactly over nodes, then applies slow momentum to it on a slow step."""
         if slow_step and self.num_shards is not None:
             assert self.slow_buffers is not None
             self.slow_buffers.sharded_step(flat, lr, self.rule, self.global_group, self.process_world_size)
@@ -245,17 +274,18 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
             if slow_step:
                 assert self.slow_buffers is not None
                 self.slow_buffers.local_step(flat, lr, self.rule)
-        unflatten_into(flat, params)
-        if fp32_params is not None:
-            unflatten_into(flat, list(self.module.parameters()))
 
     @torch.no_grad()
     def average_parameters(self) -> None:
         """Averages the module's parameters exactly over all nodes now (e.g. at the end of training), so every
-        replica holds the same model; counters and slow buffers are left as they are. A collective."""
+        replica holds the same model; counters and slow buffers are left as they are. A collective. With SGP, the
+        round in flight is mixed in first and the average is the push-sum one (numerators over nodes)."""
         params = list(self.module.parameters())
         flat = self._flat(params)
-        self._average_between_nodes(flat)
+        if self._sgp is not None:
+            self._sgp.step(flat, True, self._average_between_nodes)
+        else:
+            self._average_between_nodes(flat)
         unflatten_into(flat, params)
 
     def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -351,6 +381,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     def slowmo_state_dict(self) -> dict[str, Any]:
         """The counters and the whole slow buffers (x0, u), on every rank. A collective when they are sharded."""
         state: dict[str, Any] = {"num_updates": self.num_updates}
+        if self._sgp is not None:
+            state.update(self._sgp.state())
         if self.slow_buffers is None:
             return state
         if self.num_shards is None:
@@ -365,6 +397,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 
     def load_slowmo_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what `slowmo_state_dict` returned, so a resumed run continues exactly; does not change `state`."""
+        if self._sgp is not None:
+            self._sgp.load(state)
         self.num_updates = int(state["num_updates"])
         if self.slow_buffers is not None:
             if "x0" not in state:

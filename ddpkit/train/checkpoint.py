@@ -83,6 +83,7 @@ def _write_files(folder: str, strategy: Strategy, state: TrainerState) -> tuple[
                 "model": strategy.module.state_dict(),
                 "optimizer": strategy.optimizer.state_dict(),
                 "scaler": scaler,
+                "slowmo": slow_state if slow_state is not None and "sgp_buffer" in slow_state else None,  # per node
             }
             written[files.rank_file(rank)] = files.save_file(mine, os.path.join(folder, files.rank_file(rank)))
         if rank == 0:
@@ -147,6 +148,12 @@ def _read_shared(out: str, settings: dict[str, Any]) -> tuple[str, dict[str, Any
         raise CheckpointError(str(exc)) from None
     shared = files.load_verified(folder, files.SHARED, manifest)
     if manifest["strategy"] == "slowmo" and manifest["world_size"] != settings["world_size"]:
+        if shared["slowmo"] is not None and "sgp_buffer" in shared["slowmo"]:
+            raise CheckpointError(
+                f"--resume: the checkpoint of step {manifest['step']} holds SGP's gossip state of "
+                f"{manifest['world_size']} processes, which does not carry to {settings['world_size']}; resume at "
+                f"--nproc-per-node x --nnodes = {manifest['world_size']}"
+            )
         saved = [files.load_verified(folder, files.rank_file(r), manifest) for r in range(manifest["world_size"])]
         shared["replica"] = mean_state(saved)
     return folder, manifest, shared, notes
@@ -227,8 +234,8 @@ def load_checkpoint(out: str, strategy: Strategy, settings: dict[str, Any]) -> T
         error = str(exc)
     _agree(error)
     _apply_settings(strategy.optimizer, settings)
-    if slowmo:
-        strategy.model.load_slowmo_state_dict(shared["slowmo"])
+    if slowmo:  # SGP's gossip state differs per node: each rank's own file carries it
+        strategy.model.load_slowmo_state_dict(mine.get("slowmo") or shared["slowmo"])
     if rank == 0:
         print("ddpkit: " + "; ".join(notes), file=sys.stderr, flush=True)
     return TrainerState(**shared["trainer"])

@@ -26,6 +26,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
+SLOWMO_BASES = ("localsgd", "sgp")
+# the gossip graphs of --slowmo-base sgp (ddpkit.distributed.gossip_graphs.GRAPHS, without importing torch here)
+SGP_GRAPHS = ("npeer-exponential", "exponential", "bipartite-exponential", "linear", "bipartite-linear", "ring")
 FLAG_NAMES = {"nprocs_per_node_slowmo": "slowmo-nprocs-per-node"}  # fields whose flag is not the field's name
 
 
@@ -66,6 +69,13 @@ class TrainConfig:
     slowmo_frequency: int = 48
     localsgd_frequency: int = 3
     nprocs_per_node_slowmo: int | None = None  # SlowMo's "node" size; None: --nproc-per-node across machines, else 1
+    slowmo_base: str = "localsgd"  # between slow steps: localsgd (averaging) or sgp (gossip)
+    graph: str = "npeer-exponential"  # sgp only
+    peers_per_itr: int = 1  # sgp only
+    push_sum: bool = True  # sgp only; False: PushPull
+    overlap: bool = False  # sgp only
+    synch_freq: int = 0  # sgp with overlap only
+    slowmo_sgp_average_params: bool = False  # sgp only
     # where it runs
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -166,6 +176,7 @@ INT_MINIMA = {"grad_accum": 1, "epochs": 1, "batch_size": 1, "nproc_per_node": 1
 INT_MINIMA |= {"depth": 1, "slowmo_frequency": 1, "localsgd_frequency": 1, "synthetic_samples": 1}
 INT_MINIMA |= {"synthetic_features": 1, "synthetic_classes": 2, "node_rank": 0, "seed": 0}
 INT_MINIMA |= {"gpt_layers": 1, "gpt_width": 1, "gpt_heads": 1, "context": 1, "keep": 1}
+INT_MINIMA |= {"peers_per_itr": 1, "synch_freq": 0}
 # (low, high, open_low): every float setting, checked finite
 FLOAT_RANGES = {"lr": (0.0, math.inf, True), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False)}
 FLOAT_RANGES |= {"timeout": (0.0, math.inf, True), "slowmo_momentum": (0.0, 1.0, False)}
@@ -186,6 +197,8 @@ def validate(cfg: TrainConfig) -> None:
         ("amp", AMP_MODES),
         ("backend", BACKENDS),
         ("device", DEVICES),
+        ("slowmo_base", SLOWMO_BASES),
+        ("graph", SGP_GRAPHS),
     ):
         _choice(name, getattr(cfg, name), allowed)
     for name, low in INT_MINIMA.items():
@@ -286,10 +299,27 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         node = cfg.nprocs_per_node_slowmo or 1
         if cfg.world_size % node:
             raise ValueError(f"--slowmo-nprocs-per-node {node} must divide the world size {cfg.world_size}")
+        _check_sgp(cfg, cfg.world_size // node)
+    elif cfg.slowmo_base != "localsgd":
+        raise ValueError(f"--slowmo-base {cfg.slowmo_base} needs --strategy slowmo (got {cfg.strategy})")
     if cfg.resume and not cfg.out:
         raise ValueError("--resume needs --out DIR (where the checkpoint was written)")
     if cfg.resume:
         _check_resumable(cfg)
+
+
+def _check_sgp(cfg: TrainConfig, nodes: int) -> None:
+    """The gossip graph must serve this many nodes with --peers-per-itr (bipartite graphs need an even count)."""
+    if cfg.slowmo_base != "sgp" or nodes < 2:
+        return
+    from ddpkit.distributed.gossip_graphs import GRAPHS
+
+    try:
+        GRAPHS[cfg.graph](0, nodes, peers_per_itr=cfg.peers_per_itr)
+    except ValueError as exc:
+        raise ValueError(
+            f"--graph {cfg.graph} with --peers-per-itr {cfg.peers_per_itr} on {nodes} nodes: {exc}"
+        ) from None
 
 
 def _check_resumable(cfg: TrainConfig) -> None:

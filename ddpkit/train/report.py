@@ -77,7 +77,9 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str) -> dict[str, A
         "ddpkit_version": ddpkit.__version__,
     }
     if cfg.strategy == "slowmo":
-        names = ("slowmo_momentum", "slowmo_lr", "slowmo_frequency", "localsgd_frequency")
+        names = ("slowmo_momentum", "slowmo_lr", "slowmo_frequency", "localsgd_frequency", "slowmo_base")
+        if cfg.slowmo_base == "sgp":
+            names += ("graph", "peers_per_itr", "push_sum", "overlap", "synch_freq", "slowmo_sgp_average_params")
         settings["slowmo"] = {name: getattr(cfg, name) for name in names} | {"nprocs_per_node": slowmo_node_size(cfg)}
     settings["config"] = dataclasses.asdict(cfg) | {"lr": cfg.learning_rate, "weight_decay": cfg.resolved_weight_decay}
     return settings
@@ -108,10 +110,14 @@ def _settings_rows(settings: dict[str, Any], summary: dict[str, Any]) -> list[tu
         rows.append(("adascale", f"gain {gains[-1]:.3f} in the last epoch (per epoch: {_list(gains)})"))
     if settings["slowmo"]:
         sm = settings["slowmo"]
+        base = f"average every {sm['localsgd_frequency']} steps"
+        if sm.get("slowmo_base") == "sgp":
+            base = f"gossip ({'PushSum' if sm['push_sum'] else 'PushPull'}) on {sm['graph']} graph"
+            base += ", overlapped" if sm["overlap"] else ""
         rows.append(
             (
                 "slowmo",
-                f"average every {sm['localsgd_frequency']} steps, slow momentum {sm['slowmo_momentum']:g} "
+                f"{base}, slow momentum {sm['slowmo_momentum']:g} "
                 f"(lr {sm['slowmo_lr']:g}) every {sm['slowmo_frequency']}, nodes of {sm['nprocs_per_node']}",
             )
         )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed import counting_allreduce_hook
-from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
+from ddpkit.distributed import counting_allreduce_hook, group_rank, group_size
+from ddpkit.distributed.gossip_graphs import GRAPHS
+from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
 from ddpkit.train.config import TrainConfig
 
@@ -50,6 +52,24 @@ def slowmo_node_size(cfg: TrainConfig) -> int:
     return cfg.nproc_per_node if cfg.nnodes > 1 else 1
 
 
+def sgp_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """SlowMo's SGP arguments from --slowmo-base sgp, --graph and the rest (none for local SGD)."""
+    if cfg.slowmo_base != "sgp":
+        return {}
+    n = slowmo_node_size(cfg)
+    node, local_rank = divmod(group_rank(), n)
+    nodes = group_size() // n
+    graph = GRAPHS[cfg.graph](node, nodes, n, local_rank, cfg.peers_per_itr) if nodes > 1 else None
+    return {
+        "slowmo_base_algorithm": SlowMoBaseAlgorithm.SGP,
+        "graph": graph,
+        "push_sum": cfg.push_sum,
+        "overlap": cfg.overlap,
+        "synch_freq": cfg.synch_freq,
+        "slowmo_sgp_average_params": cfg.slowmo_sgp_average_params,
+    }
+
+
 def _ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=ids)
@@ -80,6 +100,7 @@ def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) ->
             slowmo_lr=cfg.slowmo_lr,
             slowmo_frequency=cfg.slowmo_frequency,
             localsgd_frequency=cfg.localsgd_frequency,
+            **sgp_arguments(cfg),
         )
         optimizer = cls(module.parameters(), **args)
     if cfg.adascale:
