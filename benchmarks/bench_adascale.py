@@ -40,6 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from benchmarks.lib import plotting
+from benchmarks.lib.cli import UsageError
 from ddpkit.optim import AdaScale
 
 QUESTION = "adascale: does AdaScale at S = 2..16 reach the S = 1 loss in T/S steps where linear scaling does not?"
@@ -234,7 +235,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     colors = [plt.get_cmap("viridis")(0.1 + 0.25 * i) for i in range(len(SCALES))]
     base = next(r for r in runs if r.method == "baseline" and r.seed == seed)
     pick = {(r.method, r.scale): r for r in runs if r.seed == seed}
-    low = min(loss for r in pick.values() for _, loss in r.curve) * 0.8
+    low = min(loss for r in pick.values() for _, loss in r.curve if loss > 0) * 0.8  # a blown-up run can reach 0
     for ax, method in zip(axes[0], METHODS, strict=True):
         ax.plot(*zip(*base.curve, strict=True), color="black", lw=2.5, label="S = 1 (baseline)")
         for color, scale in zip(colors, SCALES, strict=True):
@@ -320,7 +321,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps % 16:
-        raise ValueError("--steps must be a multiple of 16 (the budget is divided by S for linear scaling)")
+        raise UsageError("--steps must be a multiple of 16 (the budget is divided by S for linear scaling)")
     if args.smoothing_window is None:
         args.smoothing_window = args.steps / 20
     torch.set_num_threads(1)

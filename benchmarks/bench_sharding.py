@@ -1,18 +1,11 @@
 """Sharding: is ddpkit's OSS + ShardedDataParallel faster and smaller than torch DDP, torch ZeRO and fairscale?
 
 Every strategy trains the same MLP with Adam (lr 1e-3) on the same synthetic data, in fresh spawned gloo CPU
-processes (so peak memory is per strategy), one thread per rank, at each world size of ``--world-size``. The
-strategies run interleaved, ``--rounds`` times round-robin, so a slow spell of the machine hits them alike; each
-strategy's step time is the best and the median of its rounds. Measured per strategy and world size:
-
-* step time: median wall clock of zero_grad + forward + backward + optimizer step over the timed steps (after a
-  barrier, not timed, so every rank starts each step together), max over ranks;
-* optimizer state: bytes of the tensors in the rank's (local) optimizer state, max over ranks;
-* memory: peak resident set (VmHWM) and its growth over the rank's start, max over ranks, and the PSS after the
-  last step summed over the ranks (shared pages counted once: the memory the job occupies);
-* bytes sent per step and rank in the bandwidth-optimal wire model (`ddpkit.distributed.stats.wire_bytes`), and
-  bytes handed over through shared memory (ddpkit on one host), which do not touch the network;
-* final parameters: max |difference| from DDP's and between ranks, so the runs compared computed the same thing.
+processes (so peak memory is per strategy), one thread per rank, at each world size of ``--world-size``; the
+strategies run interleaved, ``--rounds`` times round-robin. Measured per strategy and world size: the median step
+time (zero_grad + forward + backward + optimizer step, after an untimed barrier), max over ranks, best and median
+over rounds; the optimizer state, peak RSS and PSS (summed over ranks: the job's memory); bytes sent per step in
+ddpkit's wire model and bytes handed over through shared memory; the final parameters' difference from DDP's.
 """
 
 from __future__ import annotations
@@ -29,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.lib import memory, plotting, workloads
-from benchmarks.lib.cli import progress
+from benchmarks.lib import memory, peers, plotting, workloads
+from benchmarks.lib.cli import UsageError, progress
 from benchmarks.lib.counting import install_counting_shim
 from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
@@ -41,15 +34,8 @@ from ddpkit.train.strategies import build_strategy
 from ddpkit.train.timing import PhaseTimer, RoundSummary, interleaved, optimizer_state_bytes, ratio
 
 QUESTION = "sharding: step time, memory and bytes of OSS + ShardedDataParallel against DDP, torch ZeRO, fairscale"
-QUICK = {
-    "world_size": "2",
-    "steps": 3,
-    "warmup": 1,
-    "rounds": 1,
-    "batch": 8,
-    "strategies": "ddp,zero,fairscale,oss_ddp,oss_sdp",
-    "reuse_processes": True,
-}
+FIVE = "ddp,zero,fairscale,oss_ddp,oss_sdp"  # the strategies the goal names
+QUICK = {"steps": 3, "warmup": 1, "rounds": 1, "batch": 8, "strategies": FIVE, "reuse_processes": True}
 LR = 1e-3
 PYTHON_STATS = CommStats()  # collectives that torch's ZeRO and fairscale call from Python, per rank process
 GOAL_VS_DDP, GOAL_VS_FAIRSCALE = 0.60, 0.90
@@ -132,17 +118,8 @@ STRATEGIES: dict[str, tuple[str, Any]] = {  # key: (label, build); extras after 
     "no_comm": ("reference: no communication, Adam(fused)", _no_comm),
 }
 REFERENCE = {"no_comm"}  # not data parallel: a floor for the step time; its parameters differ from DDP's
-
-
-def peer_missing(key: str) -> str | None:
-    """Why a peer library's strategy cannot run here, or None."""
-    if key != "fairscale":
-        return None
-    try:
-        import fairscale  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install
-        return f"`import fairscale` failed ({type(exc).__name__}); to compare: pip install --no-deps fairscale"
-    return None
+FRESH_ALWAYS = {"oss_sdp_sockets"}  # sets DDPKIT_SHARED_MEMORY=0 for its processes: never shared with others
+PEERS = {"fairscale": ("fairscale", "pip install --no-deps fairscale==0.4.13")}  # compared where installed
 
 
 # -- one rank's run ---------------------------------------------------------------------------------------------------
@@ -213,15 +190,9 @@ def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload,
 
 def measure(key: str, world_size: int, workload: workloads.Workload, cfg: dict[str, Any]) -> dict[str, Any]:
     """One strategy at one world size on fresh ranks: its row (max over ranks; PSS summed) and rank 0's params."""
+    fresh = not cfg["reuse_processes"] or key in FRESH_ALWAYS
     ranks = run_distributed(
-        run_rank,
-        world_size,
-        key,
-        workload,
-        cfg,
-        fresh=not cfg["reuse_processes"],
-        timeout=cfg["timeout"],
-        pg_timeout=300,
+        run_rank, world_size, key, workload, cfg, fresh=fresh, timeout=cfg["timeout"], pg_timeout=300
     )
     phases = {name: max(r["phases_ms"][name] for r in ranks) for name in ranks[0]["phases_ms"]}
     phases["optimizer_other"] = phases["optimizer"] - phases.get("local_update", 0.0)
@@ -247,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = parse_strategies(args.strategies)
     workload = workloads.workload(args.workload, quick=args.quick)
     cfg = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seed", "timeout", "reuse_processes")}
-    skipped = {k: why for k in keys if (why := peer_missing(k))}
+    skipped = {k: why for k in keys if k in PEERS and (why := peers.unavailable(*PEERS[k]))}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     plan = [(size, r, key) for size in sizes for r, key in interleaved(keys, args.rounds) if key not in skipped]
     for size, _, key in progress(plan, desc="sharding"):
@@ -329,6 +300,9 @@ HEADER = ["strategy", "step ms (best)", "x DDP", "x DDP (median)", "opt state MB
 HEADER += ["sent MB/step", "x DDP", "shm MB/step", "max abs dp", "same as DDP"]
 
 
+PHASES = ("forward", "backward", "optimizer", "local_update", "optimizer_other")  # optimizer = the last two
+
+
 def _row(r: dict[str, Any]) -> list[str]:
     same = {None: "n/a", True: "yes", False: "NO"}[r["matches_ddp"]]
     ratios = [num(r["step_vs_ddp"]), num(r["median_vs_ddp"])]
@@ -343,6 +317,8 @@ def table(report: dict[str, Any]) -> str:
     for size, rows in figures["by_world_size"].items():
         out += ["", f"world size {size}", markdown(HEADER, [_row(r) for r in rows])]
         out.append(f"verdict at world size {size}: {figures['verdict'][size]}")
+        phases = [[r["key"], *(num(r["phases_ms"].get(p), ".1f") for p in PHASES)] for r in rows]
+        out += ["", f"median ms per phase at world size {size}", markdown(["strategy", *PHASES], phases)]
     if len(figures["by_world_size"]) > 1:
         out += [
             "",
@@ -391,9 +367,9 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
 
 
 def parse_sizes(text: str) -> list[int]:
-    sizes = [int(s) for s in text.split(",") if s.strip()]
-    if not sizes or any(s < 2 for s in sizes):
-        raise ValueError(f"--world-size: expected sizes >= 2 separated by commas, e.g. 2,4,8; got {text!r}")
+    sizes = [int(s) for s in text.split(",") if s.strip().isdigit()]
+    if not sizes or len(sizes) != len(text.split(",")) or any(s < 2 for s in sizes):
+        raise UsageError(f"--world-size: expected sizes >= 2 separated by commas, e.g. 2,4,8; got {text!r}")
     return sizes
 
 
@@ -401,7 +377,7 @@ def parse_strategies(text: str) -> list[str]:
     keys = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in keys if k not in STRATEGIES]
     if unknown or not keys:
-        raise ValueError(f"--strategies: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(STRATEGIES)}")
+        raise UsageError(f"--strategies: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(STRATEGIES)}")
     return keys
 
 
@@ -419,5 +395,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reuse-processes",
         action="store_true",
-        help="run every strategy in one pool of rank processes (faster to start; peak memory then not per strategy)",
+        help="one pool of rank processes for all strategies but oss_sdp_sockets (quicker; memory not per strategy)",
     )

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.lib import plotting
-from benchmarks.lib.cli import progress
+from benchmarks.lib.cli import UsageError, progress
 from benchmarks.lib.workloads import digits_split, mlp
 from ddpkit.testing import run_distributed
 
@@ -182,12 +182,15 @@ def train(rank: int, world_size: int, name: str, lr: float, seed: int, args: dic
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (lr, seed, configuration) as a 4-rank job."""
-    lrs, seeds = [float(x) for x in args.lrs.split(",")], [int(x) for x in args.seeds.split(",")]
+    try:
+        lrs, seeds = [float(x) for x in args.lrs.split(",")], [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        raise UsageError(f"--lrs and --seeds: numbers separated by commas; got {args.lrs!r}, {args.seeds!r}") from None
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     if any(n not in CONFIGS for n in names) or "sync" not in names:
-        raise ValueError(f"--configs: a subset of {', '.join(CONFIGS)} that includes sync; got {args.configs!r}")
+        raise UsageError(f"--configs: a subset of {', '.join(CONFIGS)} that includes sync; got {args.configs!r}")
     if args.steps % FREQUENCY:
-        raise ValueError(f"--steps must be a multiple of {FREQUENCY}; got {args.steps}")
+        raise UsageError(f"--steps must be a multiple of {FREQUENCY}; got {args.steps}")
     job = {k: getattr(args, k) for k in ("data", "steps", "batch", "split", "schedule")}
     results: dict[str, dict[str, list[dict[str, Any]]]] = {f"{lr:g}": {n: [] for n in names} for lr in lrs}
     plan = [(lr, seed, name) for lr in lrs for seed in seeds for name in names]

@@ -26,25 +26,25 @@ EXAMPLES = """examples:
 
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to train")
-    what.add_argument("--strategy", choices=cfgmod.STRATEGIES, help="ddp | oss | sharded (default) | slowmo")
-    what.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="default adam")
-    what.add_argument("--lr", type=float, help="default 0.05 for sgd, 1e-3 for adam/adamw")
-    what.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
-    what.add_argument("--weight-decay", type=float)
+    what.add_argument("--strategy", choices=cfgmod.STRATEGIES, help="ddp | oss | sharded | slowmo")
+    what.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
+    what.add_argument("--lr", type=float, help="learning rate")
+    what.add_argument("--momentum", type=float, help="SGD momentum")
+    what.add_argument("--weight-decay", type=float, help="decoupled for adamw")
     what.add_argument("--adascale", action="store_true", help="AdaScale on top of SGD")
     what.add_argument("--amp", choices=cfgmod.AMP_MODES, help="mixed precision (fp16 uses ShardedGradScaler)")
-    what.add_argument("--grad-accum", type=int, metavar="K", help="batches per optimizer step (default 1)")
+    what.add_argument("--grad-accum", type=int, metavar="K", help="batches per optimizer step")
     what.add_argument("--epochs", type=int)
-    what.add_argument("--batch-size", type=int, help="per process (default 32)")
+    what.add_argument("--batch-size", type=int, help="per process")
     what.add_argument("--seed", type=int)
-    data_help = "digits (default) | mnist | synthetic | text | PACKAGE.MODULE:FACTORY"
+    data_help = "digits (bundled with scikit-learn) | mnist | synthetic | text | PACKAGE.MODULE:FACTORY"
     what.add_argument("--data", type=_name_or_factory(cfgmod.DATASETS), help=data_help)
     what.add_argument("--data-dir", help="folder with the four MNIST IDX files (gzipped or not)")
     what.add_argument("--synthetic-samples", type=int)
     what.add_argument("--synthetic-features", type=int)
     what.add_argument("--synthetic-classes", type=int)
-    what.add_argument("--hidden", type=int, help="MLP width (default 256)")
-    what.add_argument("--depth", type=int, help="MLP hidden layers (default 2)")
+    what.add_argument("--hidden", type=int, help="MLP width")
+    what.add_argument("--depth", type=int, help="MLP hidden layers")
     _add_workload_flags(what)
     slowmo = p.add_argument_group("SlowMo (--strategy slowmo)")
     slowmo.add_argument("--slowmo-momentum", type=float)
@@ -55,7 +55,7 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
         "--slowmo-nprocs-per-node",
         dest="nprocs_per_node_slowmo",
         type=int,
-        help="processes per SlowMo node (default: --nproc-per-node across machines, 1 on one machine)",
+        help="processes per SlowMo node",
     )
 
 
@@ -70,19 +70,19 @@ def _name_or_factory(names: tuple[str, ...]) -> Callable[[str], str]:
 
 def _add_workload_flags(group: argparse._ArgumentGroup) -> None:
     """--model, --loss, --max-steps and the GPT's shape (shared by `train` and `bench`)."""
-    model_help = "mlp (default) | cnn | gpt | PACKAGE.MODULE:FACTORY (returns a module)"
+    model_help = "mlp | cnn | gpt | PACKAGE.MODULE:FACTORY (returns a module)"
     group.add_argument("--model", type=_name_or_factory(cfgmod.MODELS), help=model_help)
-    group.add_argument("--loss", choices=cfgmod.LOSSES, help="default: the model factory's loss, else cross_entropy")
+    group.add_argument("--loss", choices=cfgmod.LOSSES, help="cross_entropy | mse")
     group.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps")
-    group.add_argument("--gpt-layers", type=int, help="transformer blocks of --model gpt (default 6)")
-    group.add_argument("--gpt-width", type=int, help="embedding width of --model gpt (default 384)")
-    group.add_argument("--gpt-heads", type=int, help="attention heads of --model gpt (default 6)")
-    group.add_argument("--context", type=int, help="bytes per window of --data text and the GPT's context (128)")
+    group.add_argument("--gpt-layers", type=int, help="transformer blocks of --model gpt")
+    group.add_argument("--gpt-width", type=int, help="embedding width of --model gpt")
+    group.add_argument("--gpt-heads", type=int, help="attention heads of --model gpt")
+    group.add_argument("--context", type=int, help="bytes per window of --data text and the GPT's context")
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("where it runs (torchrun-style flags, or the plain --world-size/--rank/--host)")
-    where.add_argument("--nproc-per-node", type=int, help="local processes (default 2)")
+    where.add_argument("--nproc-per-node", type=int, help="local processes")
     where.add_argument("--nnodes", type=int)
     where.add_argument("--node-rank", type=int)
     where.add_argument("--master-addr")
@@ -90,8 +90,49 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     where.add_argument("--world-size", type=int, help="machines, one process each (with --rank and --host)")
     where.add_argument("--rank", type=int, help="this machine's rank (with --world-size and --host)")
     where.add_argument("--host", help="address of rank 0's machine (with --world-size and --rank)")
-    where.add_argument("--backend", choices=cfgmod.BACKENDS, help="auto: nccl with CUDA, else gloo")
-    where.add_argument("--timeout", type=float, help="seconds before a stuck rendezvous/collective fails (60)")
+    where.add_argument("--backend", choices=cfgmod.BACKENDS, help="auto: nccl with a GPU per local process, else gloo")
+    where.add_argument("--device", choices=cfgmod.DEVICES, help="auto: cuda with nccl, else cpu; cuda with gloo too")
+    where.add_argument("--timeout", type=float, help="seconds before a stuck rendezvous/collective fails")
+
+
+# defaults that are not a TrainConfig field's value (computed, or set by the command line)
+TRAIN_DEFAULTS = {
+    "lr": "0.05 for sgd, 0.001 for adam and adamw",
+    "weight_decay": "0.01 for adamw (torch's default), 0 for sgd and adam",
+    "nprocs_per_node_slowmo": "--nproc-per-node across machines, 1 on one machine",
+    "nproc_per_node": 2,
+    "master_port": "a free port on one machine, 29500 across machines",
+    "data_dir": "none",
+    "out": "none: nothing is written",
+    "progress": "the bar is shown on rank 0",
+    "config": "none",
+    "world_size": "none",
+    "rank": "none",
+    "host": "none",
+}
+BENCH_DEFAULTS = {"nproc_per_node": 2, "steps": 20, "warmup": 3, "batch_size": 32, "hidden": 1024, "depth": 4}
+BENCH_DEFAULTS |= {"optimizer": "adam", "strategies": "all", "json_path": "none", "plot": "bench.png"}
+BENCH_DEFAULTS |= {k: TRAIN_DEFAULTS[k] for k in ("master_port", "world_size", "rank", "host")}
+BENCH_DEFAULTS |= {"data": "synthetic (text with --model gpt)", "link_latency_ms": 0.5, "hosts": "none"}
+BENCH_DEFAULTS |= {"loss": "the model factory's loss, else cross_entropy"}
+BENCH_DEFAULTS |= {"link_mbit": "none: measured between --hosts, else between the local processes"}
+TRAIN_DEFAULTS |= {"loss": "the model factory's loss, else cross_entropy", "max_steps": "none: every epoch"}
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
+
+
+def _show_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """Appends "(default: X)" to every option's help: `defaults`, else TrainConfig's value for the option."""
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for action in parser._actions:
+        if action.dest == "help" or not action.option_strings:
+            continue
+        value = defaults[action.dest] if action.dest in defaults else fields[action.dest]
+        action.help = f"{action.help or ''} (default: {_default_text(value)})".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,26 +146,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_placement_flags(train)
     out = train.add_argument_group("outputs")
     out.add_argument("--config", help="TOML file of settings (flags override it)")
-    out.add_argument("--out", help="folder for checkpoints, metrics.json, steps.csv and metrics.png")
+    out.add_argument(
+        "--out",
+        help="folder on this machine for metrics.json, steps.csv, metrics.png and checkpoints (rank 0 writes them; "
+        "with slowmo each rank also its replica); give it on every machine or none (paths may differ)",
+    )
     out.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    out.add_argument("--keep", type=int, metavar="K", help="checkpoints kept, the newest")
+    out.add_argument("--checkpoint-every", type=int, metavar="N", help="also checkpoint every N steps")
+    out.add_argument("--debug", action="store_true", help="tracebacks and torch's C++ stack traces on failure")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    _show_defaults(train, TRAIN_DEFAULTS)
     bench = sub.add_parser("bench", help="compare every strategy on one workload", argument_default=argparse.SUPPRESS)
     _add_placement_flags(bench)
-    bench.add_argument("--steps", type=int, help="timed steps per strategy (default 20)")
-    bench.add_argument("--warmup", type=int, help="untimed steps first (default 3)")
-    bench.add_argument("--batch-size", type=int, help="per process (default 32)")
-    bench.add_argument("--hidden", type=int, help="MLP width (default 1024)")
-    bench.add_argument("--depth", type=int, help="MLP hidden layers (default 4)")
-    bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="default adam")
-    bench.add_argument("--strategies", help="comma-separated subset (default: all)")
+    bench.add_argument("--steps", type=int, help="timed steps per strategy")
+    bench.add_argument("--warmup", type=int, help="untimed steps first")
+    bench.add_argument("--batch-size", type=int, help="per process")
+    bench.add_argument("--hidden", type=int, help="MLP width")
+    bench.add_argument("--depth", type=int, help="MLP hidden layers")
+    bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
+    bench.add_argument("--strategies", help="comma-separated subset")
     advice = bench.add_argument_group("your workload and your network (the advisor)")
     _add_workload_flags(advice)
-    advice.add_argument("--data", type=_name_or_factory(cfgmod.DATASETS), help="default synthetic; text with gpt")
+    data_help = "synthetic | text | PACKAGE.MODULE:FACTORY"
+    advice.add_argument("--data", type=_name_or_factory(cfgmod.DATASETS), help=data_help)
     advice.add_argument("--link-mbit", type=float, metavar="N", help="predict every strategy on an N Mbit/s link")
-    advice.add_argument("--link-latency-ms", type=float, help="latency per collective of that link (default 0.5)")
+    advice.add_argument("--link-latency-ms", type=float, help="latency per collective of that link")
     advice.add_argument("--hosts", help="ADDR0,ADDR1,...: one bench process per host (with --node-rank on each)")
     bench.add_argument("--json", dest="json_path", help="write the results as JSON here")
-    bench.add_argument("--plot", help="bar chart PNG path (default bench.png)")
+    bench.add_argument("--plot", help="bar chart PNG path")
+    _show_defaults(bench, BENCH_DEFAULTS)
     return parser
 
 
@@ -157,6 +208,16 @@ def make_config(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def check_bench(given: dict[str, Any]) -> None:
+    """`ddpkit bench`'s numbers, checked before any process starts (argparse has checked their types)."""
+    minima = {"steps": 1, "warmup": 0, "batch_size": 1, "hidden": 1, "depth": 1, "nproc_per_node": 1, "nnodes": 1}
+    for name, low in minima.items():
+        if name in given:
+            cfgmod.check_int(name, given[name], low)
+    if "timeout" in given:
+        cfgmod.check_number("timeout", given["timeout"], 0.0, open_low=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from ddpkit.distributed.launch import report_and_exit
@@ -169,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             from ddpkit.train.bench import run_bench
 
+            check_bench(vars(args))
             run_bench(args)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         report_and_exit(exc)

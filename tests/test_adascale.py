@@ -1,6 +1,7 @@
 """AdaScale: the estimator against hand-computed values, and training against single-process accumulation, torch
 DDP, OSS and ShardedDataParallel on 2 and 4 gloo ranks."""
 
+import contextlib
 import copy
 import functools
 import math
@@ -251,31 +252,38 @@ def test_closure_zero_grad_frozen_and_unused_parameters():
 
 
 def test_set_scale_and_set_num_gradients_to_accumulate():
+    # fairscale's meaning: set_scale(update_estimate=True) multiplies the variance estimate by old / new scale,
+    # update_estimate=False keeps it; set_num_gradients_to_accumulate keeps the scale and (by default) resets the
+    # smoothing to max(1 - S / 1000, 0), even a smoothing given to the constructor.
     _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]])  # sigma2 4, mu2 3 at scale 2
-    opt.set_scale(8)  # the batch per update grew: the per-base-batch variance carries over
-    assert opt.scale == 8 and opt.estimates() == pytest.approx((4.0, 3.0), rel=1e-7)
-    assert opt.gain() == pytest.approx(7 / (4 / 8 + 3), rel=1e-7)
-    opt.set_scale(4, update_estimate=False)  # scale was misdeclared: reinterpret the measurements
-    assert opt.estimates() == pytest.approx((2.0, 3.0), rel=1e-7)
-    assert opt.gain() == pytest.approx(5 / (2 / 4 + 3), rel=1e-7)
-    opt.set_num_gradients_to_accumulate(16)  # an explicit scale stays; the default smoothing follows S
+    opt.set_scale(8)
+    assert opt.scale == 8 and opt.estimates() == pytest.approx((4.0 * 2 / 8, 3.0), rel=1e-7)
+    assert opt.gain() == pytest.approx((1 + 3) / (1 / 8 + 3), rel=1e-7)
+    opt.set_scale(4, update_estimate=False)
+    assert opt.estimates() == pytest.approx((1.0, 3.0), rel=1e-7)
+    assert opt.gain() == pytest.approx(4 / (1 / 4 + 3), rel=1e-7)
+    opt.set_num_gradients_to_accumulate(16)
     assert opt.scale == 4 and opt.num_gradients_to_accumulate == 16 and opt.smoothing == pytest.approx(0.984)
-    # default scale follows S; update_smoothing=False and a given smoothing keep the smoothing
     _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]])
     opt.set_num_gradients_to_accumulate(8, update_smoothing=False)
-    assert opt.scale == 8 and opt.smoothing == pytest.approx(0.998)
+    assert opt.scale == 2 and opt.smoothing == pytest.approx(0.998)
     assert opt.estimates() == pytest.approx((4.0, 3.0), rel=1e-7)
-    _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]], {"smoothing": 0.5})
-    opt.set_num_gradients_to_accumulate(500)
-    assert opt.smoothing == 0.5 and opt.scale == 500
-    # the new count applies to the next update: 4 micro-batches with losses divided by 4
+    _, opt = _linear_step([[3.0, 0.0], [1.0, 2.0]], {"smoothing": 0.25})
+    opt.set_num_gradients_to_accumulate(500, update_smoothing=False)
+    assert opt.smoothing == 0.25 and opt.scale == 2
+    # the new count applies to the next update: 4 micro-batches with losses divided by 4, scale still 2
     opt.set_num_gradients_to_accumulate(4)
+    assert opt.smoothing == pytest.approx(0.996)
     opt.zero_grad()
     weight = opt.param_groups[0]["params"][0]
-    for g in ([1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]):
+    for k, g in enumerate(([1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0])):
         ((weight @ torch.tensor(g)).sum() / 4).backward()
-    opt.step()  # zero mean: sigma2 = v = 4/3; debiased average with theta 0.5 of 4 (first update) and 4/3
-    assert opt.estimates()[0] == pytest.approx((0.25 * 4 + 0.5 * 4 / 3) / 0.75, rel=1e-6)
+        assert (opt._estimates[0].count, opt._backward_passes) == ((1, k + 1) if k < 3 else (2, 0))
+    # zero mean: v = 4/3, sigma2 = v * scale / S = 2/3; debiased average: first update (theta 0.25) weight 0.75
+    # holding 4, then theta 0.996: m = 0.996 * 0.75 * 4 + 0.004 * 2/3, w = 0.996 * 0.75 + 0.004
+    expected = (0.996 * 0.75 * 4 + 0.004 * 2 / 3) / (0.996 * 0.75 + 0.004)
+    assert opt.estimates()[0] == pytest.approx(expected, rel=1e-6)
+    opt.step()
 
 
 def test_clear_errors():
@@ -316,6 +324,12 @@ def test_clear_errors():
     with pytest.raises(RuntimeError, match="between updates"):
         opt.set_num_gradients_to_accumulate(4)
     unscaled = AdaScale(_sgd([weight]), num_gradients_to_accumulate=2, is_scaled_loss=False)
+    weight.sum().backward()
+    before = (unscaled.estimates(), unscaled.gain())
+    with pytest.warns(UserWarning, match=r"1 backward pass\(es\) in this update .* estimates stay as they are"):
+        unscaled.step()  # a shorter last accumulation: the current gain, no new estimate
+    assert (unscaled.estimates(), unscaled.gain()) == before and not unscaled._meter.pending
+    weight.sum().backward()
     weight.sum().backward()
     with pytest.raises(RuntimeError, match="call scale_grad_by_num_grads_to_accum"):
         unscaled.step()
@@ -369,7 +383,9 @@ def _build(strategy, rank, world, accum, model):
     opt = AdaScale(oss, num_gradients_to_accumulate=accum)
     if strategy == "oss_ddp":
         return DDP(model, find_unused_parameters=isinstance(model, _Branchy)), opt
-    return ShardedDataParallel(model, oss, find_unused_parameters=isinstance(model, _Branchy)), opt  # "oss_sdp"
+    # "oss_sdp": ShardedDataParallel accepts the AdaScale wrapping the OSS wherever it accepts that OSS
+    given = opt if accum > 1 else oss
+    return ShardedDataParallel(model, given, find_unused_parameters=isinstance(model, _Branchy)), opt
 
 
 def _train_parallel(rank, world, strategy, accum, branchy, steps=STEPS):
@@ -383,13 +399,17 @@ def _train_parallel(rank, world, strategy, accum, branchy, steps=STEPS):
             micro = rank * accum + k
             x, y = _batch(step, micro)
             sync = wrapped.no_sync() if k < accum - 1 else torch.enable_grad()
-            with sync:
+            with sync, comm_stats.measure() as in_backward:
                 (nn.functional.mse_loss(_forward(wrapped, x, step, micro, branchy), y) / accum).backward()
-        with comm_stats.measure() as sent:
+        before_step = (opt.gain(0), opt.gain(1), opt.gain())  # read between the last backward and step()
+        with comm_stats.measure() as in_step:
             opt.step()
-        all_reduces.append((sent.calls("all_reduce"), sent.payload_bytes("all_reduce")))
+        all_reduces.append(
+            (in_backward.calls("all_reduce"), in_backward.payload_bytes("all_reduce"), in_step.calls("all_reduce"))
+        )
         opt.step_scheduler(sched)
         gains.append((opt.gain(0), opt.gain(1), opt.gain()))
+        assert gains[-1] == before_step
     return [p.detach().clone() for p in model.parameters()], gains, all_reduces, opt.estimates()
 
 
@@ -435,8 +455,9 @@ def test_data_parallel_matches_single_process_accumulation(world):
             assert param_diff < TOL, (case, param_diff)
             assert gain_diff < TOL, (case, gain_diff)
             assert est_diff < TOL, (case, est_diff)
-            # one small all-reduce per update: 2 groups x (micro norms, averaged norm) in float64
-            assert all(a == (1, 2 * 2 * 8) for a in all_reduces), (case, all_reduces)
+            # one small all-reduce per update, in its last backward: 2 groups x (micro norms, averaged norm) in
+            # float64; none in step() (the gain read before step() was already this update's, asserted in the run)
+            assert all(a == (1, 2 * 2 * 8, 0) for a in all_reduces), (case, all_reduces)
             assert any(abs(g[2] - 1.0) > 1e-3 for g in gains), case  # the gains were not trivially 1
     for case in results[0]:  # every rank computed the same gains
         assert all(r[case][4] == results[0][case][4] for r in results), case
@@ -495,6 +516,33 @@ def test_adascale_wrapper_inside_oss():
     assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))  # replicas equal
 
 
+@_quietly
+def _wrapper_in_oss_owning_nothing(rank, world):
+    """4 ranks, 2 parameters: ranks 2 and 3 own nothing, hook nothing and join the estimate's all-reduce at step()."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    oss = OSS(model.parameters(), optim=AdaScaleWrapper, lr=LR, num_gradients_to_accumulate=2)
+    sdp = ShardedDataParallel(model, oss)
+    gains = []
+    for step in range(3):
+        oss.zero_grad()
+        for k in range(2):
+            x, y = _batch(step, 2 * rank + k)
+            with sdp.no_sync() if k == 0 else contextlib.nullcontext():
+                (nn.functional.mse_loss(sdp(x[:, :6]), y) / 2).backward()
+        oss.step()
+        gains.append(oss.optim.gain())
+    return [p.detach().clone() for p in model.parameters()], gains, oss.optim._meter.watching
+
+
+def test_adascale_wrapper_inside_oss_on_ranks_owning_nothing():
+    results = run_distributed(_wrapper_in_oss_owning_nothing, 4)
+    assert [watching for _, _, watching in results] == [True, True, False, False]
+    for params, gains, _ in results:
+        assert gains == results[0][1] and all(1 < g <= 8 for g in gains)
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][0], strict=True))
+
+
 # -- checkpoints and errors across ranks ---------------------------------------------------------------------------
 
 
@@ -522,10 +570,11 @@ def _oss_checkpoint_and_errors(rank, world):
     for name, make in {
         "world_size": lambda: AdaScale(_sgd(_toy().parameters()), world_size=3),
         "oss_world": lambda: AdaScale(OSS(_toy().parameters(), lr=0.1), world_size=1, num_gradients_to_accumulate=2),
+        "sdp_plain": lambda: ShardedDataParallel(model, AdaScale(_sgd(model.parameters()))),
     }.items():
         try:
             make()
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             errors[name] = str(exc)
     return resumed_equal, opt.scale_invariant_steps == opt2.scale_invariant_steps, errors
 
@@ -535,6 +584,8 @@ def test_oss_checkpoint_resumes_exactly_and_world_size_errors():
         assert resumed_equal and same_progress
         assert "world_size=3 but the process group has 2 ranks" in errors["world_size"]
         assert "the wrapped OSS shards over 2 ranks" in errors["oss_world"]
+        assert "sharded_optimizer must be a ddpkit.optim.OSS (or an AdaScale wrapping one)" in errors["sdp_plain"]
+        assert "got AdaScale wrapping SGD" in errors["sdp_plain"]
 
 
 def test_add_param_group_and_step_hooks():
@@ -558,3 +609,199 @@ def test_add_param_group_and_step_hooks():
     assert opt._estimates[0].count == 2 and opt._estimates[1].count == 1
     assert 1 < opt.gain(1) <= 2 and not torch.equal(frozen_before, model[2].weight)
     assert opt.param_groups[1]["lr"] == BIAS_LR and calls == [True, True]
+
+
+# -- fairscale's formula by hand: gains after every backward and every step, at 1, 2 and 4 ranks ----------------------
+
+
+class _TwoGroupLinear(nn.Module):
+    """``loss = w1 . x1 + w2 . x2``: the gradient of each micro-batch is its input, whatever the weights are."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        self.w2 = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.w1 @ x[:3] + self.w2 @ x[3:]
+
+
+def _micro_input(step, rank, k):
+    """Micro-batch (step, rank, k)'s input, i.e. its gradient: small integers, different on every rank."""
+    g = torch.Generator().manual_seed(7919 * step + 131 * rank + k)
+    return torch.randint(-3, 4, (5,), generator=g).to(torch.float64)
+
+
+def _hand_gains(world, n, steps, is_scaled_loss, debias, smoothing, scale):
+    """Per update: the per-group and whole-model gains and the mean gradient, from fairscale's formula written out.
+
+    S = world x n micro-gradients g_i; per group: local = sum_i ||g_i||^2, total = ||mean_i g_i||^2,
+    var = local (scale / S) / (S - 1) - total scale / (S - 1), sqr = total - var / scale, clamped at 1e-6 and 0;
+    debiased EWMA (biased / unbias) or the paper's plain mean for the first 1 / (1 - smoothing) updates, then the
+    EWMA; gain = (var + sqr) / (var / scale + sqr), the whole model's from the sums over groups.
+    (`is_scaled_loss` changes what the hooks and .grad hold, not these values.)
+    """
+    del is_scaled_loss
+    cn = world * n
+    slices = (slice(0, 3), slice(3, 5))
+    avg = {"var": [0.0, 0.0], "sqr": [1.0, 1.0]}  # fairscale starts grad_sqr_avg at 1: gain 1 before any update
+    biased = {"var": [0.0, 0.0], "sqr": [0.0, 0.0]}
+    unbias = {"var": [0.0, 0.0], "sqr": [0.0, 0.0]}
+    totals = {"var": [0.0, 0.0], "sqr": [0.0, 0.0]}
+    out = []
+    for step in range(steps):
+        grads = [_micro_input(step, r, k) for r in range(world) for k in range(n)]
+        mean = torch.stack(grads).mean(0)
+        values = {"var": [], "sqr": []}
+        for sl in slices:
+            local = sum(float(g[sl].pow(2).sum()) for g in grads)
+            total = float(mean[sl].pow(2).sum())
+            var = local * (scale / cn) / (cn - 1) - total * scale / (cn - 1)
+            sqr = total - var / scale
+            values["var"].append(max(var, 1e-6))
+            values["sqr"].append(max(sqr, 0.0))
+        for name in ("var", "sqr"):
+            for i in range(2):
+                x = values[name][i]
+                if debias:
+                    biased[name][i] = smoothing * biased[name][i] + (1 - smoothing) * x
+                    unbias[name][i] = smoothing * unbias[name][i] + (1 - smoothing)
+                    avg[name][i] = biased[name][i] / unbias[name][i]
+                elif step + 1 < 1 / (1 - smoothing):
+                    totals[name][i] += x
+                    avg[name][i] = totals[name][i] / (step + 1)
+                else:
+                    avg[name][i] = smoothing * avg[name][i] + (1 - smoothing) * x
+
+        def ratio(var, sqr):
+            return (var + sqr) / (var / scale + sqr)
+
+        per_group = [ratio(avg["var"][i], avg["sqr"][i]) for i in range(2)]
+        out.append((per_group[0], per_group[1], ratio(sum(avg["var"]), sum(avg["sqr"])), mean))
+    return out
+
+
+_HAND_CASES = [  # (n, is_scaled_loss, debias_ewma, smoothing or None, scale or None)
+    (2, True, True, None, None),
+    (3, True, False, 0.5, None),
+    (2, False, True, 0.3, 3.0),
+    (3, False, False, 0.6, None),
+    (1, True, True, 0.5, None),  # no accumulation (needs world_size > 1)
+]
+_HAND_STEPS, _HAND_LR = 4, 0.1
+
+
+def _run_hand_case(rank, world, n, is_scaled_loss, debias, smoothing, scale):
+    """The case on this rank: (gains after each backward, gains after each step, final weights)."""
+    model = _TwoGroupLinear()
+    wrapped = DDP(model) if world > 1 else model
+    opt = AdaScale(
+        torch.optim.SGD([{"params": [model.w1]}, {"params": [model.w2]}], lr=_HAND_LR),
+        num_gradients_to_accumulate=n, is_scaled_loss=is_scaled_loss, debias_ewma=debias,
+        smoothing=smoothing, scale=scale,
+    )  # fmt: skip
+    after_backward, after_step = [], []
+    for step in range(_HAND_STEPS):
+        opt.zero_grad()
+        for k in range(n):
+            with wrapped.no_sync() if world > 1 and k < n - 1 else contextlib.nullcontext():
+                loss = wrapped(_micro_input(step, rank, k))
+                (loss / n if is_scaled_loss else loss).backward()
+            after_backward.append((opt.gain(0), opt.gain(1), opt.gain()))
+        if not is_scaled_loss and n > 1:
+            opt.scale_grad_by_num_grads_to_accum()
+        opt.step()
+        after_step.append((opt.gain(0), opt.gain(1), opt.gain()))
+    return after_backward, after_step, torch.cat([model.w1.detach(), model.w2.detach()])
+
+
+def _hand_cases_on_ranks(rank, world):
+    return [_run_hand_case(rank, world, *case) for case in _HAND_CASES if world * case[0] > 1]
+
+
+def _check_hand_case(world, case, result):
+    n, is_scaled_loss, debias, smoothing, scale = case
+    cn = world * n
+    expected = _hand_gains(
+        world, n, _HAND_STEPS, is_scaled_loss, debias,
+        max(1 - cn / 1000, 0) if smoothing is None else smoothing, cn if scale is None else scale,
+    )  # fmt: skip
+    after_backward, after_step, weights = result
+    previous, weight = (1.0, 1.0, 1.0), torch.zeros(5, dtype=torch.float64)
+    for step, (g0, g1, g, mean) in enumerate(expected):
+        for k in range(n):  # unchanged until the last backward of the update, then this update's gain
+            assert after_backward[step * n + k] == pytest.approx((g0, g1, g) if k == n - 1 else previous, rel=1e-9)
+        assert after_step[step] == pytest.approx((g0, g1, g), rel=1e-9)
+        weight = weight - _HAND_LR * torch.cat([g0 * mean[:3], g1 * mean[3:]])  # SGD, lr x the group's gain
+        previous = (g0, g1, g)
+    assert torch.allclose(weights, weight, rtol=1e-12, atol=1e-12)
+    assert any(abs(g - 1) > 1e-3 for _, _, g, _ in expected)  # a case whose gains are not trivially 1
+
+
+def test_gains_by_hand_one_process():
+    for case in _HAND_CASES:
+        if case[0] > 1:
+            _check_hand_case(1, case, _run_hand_case(0, 1, *case))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gains_by_hand_data_parallel(world):
+    results = run_distributed(_hand_cases_on_ranks, world)
+    cases = [case for case in _HAND_CASES if world * case[0] > 1]
+    for rank_results in results:
+        for case, result in zip(cases, rank_results, strict=True):
+            _check_hand_case(world, case, result)
+
+
+def test_a_constant_loss_scale_leaves_the_gains_unchanged():
+    """The norms are taken before unscale_: the scale s multiplies both estimates by s^2, not the gain."""
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=10**6)):
+        model = _toy()
+        opt = AdaScale(_sgd(_groups(model)), num_gradients_to_accumulate=3)
+        gains = []
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(3):
+                x, y = _batch(step, micro)
+                loss = nn.functional.mse_loss(model(x), y) / 3
+                (scaler.scale(loss) if scaler else loss).backward()
+            gains.append((opt.gain(0), opt.gain(1), opt.gain()))
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        runs.append((gains, opt.estimates(), [p.detach().clone() for p in model.parameters()]))
+    (gains, estimates, params), (scaled_gains, scaled_estimates, scaled_params) = runs
+    assert scaled_gains == pytest.approx(gains, rel=1e-6) and any(abs(g[2] - 1) > 1e-3 for g in gains)
+    assert scaled_estimates == pytest.approx([2.0**16 * e for e in estimates], rel=1e-6)
+    assert max((a - b).abs().max().item() for a, b in zip(params, scaled_params, strict=True)) < 1e-6
+
+
+def test_loads_a_fairscale_checkpoint_with_its_estimates():
+    """fairscale keeps the estimates as NumPy arrays in the wrapped optimizer's state["adascale"] (sigma2 as
+    grad_var_avg, mu2 as grad_sqr_avg, the debiasing weight as *_unbias); written here by hand."""
+    import numpy as np
+
+    layer = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(layer.weight)
+    saved = torch.optim.SGD(layer.parameters(), lr=0.1).state_dict()
+    saved["state"]["adascale"] = {
+        "grad_var_avg": np.array([4.0]), "grad_sqr_avg": np.array([3.0]),
+        "grad_var_avg_biased": np.array([3.0]), "grad_var_avg_unbias": np.array([0.75]),
+        "grad_sqr_avg_biased": np.array([2.25]), "grad_sqr_avg_unbias": np.array([0.75]),
+    }  # fmt: skip
+    opt = AdaScale(torch.optim.SGD(layer.parameters(), lr=0.1), num_gradients_to_accumulate=2, smoothing=0.5)
+    opt.load_state_dict(saved)
+    assert "adascale" not in opt.optimizer.state and opt.gain() == pytest.approx(7 / (4 / 2 + 3), rel=1e-12)
+    for g in ([3.0, 0.0], [0.0, 3.0]):  # sigma2 9, mu2 0 for this update
+        ((layer.weight @ torch.tensor(g)).sum() / 2).backward()
+    weight = 0.5 * 0.75 + 0.5  # fairscale's debiased averages continue: biased / unbias
+    expected = ((0.5 * 3.0 + 0.5 * 9) / weight, (0.5 * 2.25 + 0.5 * 0.0) / weight)
+    assert opt.estimates() == pytest.approx(expected, rel=1e-9)
+    opt.step()
+    with pytest.raises(ValueError, match="fairscale AdaScale state has 1 parameter groups"):
+        AdaScale(_sgd(_groups(_toy())), num_gradients_to_accumulate=2).load_state_dict(
+            {"state": saved["state"], "param_groups": saved["param_groups"] * 2}
+        )

@@ -159,7 +159,7 @@ def test_plots(tmp_path):
         for name, shared in (("ddp", 0.0), ("sharded", 5e5))
     ]  # fmt: skip
     plot_bench(results, str(tmp_path / "bench.png"), link_from_mbit(100))
-    summary = {"strategy": "ddp", "world_size": 2, "workload": "gpt on text", "settings": "adam lr 0.001", "steps": 3}
+    summary = {"strategy": "ddp", "world_size": 2, "workload": "gpt on text", "title": "adam lr 0.001", "steps": 3}
     assert run_title(summary) == "ddp on 2 processes, gpt on text, adam lr 0.001, 3 steps"
     steps = [{"step": i, "loss": 5.0 - i, "sent_bytes": 10.0, "shared_bytes": 0.0} for i in range(3)]
     plot_run(str(tmp_path / "metrics.png"), {**summary, "heldout_bits_per_byte": 4.0}, [], steps)

@@ -39,6 +39,14 @@ def test_listing_names_every_benchmark_with_its_question():
     for name in benchmarks_here():
         line = next((x for x in done.stdout.splitlines() if x.strip().startswith(name + " ")), None)
         assert line is not None and len(line.split(maxsplit=1)[1]) > 20, done.stdout
+    for argv, message in (
+        (["nosuch"], "unknown benchmark 'nosuch'"),
+        (["sharding", "--world-size", "1"], "--world-size"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True
+        )
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
 @pytest.mark.slow

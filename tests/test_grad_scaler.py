@@ -259,10 +259,10 @@ def test_defaults_and_state_dict_round_trip():
     scaler = ShardedGradScaler()
     assert scaler._device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert scaler.is_enabled() and scaler.get_scale() == 2.0**16 and scaler.process_group is None
-    assert ShardedGradScaler(torch.device("cpu"))._device == "cpu"
+    assert ShardedGradScaler(device=torch.device("cpu"))._device == "cpu"
 
     # without a process group in a one-process job it is torch's GradScaler, and sends nothing
-    ours = ShardedGradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
+    ours = ShardedGradScaler(INIT_SCALE, growth_interval=2, device="cpu")  # fairscale's positional order
     ref = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
     with comm_stats.measure() as delta:
         ours_params = _train_locally(ours, steps=5, poison_step=1)
@@ -292,7 +292,7 @@ def test_disabled_scaler_needs_no_process_group(monkeypatch):
 def test_enabled_scaler_in_a_multi_rank_job_without_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 but no process group is initialised"):
-        _train_locally(ShardedGradScaler("cpu"), steps=1)
+        _train_locally(ShardedGradScaler(device="cpu"), steps=1)
 
 
 def test_argument_errors_name_the_argument():
@@ -312,5 +312,7 @@ def test_argument_errors_name_the_argument():
         ShardedGradScaler(process_group="world")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="device='cuda' but CUDA is not available"):
-            ShardedGradScaler("cuda")
-        assert not ShardedGradScaler("cuda", enabled=False).is_enabled()
+            ShardedGradScaler(device="cuda")
+        assert not ShardedGradScaler(device="cuda", enabled=False).is_enabled()
+    with pytest.raises(TypeError, match=r"pass the device by keyword: device='cpu'"):
+        ShardedGradScaler("cpu")

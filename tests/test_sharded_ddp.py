@@ -471,3 +471,36 @@ def test_accumulating_over_synced_backwards_matches_ddp(world):
     for worst in run_distributed(_two_backwards, world):
         for pattern, diff in worst.items():
             assert diff < 1e-6, (pattern, diff)
+
+
+def _fairscale_defaults(rank, world):
+    """zero_grad() with fairscale's default (zero in place) and to(dtype) on ShardedDataParallel, against DDP."""
+    ref, model = _mlp().double(), _mlp()
+    ddp, ref_opt = DDP(ref), torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    sdp = ShardedDataParallel(model, opt)
+    assert sdp.to(torch.float64) is sdp and sdp.to("cpu", non_blocking=True) is sdp  # dtype first: as dtype=
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    zeroed_in_place = []
+    for step in range(4):
+        x, y = _batch(rank, step)
+        ddp.zero_grad()
+        sdp.zero_grad()  # code written for fairscale: set_to_none=False
+        zeroed_in_place.append(all(p.grad is None or not p.grad.any() for p in model.parameters()))
+        zeroed_in_place[-1] &= step == 0 or any(p.grad is not None for p in model.parameters())
+        for m, o in ((ddp, ref_opt), (sdp, opt)):
+            nn.functional.mse_loss(m(x.double()), y.double()).backward()
+            o.step()
+    try:
+        sdp.to("meta")
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    return _max_diff(ref, model), zeroed_in_place, error
+
+
+@pytest.mark.parametrize("world", [2])
+def test_fairscale_defaults_zero_grad_and_to(world):
+    for diff, zeroed_in_place, error in run_distributed(_fairscale_defaults, world):
+        assert diff < 1e-12 and all(zeroed_in_place), (diff, zeroed_in_place)
+        assert "moving to meta is not supported" in error

@@ -192,24 +192,33 @@ def _counts(delta):
 
 
 def _master_run(rank, cfg, steps):
-    """A bf16/fp16 module trained through an fp32 master copy passed as `fp32_params`."""
+    """A bf16/fp16 module trained through an fp32 master copy passed as `fp32_params`: a list of tensors, or with
+    ``cfg["flat"]`` one flat tensor (fairseq's layout, as fairscale takes it)."""
     module = _mlp().to(cfg["dtype"])
     model = _wrap(module, cfg)
     master = [nn.Parameter(p.detach().float().clone()) for p in module.parameters()]
+    if cfg.get("flat"):
+        master = [nn.Parameter(torch.cat([p.detach().reshape(-1) for p in master]))]
     opt = _optimizer(master, cfg)
     sched = _scheduler(opt, cfg)
     masters, modules = [], []
     for step in range(steps):
         x, y = _batch(rank, step)
         F.mse_loss(model(x.to(cfg["dtype"])).float(), y).backward()
-        for p, q in zip(master, module.parameters(), strict=True):
-            p.grad = q.grad.float()
+        grads = [q.grad.float() for q in module.parameters()]
+        if cfg.get("flat"):
+            grads = [torch.cat([g.reshape(-1) for g in grads])]
+        for p, g in zip(master, grads, strict=True):
+            p.grad = g
         opt.step()
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, q in zip(master, module.parameters(), strict=True):
-                q.copy_(p)
-        model.perform_slowmo(opt, fp32_params=master)
+            values = torch.cat([p.detach().reshape(-1) for p in master])
+            offset = 0
+            for q in module.parameters():
+                q.copy_(values[offset : offset + q.numel()].view_as(q))
+                offset += q.numel()
+        model.perform_slowmo(opt, fp32_params=master[0] if cfg.get("flat") else master)
         masters.append(_flat(master))
         modules.append(torch.cat([q.detach().reshape(-1) for q in module.parameters()]))
         sched.step()
@@ -356,6 +365,7 @@ def test_the_simulation_tells_the_variants_apart():
 MASTER_CONFIGS = [
     _cfg(1, 2, 3, dtype=torch.bfloat16, sched=True),
     _cfg(1, 2, 3, dtype=torch.float16, eff=False, base_momentum=0.9),
+    _cfg(1, 2, 3, dtype=torch.bfloat16, sched=True, flat=True),
 ]
 
 
@@ -452,6 +462,16 @@ def _same_state(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
+def _local_step(model, opt, sched, rank, step):
+    x, y = _batch(rank, step)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    model.perform_slowmo(opt)
+    sched.step()
+    return _flat(model.parameters())
+
+
 def _resume(rank, world, cfg, total, stop):
     """`total` steps straight, against `stop` steps, a checkpoint, fresh objects and the remaining steps."""
     model = _wrap(_mlp(), cfg)
@@ -466,34 +486,23 @@ def _resume(rank, world, cfg, total, stop):
                 "scheduler": _saved(sched.state_dict()),
                 "slowmo": _saved(model.slowmo_state_dict()),
             }
-        x, y = _batch(rank, step)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        model.zero_grad(set_to_none=True)
-        model.perform_slowmo(opt)
-        sched.step()
-        straight.append(_flat(model.parameters()))
-    model2 = _wrap(_mlp(seed=7), cfg)  # other initial values: everything must come from the checkpoint
-    opt2 = _optimizer(model2.parameters(), cfg)
-    sched2 = _scheduler(opt2, cfg)
-    model2.load_state_dict(_loaded(checkpoint["model"]))
-    opt2.load_state_dict(_loaded(checkpoint["optimizer"]))
-    sched2.load_state_dict(_loaded(checkpoint["scheduler"]))
-    slow_state = _loaded(checkpoint["slowmo"])
-    untouched = copy.deepcopy(slow_state)
-    model2.load_slowmo_state_dict(slow_state)
-    assert model2.num_updates == stop
-    resumed = []
-    for step in range(stop, total):
-        x, y = _batch(rank, step)
-        F.mse_loss(model2(x), y).backward()
-        opt2.step()
-        model2.zero_grad(set_to_none=True)
-        model2.perform_slowmo(opt2)
-        sched2.step()
-        resumed.append(_flat(model2.parameters()))
-    diff = (torch.stack(straight[stop:]) - torch.stack(resumed)).abs().max().item()
-    return diff, _same_state(slow_state, untouched), sorted(untouched)
+        straight.append(_local_step(model, opt, sched, rank, step))
+    diffs, slow_state, untouched = [], None, None
+    for via in ("slowmo_state_dict", "state_dict"):  # the complete buffers, or each rank's own state_dict()
+        model2 = _wrap(_mlp(seed=7), cfg)  # other initial values: everything must come from the checkpoint
+        opt2 = _optimizer(model2.parameters(), cfg)
+        sched2 = _scheduler(opt2, cfg)
+        model2.load_state_dict(_loaded(checkpoint["model"]))
+        opt2.load_state_dict(_loaded(checkpoint["optimizer"]))
+        sched2.load_state_dict(_loaded(checkpoint["scheduler"]))
+        if via == "slowmo_state_dict":
+            slow_state = _loaded(checkpoint["slowmo"])
+            untouched = copy.deepcopy(slow_state)
+            model2.load_slowmo_state_dict(slow_state)
+        assert model2.num_updates == stop
+        resumed = [_local_step(model2, opt2, sched2, rank, step) for step in range(stop, total)]
+        diffs.append((torch.stack(straight[stop:]) - torch.stack(resumed)).abs().max().item())
+    return max(diffs), _same_state(slow_state, untouched), sorted(untouched)
 
 
 def _resume_runs(rank, world):
@@ -662,6 +671,12 @@ def test_clear_errors_before_any_collective():
         assert out["num_updates_after_errors"] == 0
 
 
+FAIRSCALE_ATTRIBUTES = [  # read by fairscale users' code
+    "process_rank", "process_world_size", "local_rank", "localsgd", "sgp", "slowmo_num_shards",
+    "is_current_node_a_slowmo_shard", "slowmo_memory_efficient", "broadcast_buffers",
+]  # fmt: skip
+
+
 def _warnings_and_api(rank, world):
     out = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -693,6 +708,7 @@ def _warnings_and_api(rank, world):
     out["sgp_args"] = [str(w.message) for w in caught]
     x = torch.randn(3, 8)
     module = model.module
+    module_keys = module.state_dict()
     out["api"] = {
         "alias": SlowMoDDP is SlowMoDistributedDataParallel,
         "enum": (SlowMoBaseAlgorithm.LOCALSGD.value, SlowMoBaseAlgorithm.SGP.value),
@@ -703,10 +719,40 @@ def _warnings_and_api(rank, world):
         "num_updates": model.num_updates,
         "forward": torch.equal(model(x), module(x)),
         "groups": all(g is not None for g in (model.global_group, model.local_node_group, model.master_group)),
-        "state_keys": sorted(model.state_dict()) == sorted("module." + k for k in module.state_dict()),
-        "eval": not model.eval().training and not module.training,
-        "train": model.train().training and module.training,
+        "state_keys": sorted(model.state_dict()) == sorted(["_extra_state", *("module." + k for k in module_keys)]),
+        "eval": not model.eval().training and not module.training and not one_node.eval()._node_ddp.training,
+        "train": model.train().training and module.training and one_node.train()._node_ddp.training,
+        "fairscale_attributes": (*(getattr(model, a) for a in FAIRSCALE_ATTRIBUTES), one_node.local_rank),
+        "process_group": model.process_group is model.global_group,
     }
+    # a module state dict without the extra state (fairscale's, which carries no slow buffers) loads strictly
+    model.num_updates = 4
+    plain = {k: v for k, v in model.state_dict().items() if k != "_extra_state"}
+    loaded = model.load_state_dict(plain)
+    out["plain_load"] = (list(loaded.missing_keys), list(loaded.unexpected_keys), model.num_updates)
+    try:
+        model.load_state_dict({**plain, "module.extra": torch.zeros(1)})
+        out["strict"] = ""
+    except RuntimeError as exc:
+        out["strict"] = str(exc)
+    # each rank keeps half of the slow buffers: its own slice or whole buffers load, another rank's slice does not
+    state = model.state_dict()
+    slow = state["_extra_state"]["slow"]
+    numel, (start, end) = slow["numel"], slow["bounds"]
+    whole = {"x0": torch.arange(numel, dtype=torch.float32), "u": -torch.arange(numel, dtype=torch.float32)}
+    model.load_state_dict(
+        {**state, "_extra_state": {"num_updates": 2, "slow": {**whole, "bounds": (0, numel), "numel": numel}}}
+    )
+    mine = model.state_dict()["_extra_state"]["slow"]
+    out["whole_sliced"] = torch.equal(mine["x0"], whole["x0"][start:end]) and torch.equal(
+        mine["u"], whole["u"][start:end]
+    )
+    other = (end, numel) if start == 0 else (0, start)
+    try:
+        model.load_state_dict({**state, "_extra_state": {"num_updates": 2, "slow": {**slow, "bounds": other}}})
+        out["other_slice"] = ""
+    except ValueError as exc:
+        out["other_slice"] = str(exc)
     off = SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_momentum=0.0, slowmo_lr=1.0)
     out["off"] = (off.slowmo, sorted(off.slowmo_state_dict()))
     return out
@@ -725,6 +771,10 @@ def test_warnings_and_api():
         assert api["num_updates"] == 0
         for key in ("forward", "groups", "state_keys", "eval", "train"):
             assert api[key], key
+        assert api["fairscale_attributes"] == (rank, 2, 0, True, False, 2, True, True, True, rank)
+        assert api["process_group"]
+        assert out["plain_load"] == ([], [], 4) and "unexpected keys ['module.extra']" in out["strict"]
+        assert out["whole_sliced"] and "load each rank's own state_dict()" in out["other_slice"]
         assert out["off"] == (False, ["num_updates"])
 
 

@@ -10,6 +10,7 @@ imported by the launcher and by every process), so runs are short (1 epoch of di
 from __future__ import annotations
 
 import csv
+import glob
 import gzip
 import json
 import math
@@ -194,10 +195,16 @@ def train(tmp_path, *flags, name="train", timeout=240):
     return run([*DDPKIT, "train", *flags], timeout, tmp_path, name)
 
 
+def latest_checkpoint(out):
+    """The newest committed checkpoint folder under `out` (None if there is none)."""
+    markers = sorted(Path(out).glob("checkpoint/step-*/COMMIT.json"))
+    return markers[-1].parent if markers else None
+
+
 def wait_for(path, procs_running, timeout=180):
-    """Waits until `path` exists while every process in `procs_running` still runs."""
+    """Waits until `path` (a glob pattern) exists while every process in `procs_running` still runs."""
     deadline = time.monotonic() + timeout
-    while not Path(path).exists():
+    while not glob.glob(str(path)):
         for proc in procs_running:
             proc.watch()
             if proc.popen.poll() is not None:
@@ -264,11 +271,13 @@ def check_run(result, out, strategy, epochs=1, world=2, steps=DIGITS_STEPS_PER_E
     assert all(math.isfinite(float(r["loss"])) and int(r["samples"]) > 0 for r in rows)
     png = (out / "metrics.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5000
-    meta = json.loads((out / "checkpoint" / "meta.json").read_text())
-    assert meta == {"epoch": epochs, "step": s["steps"], "world_size": world, "strategy": strategy}
-    for name in ["shared.pt", *(f"rank{r}.pt" for r in range(here))]:
-        assert (out / "checkpoint" / name).is_file()
-    assert not (out / "checkpoint" / f"rank{here}.pt").exists()
+    folder = latest_checkpoint(out)
+    meta = json.loads((folder / "COMMIT.json").read_text())
+    assert (meta["epoch"], meta["step"], meta["world_size"], meta["strategy"]) == (epochs, s["steps"], world, strategy)
+    ranks = here if strategy == "slowmo" else 0  # only SlowMo's replicas differ: the others' is in shared.pt
+    for name in ["shared.pt", *(f"rank{r}.pt" for r in range(ranks))]:
+        assert (folder / name).is_file()
+    assert not (folder / f"rank{ranks}.pt").exists()
     return metrics
 
 
@@ -353,7 +362,7 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     assert first.returncode == 0, str(first)
     strategy, _, per_epoch = VARIANTS[name]
     if name == "slowmo":  # the case that needs each rank's own replica and optimizer state back
-        ckpt = [torch.load(first_out / "checkpoint" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+        ckpt = [torch.load(latest_checkpoint(first_out) / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
         assert any(not torch.equal(ckpt[0]["model"][k], ckpt[1]["model"][k]) for k in ckpt[0]["model"])
         exp_avg = [c["optimizer"]["state"][0]["exp_avg"] for c in ckpt]
         assert not torch.equal(*exp_avg)
@@ -381,11 +390,11 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
         assert 0 <= x["sent_bytes"] - y["sent_bytes"] < 4096, (x["sent_bytes"], y["sent_bytes"])
     with open(resumed / "steps.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
-    assert steps == list(range(per_epoch, 2 * per_epoch))  # only epoch 2 ran
-    # the per-rank checkpoints after epoch 2 (replicas before SlowMo's final averaging) are bit-identical too
-    for rank in range(2):
-        x = torch.load(resumed / "checkpoint" / f"rank{rank}.pt", weights_only=False)["model"]
-        y = torch.load(tmp_path / "straight" / "checkpoint" / f"rank{rank}.pt", weights_only=False)["model"]
+    assert steps == list(range(2 * per_epoch))  # the first epoch's rows were kept
+    # the checkpoints after epoch 2 (SlowMo: each rank's replica before the final averaging) are bit-identical too
+    for file in ["rank0.pt", "rank1.pt"] if name == "slowmo" else ["shared.pt"]:
+        x = torch.load(latest_checkpoint(resumed) / file, weights_only=False)["model"]
+        y = torch.load(latest_checkpoint(tmp_path / "straight") / file, weights_only=False)["model"]
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
@@ -404,7 +413,7 @@ def test_torchrun_with_a_toml_config_and_overriding_flags(tmp_path):
     result = run(args, 240, tmp_path, "torchrun")
     metrics = check_run(result, out, "ddp")  # torchrun's 2 processes, not 2 spawned by each of them
     assert metrics["summary"]["epochs"] == 1  # the flag beat the file's 3
-    model = torch.load(out / "checkpoint" / "rank0.pt", weights_only=False)["model"]
+    model = torch.load(latest_checkpoint(out) / "shared.pt", weights_only=False)["model"]
     # the file's hidden = 128 and depth = 1: Flatten, Linear(64, 128), ReLU, Linear(128, 10)
     assert {k: tuple(v.shape) for k, v in model.items() if k.endswith("weight")} == {
         "1.weight": (128, 64),
@@ -452,7 +461,7 @@ def test_world_size_rank_host_two_commands_on_tiny_mnist(tmp_path, procs):
     assert "replicas equal" not in one.stdout
     assert "sharded x2" in zero.stderr and "step" in zero.stderr  # rank 0's tqdm bar
     assert "sharded x2" not in one.stderr
-    assert (tmp_path / "out1" / "checkpoint" / "rank1.pt").is_file()  # each machine keeps its own replica
+    assert not list((tmp_path / "out1").glob("checkpoint/*/*"))  # equal replicas: rank 0 writes the checkpoint
     assert not (tmp_path / "out1" / "metrics.json").exists()
 
 
@@ -523,7 +532,7 @@ def test_two_hosts_in_network_namespaces(tmp_path, procs, two_hosts):
     first, second = (h.wait(300) for h in hosts)
     assert second.returncode == 0, str(second)
     check_run(first, tmp_path / "host0", "slowmo", here=1)
-    assert (tmp_path / "host1" / "checkpoint" / "rank1.pt").is_file()
+    assert list((tmp_path / "host1").glob("checkpoint/step-*/rank1.pt"))  # SlowMo: each machine its own replica
 
 
 def listening(pid, port):
@@ -593,7 +602,7 @@ def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs
     port = free_port()
     common = ["--world-size", "2", "--host", "127.0.0.1", "--master-port", port, *LONG_RUN, "--timeout", timeout]
     ranks = [procs([*DDPKIT, "train", *common, "--rank", r, "--out", tmp_path / f"out{r}"], f"rank{r}") for r in (0, 1)]
-    wait_for(tmp_path / "out0" / "checkpoint" / "meta.json", ranks)  # training is under way
+    wait_for(tmp_path / "out0" / "checkpoint" / "step-*" / "COMMIT.json", ranks)  # training is under way
     (victim,) = workers(ranks[1])
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
@@ -613,7 +622,7 @@ def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path, procs):
     """A rank that stops answering (SIGSTOP) without dying: the collective timeout ends the job."""
     timeout = 6
     job = procs([*DDPKIT, "train", *LONG_RUN, "--timeout", timeout, "--out", tmp_path / "out"], "job")
-    wait_for(tmp_path / "out" / "checkpoint" / "meta.json", [job])
+    wait_for(tmp_path / "out" / "checkpoint" / "step-*" / "COMMIT.json", [job])
     ranks = workers(job)
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGSTOP)
@@ -643,7 +652,7 @@ def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
 def test_ctrl_c_stops_every_local_process(tmp_path, procs, target):
     """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C does."""
     job = procs([*DDPKIT, "train", *LONG_RUN, "--out", tmp_path / "out"], "job")
-    wait_for(tmp_path / "out" / "checkpoint" / "meta.json", [job])
+    wait_for(tmp_path / "out" / "checkpoint" / "step-*" / "COMMIT.json", [job])
     assert len(workers(job)) == 2
     if target == "launcher":
         os.kill(job.pid, signal.SIGINT)

@@ -313,10 +313,14 @@ def test_bad_config_files_fail_before_any_process(capsys, no_process_may_start, 
 
 
 def test_resume_checks_the_checkpoint_before_any_process(capsys, no_process_may_start, tmp_path):
-    _fails_fast(capsys, ["--resume", "--out", str(tmp_path)], "--resume: no checkpoint")
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "meta.json").write_text(json.dumps({"world_size": 4, "strategy": "ddp"}))
-    _fails_fast(capsys, ["--resume", "--out", str(tmp_path)], "--strategy ddp on 4 processes", "sharded on 2")
+    _fails_fast(capsys, ["--resume", "--out", str(tmp_path)], "--resume: no complete checkpoint")
+    folder = tmp_path / "checkpoint" / "step-00000009"
+    folder.mkdir(parents=True)
+    marker = {"step": 9, "epoch": 1, "world_size": 4, "strategy": "slowmo", "files": {}}
+    (folder / "COMMIT.json").write_text(json.dumps(marker))
+    _fails_fast(
+        capsys, ["--resume", "--out", str(tmp_path)], "--strategy slowmo", "cannot continue as --strategy sharded"
+    )
 
 
 def test_bench_rejects_unknown_strategies(capsys, no_process_may_start):

@@ -20,6 +20,11 @@ from benchmarks.lib import results
 T = TypeVar("T")
 
 
+class UsageError(ValueError):
+    """Raised by a benchmark's ``run``, before it starts anything, for options that do not fit together: the
+    command prints the usage and the message and exits with status 2."""
+
+
 class Skip(Exception):
     """Raised by a benchmark's ``run`` when it cannot run here (e.g. no root for network namespaces): the reason
     is printed and the command exits with status 0 after writing nothing."""
@@ -61,7 +66,8 @@ def build_parser(name: str, module: ModuleType, quick: bool) -> argparse.Argumen
 
 
 def _quick_text(values: dict[str, Any]) -> str:
-    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+    flags = {f"--{k.replace('_', '-')}": v for k, v in values.items()}
+    return ", ".join(flag if value is True else f"{flag} {value}" for flag, value in flags.items())
 
 
 def main(name: str, module: ModuleType, argv: list[str]) -> int:
@@ -76,6 +82,8 @@ def main(name: str, module: ModuleType, argv: list[str]) -> int:
         recorder = results.Recorder(result, _config(args), args.out)
         try:
             figures = module.run(args)
+        except UsageError as exc:
+            parser.error(str(exc))
         except Skip as reason:
             print(f"{name}: skipped: {reason}", flush=True)
             return 0

@@ -57,7 +57,8 @@ def describe_machine(info: dict[str, Any]) -> str:
 
 
 def commit() -> dict[str, Any]:
-    """The git commit of the checkout, and whether it had uncommitted changes (None outside git)."""
+    """The git commit of the checkout, and whether it had uncommitted changes outside the result and figure
+    folders (None outside git)."""
 
     def git(*args: str) -> str | None:
         try:
@@ -67,7 +68,8 @@ def commit() -> dict[str, Any]:
         return done.stdout.strip() if done.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
+    outputs = (":!benchmarks/results", ":!benchmarks/figures")  # what runs write is not a change to the code
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs)
     return {"commit": head, "dirty": bool(status) if status is not None else None}
 
 

@@ -11,6 +11,19 @@ possible, (N-1) x the tensor in all. With it, a reduce to the owner plus a broad
 parallelism) puts exactly the bytes of DDP's ring all-reduce on the wire. The root receives into CPU buffers
 it keeps for the next reduce of the same shape (`_ScratchPool`): a new buffer of many megabytes per reduce costs
 a page fault per 4 KiB on first touch, which took longer than the transfer on the benchmark machine.
+
+CUDA tensors on gloo are staged through host memory here, by ddpkit, for every collective (`_HostStaging`): gloo's
+point-to-point send and receive hand the tensor's raw pointer to a socket, which is only valid for host memory;
+torch's gloo backend stages CUDA tensors itself for some collectives (all-reduce, broadcast, reduce, all-gather,
+gather, scatter, all-to-all in the sources read) but not for others (reduce-scatter, coalesced all-reduce), and
+this differs between versions (`benchmarks/gloo_cuda_probe.py` tells for the torch at hand). Each rank copies its CUDA
+input into a pinned host tensor (a synchronous copy: it waits for the work queued on the current stream that
+produces the tensor), runs the CPU code path above on the host copies, and copies the results back to the GPU
+when the collective is waited for, synchronously too, so they are in place for every stream once `wait()`
+returns. Only what a rank needs crosses the PCIe bus: a broadcast's source copies out, its receivers copy in; a
+reduce's senders copy out, its root copies out and back; the sum is done on the host, in rank order, as on CPU.
+Each copy is counted in `comm_stats` as kind ``cpu_staging`` (its bytes as payload, 0 on the wire). NCCL takes
+CUDA tensors directly and stages nothing.
 """
 
 from __future__ import annotations
@@ -142,6 +155,80 @@ def _is_gloo(group: ProcessGroup | None) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
 
+_STAGE_CPU_TENSORS = False
+"""Tests only: stage CPU tensors too (through unpinned host copies), to exercise the staging path without a GPU."""
+
+
+def _staged(tensors: list[torch.Tensor], group: ProcessGroup | None) -> bool:
+    """Whether a collective on `tensors` over `group` goes through host copies (CUDA tensors on gloo)."""
+    if not tensors or any(getattr(t, "_ddpkit_host_copy", False) for t in tensors) or group_size(group) < 2:
+        return False
+    return (_STAGE_CPU_TENSORS or any(t.device.type != "cpu" for t in tensors)) and _is_gloo(group)
+
+
+class _HostStaging:
+    """Host copies of device tensors for one gloo collective, and the copies back that `finish()` makes."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+        self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def host(self, tensor: torch.Tensor, copy_in: bool = True, copy_back: bool = False) -> torch.Tensor:
+        """A contiguous host tensor like `tensor` (pinned for CUDA), holding its values when `copy_in`."""
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+        out._ddpkit_host_copy = True  # type: ignore[attr-defined]
+        if copy_in:
+            out.copy_(tensor)  # waits for the current stream's work on `tensor`
+            self._count(out)
+        if copy_back:
+            self._back.append((tensor, out))
+        return out
+
+    def finish(self) -> None:
+        """Copies every result back to its device tensor, synchronously: once this returns, any stream sees it."""
+        for tensor, host in self._back:
+            tensor.copy_(host)
+            self._count(host)
+        self._back = []
+
+    def _count(self, host: torch.Tensor) -> None:
+        _record("cpu_staging", self.group, nbytes(host), sent=0.0)
+
+
+class _StagedWork:
+    """An async collective on host copies: `wait()` waits for it, then copies the results back to the device.
+
+    `get_future()` (what a DDP communication hook returns) waits first, then gives a completed future of the
+    device tensors: the copies back are synchronous, so the values are in place on every stream.
+    """
+
+    def __init__(self, work: Work | None, staging: _HostStaging, outputs: list[torch.Tensor]) -> None:
+        self.work, self.staging, self.outputs = work, staging, outputs
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()  # type: ignore[attr-defined]
+            self.work = None
+        self.staging.finish()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self.outputs)
+        return future
+
+
+def _finish_staged(
+    work: Work | None, staging: _HostStaging, async_op: bool, outputs: list[torch.Tensor]
+) -> Work | None:
+    pending = _StagedWork(work, staging, outputs)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Sends `tensor` from group rank `src` to every rank of `group` (in place on receivers).
 
@@ -149,6 +236,11 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
     so broadcasts from different roots issued together (OSS's shards, SlowMo's slices) took turns on the link
     (two 4.7 MB broadcasts in opposite directions over 100 Mbit/s: 784 ms as collectives, 402 ms point to point).
     """
+    if _staged([tensor], group):
+        staging = _HostStaging(group)
+        is_src = group_rank(group) == src
+        host = staging.host(tensor, copy_in=is_src, copy_back=not is_src)
+        return _finish_staged(broadcast(host, src, group, async_op=True), staging, async_op, [tensor])
     if group_size(group) > 1 and tensor.is_contiguous() and _is_gloo(group):
         pending = _broadcast_point_to_point(tensor, src, group)
         if async_op:
@@ -170,6 +262,10 @@ def reduce(
 
     On gloo a SUM goes point to point (see the module doc); other tensors must not be changed until it is waited for.
     """
+    if _staged([tensor], group):
+        staging = _HostStaging(group)
+        host = staging.host(tensor, copy_back=group_rank(group) == dst)
+        return _finish_staged(reduce(host, dst, group, op, async_op=True), staging, async_op, [tensor])
     if op == dist.ReduceOp.SUM and group_size(group) > 1 and _is_gloo(group):
         pending = _reduce_point_to_point(tensor.view(-1) if tensor.is_contiguous() else tensor, dst, group)
         if async_op:
@@ -187,6 +283,10 @@ def all_reduce(
     async_op: bool = False,
 ) -> Work | None:
     """Reduces `tensor` over `group` into every rank's copy."""
+    if _staged([tensor], group):
+        staging = _HostStaging(group)
+        host = staging.host(tensor, copy_back=True)
+        return _finish_staged(all_reduce(host, group, op, async_op=True), staging, async_op, [tensor])
     _record("all_reduce", group, nbytes(tensor))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -195,6 +295,11 @@ def all_gather(
     outputs: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Gathers every rank's `tensor` into `outputs` on every rank."""
+    if _staged([tensor, *outputs], group):
+        staging = _HostStaging(group)
+        host_outputs = [staging.host(t, copy_in=False, copy_back=True) for t in outputs]
+        work = all_gather(host_outputs, staging.host(tensor), group, True)
+        return _finish_staged(work, staging, async_op, outputs)
     _record("all_gather", group, nbytes(tensor))
     return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
 
@@ -207,6 +312,11 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> Work | None:
     """Reduces `inputs[i]` over the group into rank i's `output`."""
+    if _staged([output, *inputs], group):
+        staging = _HostStaging(group)
+        host_output = staging.host(output, copy_in=False, copy_back=True)
+        work = reduce_scatter(host_output, [staging.host(t) for t in inputs], group, op, async_op=True)
+        return _finish_staged(work, staging, async_op, [output])
     _record("reduce_scatter", group, sum(nbytes(t) for t in inputs))
     return dist.reduce_scatter(output, inputs, op=op, group=group, async_op=async_op)
 
@@ -219,6 +329,12 @@ def gather(
     is_root: bool = False,
 ) -> None:
     """Gathers every rank's `tensor` into `outputs` on group rank `dst` (None elsewhere)."""
+    if _staged([tensor, *(outputs or [])], group):
+        staging = _HostStaging(group)
+        host_outputs = [staging.host(t, copy_in=False, copy_back=True) for t in outputs] if outputs else None
+        gather(staging.host(tensor), host_outputs, dst, group, is_root)
+        staging.finish()
+        return
     _record("gather", group, nbytes(tensor), is_root=is_root)
     dist.gather(tensor, outputs, dst=global_rank(group, dst), group=group)
 

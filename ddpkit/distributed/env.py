@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -53,3 +55,19 @@ def comm_device(group: ProcessGroup | None = None) -> torch.device:
     if "nccl" in str(backend).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def job_timeout(group: ProcessGroup | None = None) -> timedelta | None:
+    """The timeout `group`'s collectives run under (None: the default group's, the job's ``--timeout``).
+
+    Groups a library creates with ``new_group`` get torch's default of 30 minutes unless told otherwise; passing
+    this value makes every subgroup fail as soon as the job's own groups do. None when it cannot be read."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessGroup
+from ddpkit.distributed.env import ProcessGroup, job_timeout
 
 
 @dataclass
@@ -56,18 +56,21 @@ def make_node_groups(
     """Creates (or adopts the given) intra-node and inter-node groups; a collective over the default group.
 
     torch requires every rank to create every group, in the same order: all node groups first, then the group
-    of node masters. Groups passed in are used as they are and not created.
+    of node masters. Groups passed in are used as they are and not created. The groups created here inherit the
+    default group's timeout (the job's ``--timeout``), so a rank that stops answering fails them as soon as it
+    fails the default group, not after torch's 30-minute default.
     """
     check_nprocs_per_node(nprocs_per_node, world_size)
     num_nodes = world_size // nprocs_per_node
     node, local_rank = divmod(rank, nprocs_per_node)
+    timeout = job_timeout()
     if local is None:
         for k in range(num_nodes):
-            group = dist.new_group(list(range(k * nprocs_per_node, (k + 1) * nprocs_per_node)))
+            group = dist.new_group(list(range(k * nprocs_per_node, (k + 1) * nprocs_per_node)), timeout=timeout)
             if k == node:
                 local = group
     if master is None:
-        group = dist.new_group([k * nprocs_per_node for k in range(num_nodes)])
+        group = dist.new_group([k * nprocs_per_node for k in range(num_nodes)], timeout=timeout)
         master = group if local_rank == 0 else None
     return NodeGroups(
         nprocs_per_node=nprocs_per_node,

@@ -6,10 +6,12 @@ import errno
 import gc
 import os
 import random
+import re
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,10 +50,12 @@ def from_torchrun() -> Placement | None:
     )
 
 
-def pick_backend(requested: str) -> str:
-    """``auto``: NCCL when CUDA is present, else gloo."""
+def pick_backend(requested: str, local_processes: int = 1, device: str = "auto") -> str:
+    """``auto``: NCCL when CUDA is present with a GPU for each of the `local_processes` (NCCL refuses two ranks on
+    one GPU) and `device` is not ``"cpu"``, else gloo."""
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "nccl" if device != "cpu" and gpus >= local_processes else "gloo"
     return requested
 
 
@@ -200,44 +204,143 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+def debug_mode() -> bool:
+    """Whether DDPKIT_DEBUG asks for tracebacks and torch's C++ stack traces (``ddpkit train --debug`` sets it)."""
+    return os.environ.get("DDPKIT_DEBUG", "") not in ("", "0")
+
+
+def quiet_torch_errors() -> None:
+    """Outside debug mode, torch's errors carry no C++ stack trace and its C++ logging shows errors only, so that
+    ddpkit's one-line cause is not buried; set before the ranks import torch (they inherit the environment)."""
+    if not debug_mode():
+        os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 STOP_GRACE_SECONDS = 3.0
 """After one local process fails, how long the others get to end by themselves, then to end on SIGTERM, before
 SIGKILL (torch's default is 30 s each, far past --timeout for a rank that hangs or was stopped)."""
+
+
+class Terminated(Exception):
+    """The launcher received SIGTERM (or SIGHUP); its processes were stopped."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signal.Signals(signum).name)
 
 
 def spawn(worker: Callable[..., Any], nprocs: int, args: tuple) -> None:
     """Runs ``worker(local_rank, *args)`` in `nprocs` spawned processes and waits for all of them.
 
     If one fails, the others are stopped (within 2 x `STOP_GRACE_SECONDS`) and a LaunchError names it; Ctrl-C
-    stops every local process.
+    stops every local process, and so does SIGTERM or SIGHUP (what `kill`, `timeout` and schedulers send), after
+    which this process exits with 128 + the signal's number. Should this process be killed outright (SIGKILL),
+    each rank notices its parent is gone and ends (`guard_rank`). Shared-memory files a killed rank left behind
+    are removed once every rank has ended.
     """
-    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    quiet_torch_errors()
+    from ddpkit.distributed.shared_memory import sweep_stale
+
+    sweep_stale(min_age=0)  # what an earlier job on this host left when it was killed
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    processes: list[Any] = []
     try:
-        while not context.join(grace_period=STOP_GRACE_SECONDS):
-            pass
+        context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+        processes = list(context.processes)
+        failed = _wait_for_first_failure(processes)
+        if failed is not None:
+            _stop(processes, grace=STOP_GRACE_SECONDS)  # the others end by themselves once they notice, or are ended
+            raise LaunchError(_describe_exit(failed, processes[failed], context.error_files[failed]))
     except KeyboardInterrupt:
-        _stop(context.processes)
+        _stop(processes)
         raise
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-        _stop(context.processes)
-        raise LaunchError(_describe_failure(exc)) from None
+    except Terminated as exc:
+        _stop(processes)
+        signum = signal.Signals[str(exc)]
+        print(f"ddpkit: {signum.name} received; stopped every local process", file=sys.stderr, flush=True)
+        sys.exit(128 + int(signum))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sweep_stale(min_age=0)
 
 
-def _stop(processes: list[Any]) -> None:
+def _wait_for_first_failure(processes: list[Any]) -> int | None:
+    """Waits until every process ended successfully (None) or one failed (its index)."""
+    from multiprocessing.connection import wait
+
+    pending = {p.sentinel: i for i, p in enumerate(processes)}
+    while pending:
+        for sentinel in wait(list(pending)):
+            index = pending.pop(sentinel)
+            processes[index].join()
+            if processes[index].exitcode != 0:
+                return index
+    return None
+
+
+def _stop(processes: list[Any], grace: float = 0.0) -> None:
+    """Gives running processes `grace` seconds to end, then SIGTERM (and SIGCONT, so that a stopped one acts on
+    it) and `STOP_GRACE_SECONDS` more, then SIGKILL."""
+    deadline = time.monotonic() + grace
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in processes:
         if p.is_alive():
             p.terminate()
+            _signal(p.pid, signal.SIGCONT)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
     for p in processes:
-        p.join(timeout=STOP_GRACE_SECONDS)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            _signal(p.pid, signal.SIGKILL)
+            p.join(timeout=STOP_GRACE_SECONDS)
 
 
-def _describe_failure(exc: Exception) -> str:
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _describe_exit(index: int, process: Any, error_file: str) -> str:
+    """One line saying how local process `index` ended (with its traceback, if it left one, in debug mode)."""
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"terminated with signal {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"terminated with signal {-code}"
+    else:
+        how = f"terminated with exit code {code}"
+    if debug_mode() and os.access(error_file, os.R_OK):
+        import pickle
+
+        with open(error_file, "rb") as f:
+            print(pickle.load(f), file=sys.stderr, flush=True)
+    return f"local process {index} failed: process {index} {how}"
+
+
+_SOURCE_PREFIX = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*|Got the following error when running the callback: ")
+_PEER_GONE = re.compile(r"closed by peer|Connection reset|Broken pipe|ECONNRESET|EPIPE|remote worker|Socket closed")
+
+
+def explain_failure(exc: BaseException, timeout: float) -> str:
+    """One line: the exception's type and first line without torch's source location, and what it means when a
+    collective failed because a peer stopped answering or vanished."""
     text = str(exc).strip()
-    last = text.splitlines()[-1] if text else type(exc).__name__
-    index = getattr(exc, "error_index", "?")
-    return f"local process {index} failed: {last}"
+    first = _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else ""
+    first = re.sub(r"\s*GLHF!.*$|\s*This is typically caused by.*$", "", first)
+    name = type(exc).__name__
+    first = first.removeprefix(f"{name}: ")
+    cause = f"{name}: {first}" if first else name
+    if re.search(r"[Tt]imed? ?out", first):
+        return f"{cause} (a peer rank did not answer within --timeout {timeout:g} s: stopped, hung or unreachable)"
+    if _PEER_GONE.search(first):
+        return f"{cause} (a peer rank ended: killed, crashed or its machine is gone)"
+    return cause
 
 
 def report_and_exit(exc: BaseException) -> None:

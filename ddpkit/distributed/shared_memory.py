@@ -8,11 +8,14 @@ barrier, one memcpy out of a shared segment and a second barrier.
 A *segment* is a file in ``/dev/shm`` that one rank (its writer) creates and writes, and the ranks that read it
 map (``torch.from_file(..., shared=True)``). Once all have mapped it the file is unlinked: the mappings live on
 and nothing is left behind when the processes end. A rank killed in the few milliseconds between the creation and
-the unlinking leaves its file behind; its name carries the writer's pid namespace and pid, and a later job on the
-host that uses shared memory removes such files once their writer is gone and they are over a minute old
-(`sweep_stale`). Two users: OSS's parameter messages (`ddpkit.optim.param_messages`: one writer, every other rank
-reads) and ShardedDataParallel's gradient reduce (`ddpkit.distributed.mailboxes`: every sender writes, the owner
-reads). Segments are used only when
+the unlinking leaves its file behind; its name carries the writer's pid namespace and pid. A process that ends
+any other way (an exception, a peer that failed, SIGTERM) unlinks the files it created and did not yet remove
+(`remove_own_files`, run at exit and by ``ddpkit train``'s signal handling). What a killed process left is
+removed by the launcher of its job once the job ended, and by any later ``ddpkit train`` job on the host whatever
+its strategy (``sweep_stale(min_age=0)``: the writer is gone); a job that uses shared memory also sweeps files
+over a minute old whose writer is gone. Two users: OSS's parameter messages (`ddpkit.optim.param_messages`: one
+writer, every other rank reads) and ShardedDataParallel's gradient reduce (`ddpkit.distributed.mailboxes`: every
+sender writes, the owner reads). Segments are used only when
 
 * every rank of the group runs on one host: same boot, hostname, and network, mount and pid namespace (so ranks
   in different network namespaces, the way the multi-host tests simulate hosts, count as different hosts);
@@ -25,6 +28,7 @@ and on the wire only the 1-byte signals that go with it (barriers count 0, like 
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import socket
@@ -44,6 +48,24 @@ SHM_DIR = "/dev/shm"
 STALE_AFTER_SECONDS = 60.0
 """A segment file is unlinked milliseconds after its creation; one this old whose writer is gone is litter."""
 _SEGMENT_FILE = re.compile(r"ddpkit-[0-9a-f]{32}-(\d+)-(\d+)-.+")  # token, pid namespace, pid, name
+_OWN_FILES: set[str] = set()  # segment files this process created and has not seen unlinked yet
+
+
+def remove_own_files() -> list[str]:
+    """Unlinks every segment file this process created that is still there (mappings stay valid); returns their
+    paths. Safe from a signal handler's thread and at exit; never raises."""
+    removed = []
+    for path in list(_OWN_FILES):
+        _OWN_FILES.discard(path)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+atexit.register(remove_own_files)
 
 
 def enabled_by_environment() -> bool:
@@ -107,9 +129,9 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
-def sweep_stale(directory: str = SHM_DIR, now: float | None = None) -> list[str]:
+def sweep_stale(directory: str = SHM_DIR, now: float | None = None, min_age: float = STALE_AFTER_SECONDS) -> list[str]:
     """Removes ddpkit segment files left by killed processes and returns their names. A file goes when its writer
-    was in this pid namespace and is gone, and the file is older than `STALE_AFTER_SECONDS`. Never raises: it runs
+    was in this pid namespace and is gone, and the file is older than `min_age` seconds. Never raises: it runs
     just before a collective, and a file it cannot judge is left alone."""
     now = time.time() if now is None else now
     ours, removed = pid_namespace(), []
@@ -123,7 +145,7 @@ def sweep_stale(directory: str = SHM_DIR, now: float | None = None) -> list[str]
             continue
         path = os.path.join(directory, name)
         try:
-            if now - os.stat(path).st_mtime > STALE_AFTER_SECONDS and _process_gone(int(match.group(2))):
+            if now - os.stat(path).st_mtime >= min_age and _process_gone(int(match.group(2))):
                 os.unlink(path)
                 removed.append(name)
         except (OSError, OverflowError, ValueError):  # removed meanwhile, not ours to remove, or a pid no kernel has
@@ -164,7 +186,9 @@ class SharedSegments:
 
     def create(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new segment of `numel` elements, written by this rank; `remove` it once every reader mapped it."""
-        return torch.from_file(self._path(name, self.rank), shared=True, size=numel, dtype=dtype)
+        path = self._path(name, self.rank)
+        _OWN_FILES.add(path)
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
     def attach(self, name: str, writer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Maps the segment group rank `writer` created (before this rank learnt of it: after a barrier or a
@@ -179,7 +203,9 @@ class SharedSegments:
 
     def remove(self, name: str, writer: int) -> None:
         """Unlinks a segment's file: processes that mapped it keep it, none can map it any more."""
+        path = self._path(name, writer)
+        _OWN_FILES.discard(path)
         try:
-            os.unlink(self._path(name, writer))
+            os.unlink(path)
         except FileNotFoundError:
             pass

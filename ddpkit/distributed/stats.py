@@ -18,6 +18,8 @@ reduce_scatter  this rank's full input                 ``(N-1)/N B``
 gather          this rank's input                      ``B`` on non-roots, 0 on the root
 barrier         nothing                                0
 shared_memory   a copy out of another rank's segment   0 (same host, no wire; see shared_memory.py)
+cpu_staging     a copy of a CUDA tensor to or from     0 (gloo only; see comm.py)
+                host memory
 =============== ====================================== ==================================
 
 Summed over the ranks, a reduce to the owner plus a broadcast from the owner sends exactly what one all-reduce of
@@ -53,7 +55,7 @@ class CollectiveCount:
 def wire_bytes(kind: str, payload_bytes: int, world_size: int, is_root: bool = False) -> float:
     """Bytes one rank sends for a collective of `kind` under the bandwidth-optimal algorithm (see module doc)."""
     n = world_size
-    if n <= 1 or kind in ("barrier", "shared_memory"):
+    if n <= 1 or kind in ("barrier", "shared_memory", "cpu_staging"):
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n * payload_bytes

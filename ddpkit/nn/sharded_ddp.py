@@ -12,11 +12,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.distributed import comm, shared_memory
+from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
 from ddpkit.distributed.mailboxes import MailboxReduce
 from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.nn.wrapper import ModuleWrapper
+from ddpkit.optim.adascale import AdaScale
 from ddpkit.optim.oss import OSS
 
 
@@ -61,7 +63,7 @@ class ShardedDataParallel(ModuleWrapper):
     def __init__(
         self,
         module: nn.Module,
-        sharded_optimizer: OSS | list[OSS],
+        sharded_optimizer: OSS | AdaScale | list[OSS | AdaScale],
         process_group: ProcessGroup | None = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
@@ -84,6 +86,7 @@ class ShardedDataParallel(ModuleWrapper):
             )
         _check_one_device_type(module)
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
+        check_parameters_agree(module, self.process_group, what="ShardedDataParallel")  # before shared memory is agreed
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size
@@ -251,21 +254,48 @@ class ShardedDataParallel(ModuleWrapper):
         finally:
             self._grad_sync_enabled = previous
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the module's gradients (to None by default, like torch)."""
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Clears the module's gradients: zeroes them in place by default (fairscale's default), or sets them to
+        None. Either way the next backward gives each owner exactly DDP's averaged gradient."""
         self.module.zero_grad(set_to_none=set_to_none)
+
+    def to(  # type: ignore[override]
+        self,
+        device: torch.device | str | torch.dtype | None,
+        dtype: torch.dtype | None = None,
+        non_blocking: bool = False,
+    ) -> ShardedDataParallel:
+        """Casts the module's floating-point parameters and buffers to `dtype` and/or moves them to `device` of
+        the same device type (another type would strand OSS's state: a ValueError), then rebuilds the gradient
+        buckets. A dtype given first (``sdp.to(torch.float64)``) is taken as `dtype`."""
+        if isinstance(device, torch.dtype):
+            device, dtype = None, device if dtype is None else dtype
+        target = torch.device(device) if device is not None else None
+        current = {p.device.type for p in self.module.parameters()}
+        if target is not None and current and current != {target.type}:
+            raise ValueError(
+                f"ShardedDataParallel.to: the parameters are on {', '.join(sorted(current))} and the optimizer state "
+                f"follows them; moving to {target.type} is not supported (build the model on that device first)"
+            )
+        self.module.to(device=target, dtype=dtype, non_blocking=non_blocking)
+        self.refresh_trainable()
+        return self
 
 
 ShardedDDP = ShardedDataParallel
 
 
-def _check_optimizers(sharded_optimizer: OSS | list[OSS]) -> list[OSS]:
-    optimizers = [sharded_optimizer] if not isinstance(sharded_optimizer, list | tuple) else list(sharded_optimizer)
-    for optimizer in optimizers:
+def _check_optimizers(sharded_optimizer: OSS | AdaScale | list[OSS | AdaScale]) -> list[OSS]:
+    """The OSS optimizers (an `AdaScale` wrapping an OSS stands for that OSS)."""
+    given = [sharded_optimizer] if not isinstance(sharded_optimizer, list | tuple) else list(sharded_optimizer)
+    optimizers = [o.optimizer if isinstance(o, AdaScale) else o for o in given]
+    for optimizer, original in zip(optimizers, given, strict=True):
         if not isinstance(optimizer, OSS):
+            what = type(optimizer).__name__
+            what = f"AdaScale wrapping {what}" if original is not optimizer else what
             raise TypeError(
-                "ShardedDataParallel: sharded_optimizer must be a ddpkit.optim.OSS or a list of them, got "
-                f"{type(optimizer).__name__}; wrap your optimizer: "
+                "ShardedDataParallel: sharded_optimizer must be a ddpkit.optim.OSS (or an AdaScale wrapping one) or "
+                f"a list of them, got {what}; wrap your optimizer: "
                 "OSS(model.parameters(), optim=torch.optim.Adam, lr=...)"
             )
     if not optimizers:

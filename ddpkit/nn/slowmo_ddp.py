@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.distributed import comm
+from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced, flatten, unflatten_into
 from ddpkit.distributed.env import ProcessGroup, require_initialized
 from ddpkit.distributed.groups import check_nprocs_per_node, make_node_groups
@@ -133,6 +135,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.comm_device = comm_device
         self.verbose = verbose
         self.num_updates = 0
+        agreed = _agreed_settings(self, slowmo_num_shards)  # one 8-byte all-gather, before any group is made
+        check_parameters_agree(module, global_group, "SlowMoDistributedDataParallel", agreed)
         self.groups = make_node_groups(
             nprocs_per_node, self.process_rank, self.process_world_size, global_group, local_node_group, master_group
         )
@@ -175,14 +179,56 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 
     # -- after the base optimizer's step ----------------------------------------------------------------------
 
+    # -- fairscale's attributes ---------------------------------------------------------------------------------
+
+    @property
+    def process_group(self) -> ProcessGroup | None:
+        """The group of all ranks (fairscale's name for `global_group`)."""
+        return self.global_group
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index inside its node."""
+        return self.process_rank % self.nprocs_per_node
+
+    @property
+    def localsgd(self) -> bool:
+        """Whether the base algorithm is local SGD (always: SGP is not implemented)."""
+        return True
+
+    @property
+    def sgp(self) -> bool:
+        return False
+
+    @property
+    def slowmo_num_shards(self) -> int:
+        """Over how many ranks the slow buffers are split (1: every rank keeps them whole)."""
+        return self.num_shards if self.num_shards is not None else 1
+
+    @property
+    def is_current_node_a_slowmo_shard(self) -> bool:
+        """Whether this rank keeps (a slice of) the slow buffers."""
+        return self.num_shards is None or self.process_rank < self.num_shards
+
+    def train(self, mode: bool = True) -> SlowMoDistributedDataParallel:
+        super().train(mode)
+        if self._node_ddp is not None:
+            self._node_ddp.train(mode)  # not a registered submodule: follows by hand
+        return self
+
     @torch.no_grad()
-    def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params: list[torch.Tensor] | None = None) -> None:
+    def perform_slowmo(
+        self,
+        optimizer: torch.optim.Optimizer,
+        fp32_params: torch.Tensor | list[torch.Tensor] | dict[Any, torch.Tensor] | None = None,
+    ) -> None:
         """Call after every ``optimizer.step()``: averages between nodes and applies slow momentum when due.
 
-        `fp32_params`: the fp32 master copy when the module trains in fp16/bf16; it is averaged and stepped, then
-        copied into the module's parameters.
+        `fp32_params`: the fp32 master copy when the module trains in fp16/bf16, as fairscale takes it: one flat
+        tensor covering the module's parameters in order, a list of tensors, or a dict holding one flat tensor. It
+        is averaged and stepped, then copied into the module's parameters.
         """
-        params = list(fp32_params) if fp32_params is not None else list(self.module.parameters())
+        params = _master_params(fp32_params) if fp32_params is not None else list(self.module.parameters())
         self._check_step_inputs(optimizer, params, fp32_params is not None)
         self.num_updates += 1
         slow_step = self.slowmo and self.num_updates % self.slowmo_frequency == 0
@@ -237,6 +283,12 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
                 f"perform_slowmo: SlowMo averages fp32 parameters, got {', '.join(wrong)}; train with an fp32 master "
                 "copy and pass it as perform_slowmo(optimizer, fp32_params=master_params)"
             )
+        expected = sum(p.numel() for p in self.module.parameters())
+        if master and sum(p.numel() for p in params) != expected:
+            raise ValueError(
+                f"perform_slowmo: fp32_params hold {sum(p.numel() for p in params)} elements, the module's parameters "
+                f"{expected}"
+            )
         held = {p for group in optimizer.param_groups for p in group["params"]}
         missing = sum(p not in held for p in params)
         if missing:
@@ -248,6 +300,53 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self._checked_optimizers.add(id(optimizer))
 
     # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """What `state_dict()` carries besides the module's tensors (key ``_extra_state``): `num_updates` and this
+        rank's slow buffers (x0, u: all of them, or its slice when sharded). Not a collective."""
+        state: dict[str, Any] = {"num_updates": self.num_updates, "slow": None}
+        buffers = self.slow_buffers
+        if buffers is not None and buffers.x0 is not None and buffers.u is not None:
+            bounds = self._my_bounds()
+            state["slow"] = {"bounds": bounds, "numel": buffers.numel, "x0": buffers.x0.clone(), "u": buffers.u.clone()}
+        return state
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Restores what `get_extra_state` saved. Slow buffers load from this rank's own slice or from whole ones
+        (a run without sharding, or `slowmo_state_dict`); another rank's slice is an error."""
+        self.num_updates = int(state["num_updates"])
+        slow, buffers = state.get("slow"), self.slow_buffers
+        if slow is None or buffers is None or buffers.x0 is None or buffers.u is None:
+            return
+        start, end = self._my_bounds()
+        saved_start, saved_end = slow["bounds"]
+        if slow["numel"] != buffers.numel or not saved_start <= start <= end <= saved_end:
+            raise ValueError(
+                f"SlowMoDistributedDataParallel.load_state_dict: the checkpoint holds slow buffers [{saved_start}, "
+                f"{saved_end}) of {slow['numel']} elements, this rank keeps [{start}, {end}) of {buffers.numel}; with "
+                "sharded slow buffers load each rank's own state_dict(), or save slowmo_state_dict() (all of them)"
+            )
+        buffers.x0.copy_(slow["x0"][start - saved_start : end - saved_start])
+        buffers.u.copy_(slow["u"][start - saved_start : end - saved_start])
+
+    def _my_bounds(self) -> tuple[int, int]:
+        buffers = self.slow_buffers
+        assert buffers is not None
+        return (0, buffers.numel) if self.num_shards is None else buffers.bounds[self.process_rank]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """torch's, also accepting a state dict without ``_extra_state`` (fairscale's, or saved before it existed):
+        the counters and slow buffers then stay as they are."""
+        if "_extra_state" in state_dict:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if k != "_extra_state"]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, unexpected keys "
+                f"{result.unexpected_keys}"
+            )
+        return type(result)(missing, result.unexpected_keys)
 
     def slowmo_state_dict(self) -> dict[str, Any]:
         """The counters and the whole slow buffers (x0, u), on every rank. A collective when they are sharded."""
@@ -276,6 +375,14 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 SlowMoDDP = SlowMoDistributedDataParallel
 
 
+def _master_params(fp32_params: torch.Tensor | list[torch.Tensor] | dict[Any, torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(fp32_params, dict):
+        if len(fp32_params) != 1:
+            raise ValueError(f"perform_slowmo: a dict fp32_params must hold one flat tensor, got {len(fp32_params)}")
+        fp32_params = next(iter(fp32_params.values()))
+    return [fp32_params] if isinstance(fp32_params, torch.Tensor) else list(fp32_params)
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"SlowMoDistributedDataParallel: {name} must be an int >= 1, got {value!r}")
@@ -296,3 +403,12 @@ def _warn_sgp_only(**settings: Any) -> None:
             "implemented; they have no effect with LOCALSGD",
             stacklevel=3,
         )
+
+
+def _agreed_settings(model: SlowMoDistributedDataParallel, num_shards: int) -> dict[str, Any]:
+    """The settings every rank must share: ranks with other frequencies would pair collectives of different steps."""
+    names = ("nprocs_per_node", "process_world_size", "localsgd_frequency", "slowmo_frequency", "slowmo_momentum")
+    settings = {name: getattr(model, name) for name in names}
+    settings.update(slowmo_lr=model.slowmo_lr, slowmo_nesterov=model.rule.nesterov, slowmo_num_shards=num_shards)
+    settings.update(slowmo_memory_efficient=model.slowmo_memory_efficient, broadcast_buffers=model.broadcast_buffers)
+    return settings

@@ -1,6 +1,7 @@
 """Optimizers: `OSS` (optimizer state sharding, ZeRO-1) and `ShardedGradScaler`."""
 
-from ddpkit.optim.adascale import AdaScale, AdaScaleWrapper
+from ddpkit.optim.adascale import AdaScale
+from ddpkit.optim.adascale_wrapper import AdaScaleWrapper
 from ddpkit.optim.grad_scaler import ShardedGradScaler
 from ddpkit.optim.oss import OSS
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,16 +14,24 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from ddpkit.distributed import comm
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank
 from ddpkit.optim.adascale_checks import check_options, check_scale, is_int, resolve_world_size
-from ddpkit.optim.adascale_math import SmoothedEstimate, combined_gain, default_smoothing, gain, observe
+from ddpkit.optim.adascale_math import (
+    SmoothedEstimate,
+    combined_gain,
+    default_smoothing,
+    estimates_from_fairscale,
+    gain,
+    observe,
+)
 from ddpkit.optim.adascale_meter import MicroGradientMeter, square_norm
+from ddpkit.optim.adascale_wrapped import WrappedOptimizer, scaled_learning_rates
 from ddpkit.optim.oss import OSS
 
-__all__ = ["AdaScale", "AdaScaleWrapper"]
+__all__ = ["AdaScale"]
 
 _STATE_KEY = "adascale"
 
 
-class AdaScale(Optimizer):
+class AdaScale(WrappedOptimizer):
     """Wraps an SGD-like optimizer so that a batch S times larger keeps the single-worker learning-rate schedule.
 
     Algorithm (AdaScale SGD: Johnson, Agrawal, Gu, Guestrin, ICML 2020, arXiv:2007.05105): every update averages
@@ -46,23 +52,32 @@ class AdaScale(Optimizer):
     How the two norms are measured: a tensor hook on every trainable parameter sees each micro-gradient as it is
     produced, before it is accumulated into ``.grad`` and so before torch DDP or ShardedDataParallel average it
     (also under ``no_sync()``); its squared norm is added to a per-group sum (times ``n^2`` for n accumulated
-    micro-batches when ``is_scaled_loss``: the loss was divided by n). ``||mean_i g_i||^2`` is read from the
-    averaged ``.grad`` at `step()`. Each parameter's averaged gradient is counted once: by its owner when the
-    wrapped optimizer is an `OSS` (with ShardedDataParallel only owners keep gradients), otherwise every rank holds
-    the whole averaged gradient (DDP) and the sum over ranks is divided by the world size.
+    micro-batches when ``is_scaled_loss``: the loss was divided by n). At the end of the n-th backward pass of an
+    update (after DDP's or ShardedDataParallel's reduction, in an autograd callback) ``||mean_i g_i||^2`` is read
+    from the averaged ``.grad`` (divided by ``n^2`` when not ``is_scaled_loss``: ``.grad`` then holds the sum) and
+    the estimates are updated, so `gain()` read between that backward and `step()` is the gain `step()` uses.
+    Each parameter's averaged gradient is counted once: by its owner when the wrapped optimizer is an `OSS` (with
+    ShardedDataParallel only owners keep gradients), otherwise every rank holds the whole averaged gradient (DDP)
+    and the sum over ranks is divided by the world size.
 
-    Communication: one all-reduce per `step()` of ``2 x number of parameter groups`` float64 values (each rank's
-    micro-gradient square norms and its share of the averaged gradient's square norm), through
-    `ddpkit.distributed.comm` on ``comm_device(group)``; nothing when the world size is 1. The group is
-    `process_group`, else the wrapped OSS's group, else the default group.
+    Communication: one all-reduce per update, at the end of its last backward pass (every rank passes there), of
+    ``2 x number of parameter groups`` float64 values (each rank's micro-gradient square norms and its share of the
+    averaged gradient's square norm), through `ddpkit.distributed.comm` on ``comm_device(group)``; nothing when the
+    world size is 1. `gain()` never communicates. The group is `process_group`, else the wrapped OSS's group, else
+    the default group. A rank that hooks no parameter at all (an `AdaScaleWrapper` inside `OSS` owning nothing
+    trainable) takes part in that all-reduce from `step()`, which is the next collective of the other ranks.
 
     Memory: a few Python floats per parameter group and one float64 scalar per group accumulating the
     micro-gradient norms; norms are dot products over the gradients as they are (a transient float32 copy only for
     half-precision or non-contiguous gradients). No gradient or parameter is kept or copied.
 
-    Not accounted for: a loss scale (mixed-precision ``GradScaler``: the micro-gradients carry it, the unscaled
-    ``.grad`` does not) and gradient clipping before `step()` (it changes the averaged gradient, not the measured
-    micro-gradients); both bias the estimates. An update whose norms are not finite leaves the estimates unchanged.
+    Mixed precision and clipping: both norms are taken before ``GradScaler.unscale_`` and before any clipping, so a
+    loss scale s multiplies sigma2 and mu2 alike by s^2 (`estimates()` carry it; the gain does not depend on it
+    while it stays constant) and clipping does not change them. An update whose norms are not finite (an
+    overflow) leaves the estimates unchanged. Gradients averaged only after the last backward (every pass under
+    ``no_sync()`` then ``ShardedDataParallel.reduce()``, or a hand-written all-reduce) are read before that
+    averaging, so the estimate sees this rank's sum instead (fairscale has the same limit): let the last backward
+    synchronise.
 
     Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale only sees the parameters that
     rank owns, so each parameter's spread is measured from its owner's micro-gradients only: the gain is still an
@@ -119,58 +134,21 @@ class AdaScale(Optimizer):
         self._rank = group_rank(group) if self._world_size > 1 else 0
         self._shards_gradients = isinstance(optimizer, OSS)
         self._num_grads_to_accum = num_gradients_to_accumulate
-        self._user_scale = None if scale is None else float(scale)
         self._scale = float(num_grads) if scale is None else float(scale)
-        self._user_smoothing = None if smoothing is None else float(smoothing)
         self._smoothing = default_smoothing(num_grads) if smoothing is None else float(smoothing)
         self._is_scaled_loss = is_scaled_loss
         self._debias_ewma = debias_ewma
         self._estimates: list[SmoothedEstimate] = []
         self._scale_invariant_steps = 0.0
         self._updates = 0
-        self._meter = MicroGradientMeter(self._micro_factor)
+        self._backward_passes = 0  # of the current update, measured so far
+        self._measured = False  # the current update's estimates were taken
+        self._warned_partial = False
+        self._meter = MicroGradientMeter(self._micro_factor, self._on_backward_end)
         self._grads_divided = False
         self._init_optimizer_base()
         self._sync_groups()
         self._meter.watch(self.param_groups)
-
-    def _init_optimizer_base(self) -> None:
-        """What torch.optim.Optimizer.__init__ sets up besides groups and state (hook registries, step profiling),
-        so that torch's LR schedulers and step hooks accept this wrapper; groups and state are the wrapped one's."""
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._patch_step_function()
-
-    # -- what is shared with the wrapped optimizer ---------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The wrapped optimizer's groups (the same list): LR schedulers write the base learning rate here."""
-        return self._optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self._optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizer.defaults
-
-    @property
-    def optimizer(self) -> Optimizer:
-        """The wrapped optimizer."""
-        return self._optimizer
-
-    def __getattr__(self, name: str) -> Any:
-        # Public attributes of the wrapped optimizer (e.g. OSS's consolidate_state_dict, clip_grad_norm).
-        wrapped = self.__dict__.get("_optimizer")
-        if wrapped is None or name.startswith("_"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(wrapped, name)
 
     def __repr__(self) -> str:
         return (
@@ -205,28 +183,22 @@ class AdaScale(Optimizer):
         return self._scale_invariant_steps
 
     def set_scale(self, scale: float, update_estimate: bool = True) -> None:
-        """Declares that each update now averages `scale` base batches (from the next `step()` on).
+        """Declares that each update now averages `scale` base batches (the gain and the next updates use it).
 
-        With ``update_estimate=True`` (recommended) the variance estimate, which is kept per base batch, stays as
-        it is, so the gain immediately reflects the new scale: use this when the batch per update changed (e.g.
-        each micro-batch got larger). With False, past measurements are reinterpreted as if they had been taken
-        at the new scale (the variance estimate is multiplied by ``scale / old scale``): use it only when the old
-        scale was declared wrongly and the batch did not change. The scale no longer follows
-        `set_num_gradients_to_accumulate` afterwards.
+        With ``update_estimate=True`` (fairscale's default and meaning) the smoothed variance estimate is multiplied
+        by ``old scale / scale``; with False it is kept as it is. Call it between updates.
         """
         check_scale(scale, "set_scale")
-        if not update_estimate:
+        self._check_between_updates("set_scale")
+        if update_estimate:
             for estimate in self._estimates:
-                estimate.rescale_sigma2(float(scale) / self._scale)
+                estimate.rescale_sigma2(self._scale / float(scale))
         self._scale = float(scale)
-        self._user_scale = float(scale)
 
     def set_num_gradients_to_accumulate(self, num_gradients_to_accumulate: int, update_smoothing: bool = True) -> None:
-        """Changes how many micro-batches each rank accumulates per update (call it between updates).
-
-        If no `scale` was given (to the constructor or `set_scale`), the scale follows: ``world_size x n``; the
-        estimates are kept (they are per base batch). With `update_smoothing`, a smoothing that was not given to
-        the constructor is recomputed for the new S; a given smoothing is always kept.
+        """Changes how many micro-batches (backward passes) each rank accumulates per update; call it between
+        updates. The scale stays (call `set_scale` too when the batch per update changed); with `update_smoothing`
+        the smoothing becomes the default for ``S = world_size x n``, ``max(1 - S / 1000, 0)``.
         """
         n = num_gradients_to_accumulate
         if not is_int(n) or n < 1:
@@ -236,22 +208,24 @@ class AdaScale(Optimizer):
                 "set_num_gradients_to_accumulate: a single worker needs num_gradients_to_accumulate >= 2 "
                 f"(there is no spread of gradients to measure otherwise), got {n}"
             )
-        if self._meter.pending:
+        self._check_between_updates("set_num_gradients_to_accumulate")
+        self._num_grads_to_accum = n
+        if update_smoothing:
+            self._smoothing = default_smoothing(self._world_size * n)
+
+    def _check_between_updates(self, where: str) -> None:
+        if self._meter.pending or self._backward_passes:
             raise RuntimeError(
-                "set_num_gradients_to_accumulate: micro-gradients of the current update were already measured; "
+                f"{where}: micro-gradients of the current update were already measured; "
                 "call it between updates (after step() or zero_grad())"
             )
-        self._num_grads_to_accum = n
-        if self._user_scale is None:
-            self._scale = float(self._world_size * n)
-        if update_smoothing and self._user_smoothing is None:
-            self._smoothing = default_smoothing(self._world_size * n)
 
     # -- estimates -----------------------------------------------------------------------------------------------
 
     def gain(self, pg_idx: int | None = None) -> float:
         """The gain at the current scale: of parameter group `pg_idx`, or of the whole model (None), from the
-        sums of the groups' estimates. 1 before the first update."""
+        sums of the groups' estimates. After the last backward pass of an update it already includes that update's
+        gradients (it is the gain `step()` uses); 1 before the first measurement. Never communicates."""
         if pg_idx is None:
             return combined_gain(self._estimates, self._scale)
         estimate = self._estimates[pg_idx]
@@ -268,6 +242,24 @@ class AdaScale(Optimizer):
         """Each micro-batch loss was divided by n when ``is_scaled_loss``: its gradient's squared norm times n^2."""
         n = self._num_grads_to_accum
         return float(n * n) if self._is_scaled_loss else 1.0
+
+    def _on_backward_end(self) -> None:
+        """End of a backward pass that produced gradients: after the update's n-th, take its estimates."""
+        self._backward_passes += 1
+        if self._backward_passes >= self._num_grads_to_accum:
+            self._measure()
+
+    def _measure(self) -> None:
+        """The update's estimates from its micro-gradient norms and averaged gradients (one small all-reduce)."""
+        self._sync_groups()
+        sum_sq, mean_sq = self._reduce_norms()
+        if not self._is_scaled_loss:
+            n2 = float(self._num_grads_to_accum**2)  # .grad holds the sum of the n micro-gradients, not their mean
+            mean_sq = [v / n2 for v in mean_sq]
+        self._update_estimates(sum_sq, mean_sq)
+        self._meter.clear()
+        self._backward_passes = 0
+        self._measured = True
 
     def unhook(self) -> None:
         """Removes the gradient hooks (e.g. when training is over); `step()` is an error afterwards."""
@@ -290,8 +282,10 @@ class AdaScale(Optimizer):
         self._grads_divided = True
 
     def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
-        """Updates the estimates (one small all-reduce), then steps the wrapped optimizer with each group's
-        learning rate multiplied by its gain, restored afterwards. A collective: call it on every rank.
+        """Steps the wrapped optimizer with each group's learning rate multiplied by its gain (taken at the end of
+        the update's last backward pass), restored afterwards. After fewer backward passes than
+        `num_gradients_to_accumulate` (an epoch's last, shorter accumulation) the current gain is used and the
+        estimates are left as they are (a warning says so once).
 
         A `closure` is evaluated once first (with gradients enabled) and its loss returned; other arguments go to
         the wrapped optimizer's `step`.
@@ -301,11 +295,10 @@ class AdaScale(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_can_step()
-        self._sync_groups()
-        sum_sq, mean_sq = self._reduce_norms()
-        self._update_estimates(sum_sq, mean_sq)
+        if not self._measured and self._world_size > 1 and not self._meter.watching:
+            self._measure()  # nothing hooked here: the other ranks' all-reduce at their last backward needs this one
         gains = [self.gain(i) for i in range(len(self.param_groups))]
-        with _scaled_learning_rates(self.param_groups, gains):
+        with scaled_learning_rates(self.param_groups, gains):
             self._optimizer.step(*args, **kwargs)
         self._scale_invariant_steps += self.gain()
         self._updates += 1
@@ -315,7 +308,15 @@ class AdaScale(Optimizer):
     def _check_can_step(self) -> None:
         if self._meter.closed:
             raise RuntimeError("AdaScale.step: unhook() was called, so no gradient is measured any more")
-        if not self._is_scaled_loss and self._num_grads_to_accum > 1 and not self._grads_divided:
+        if self._backward_passes and not self._warned_partial:
+            self._warned_partial = True
+            warnings.warn(
+                f"AdaScale.step: {self._backward_passes} backward pass(es) in this update but "
+                f"num_gradients_to_accumulate={self._num_grads_to_accum} (e.g. an epoch's last, shorter "
+                "accumulation): stepping with the current gain, the estimates stay as they are",
+                stacklevel=3,
+            )
+        if self._measured and not self._is_scaled_loss and self._num_grads_to_accum > 1 and not self._grads_divided:
             raise RuntimeError(
                 "AdaScale.step: is_scaled_loss=False and gradients are accumulated, so call "
                 "scale_grad_by_num_grads_to_accum() after the last backward and before step()"
@@ -335,9 +336,10 @@ class AdaScale(Optimizer):
         norms = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
         self._meter.totals_into(norms)
         for i, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.requires_grad and p.grad is not None and self._counts_average(p):
-                    norms[n_groups + i] += square_norm(p.grad).to(device)
+            params = [p for p in group["params"] if p.requires_grad and p.grad is not None]
+            grads = [p.grad for p in params if self._counts_average(p)]
+            if grads:  # summed where the gradients are, then moved once (a CUDA-to-host copy synchronises)
+                norms[n_groups + i] += torch.stack([square_norm(g).to(grads[0].device) for g in grads]).sum().to(device)
         if self._world_size > 1:
             comm.all_reduce(norms, self._group)
         values = norms.tolist()
@@ -355,6 +357,8 @@ class AdaScale(Optimizer):
 
     def _start_next_update(self) -> None:
         self._meter.clear()
+        self._backward_passes = 0
+        self._measured = False
         self._grads_divided = False
         self._meter.watch(self.param_groups)
 
@@ -363,9 +367,10 @@ class AdaScale(Optimizer):
         self._optimizer.zero_grad(set_to_none=set_to_none)
         self._start_next_update()
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, pg: dict[str, Any]) -> None:
         """Adds a group to the wrapped optimizer; it gets its own estimates and hooks."""
-        self._optimizer.add_param_group(param_group)
+        self._check_between_updates("add_param_group")
+        self._optimizer.add_param_group(pg)
         self._sync_groups()
         self._meter.watch(self.param_groups)
 
@@ -414,13 +419,15 @@ class AdaScale(Optimizer):
         }
         return saved
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, data: dict[str, Any]) -> None:
         """Loads the wrapped optimizer's state and AdaScale's estimates and counters.
 
         The scale, smoothing and accumulation count stay as configured here (the estimates are per base batch, so
-        a checkpoint resumes at another world size). A state dict without AdaScale's entry (e.g. from a plain
-        torch optimizer) leaves the estimates as they are.
+        a checkpoint resumes at another world size). A fairscale AdaScale's state dict loads too, estimates
+        included. A state dict without AdaScale's entry (e.g. from a plain torch optimizer) leaves the estimates as
+        they are.
         """
+        state_dict = data
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
         saved = state_dict.get(_STATE_KEY)
@@ -429,6 +436,14 @@ class AdaScale(Optimizer):
                 f"load_state_dict: the AdaScale state has {len(saved['estimates'])} parameter groups, this "
                 f"optimizer has {len(self.param_groups)}"
             )
+        inner_state = state_dict.get("state")
+        legacy = inner_state.get(_STATE_KEY) if isinstance(inner_state, dict) else None
+        if saved is None and isinstance(legacy, dict) and "grad_var_avg" in legacy:  # a fairscale AdaScale's
+            estimates = estimates_from_fairscale(legacy, len(self.param_groups), self._debias_ewma)
+            state_dict = {**state_dict, "state": {k: v for k, v in inner_state.items() if k != _STATE_KEY}}
+            self._optimizer.load_state_dict(state_dict)
+            self._estimates = estimates
+            return
         self._optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != _STATE_KEY})
         if saved is None:
             return
@@ -437,52 +452,3 @@ class AdaScale(Optimizer):
             estimate.load(values)
         self._scale_invariant_steps = float(saved["scale_invariant_steps"])
         self._updates = int(saved["updates"])
-
-
-class AdaScaleWrapper(AdaScale):
-    """`AdaScale` around ``optim_cls(params, **optim_args)``, built like a torch optimizer from parameters.
-
-    So it can be passed where an optimizer class is expected, e.g. ``OSS(params, optim=AdaScaleWrapper, lr=0.1)``
-    (see `AdaScale` for what that measures). Everything else is `AdaScale`'s.
-    """
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        world_size: int | None = None,
-        scale: float | None = None,
-        smoothing: float | None = None,
-        num_gradients_to_accumulate: int = 1,
-        debias_ewma: bool = True,
-        optim_cls: type[Optimizer] = torch.optim.SGD,
-        is_scaled_loss: bool = True,
-        **optim_args: Any,
-    ) -> None:
-        check_options(scale, smoothing, num_gradients_to_accumulate, is_scaled_loss, debias_ewma)
-        if not (inspect.isclass(optim_cls) and issubclass(optim_cls, Optimizer)):
-            raise TypeError(
-                f"AdaScaleWrapper: optim_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.SGD), "
-                f"got {optim_cls!r}"
-            )
-        super().__init__(
-            optim_cls(params, **optim_args),
-            world_size=world_size,
-            scale=scale,
-            smoothing=smoothing,
-            num_gradients_to_accumulate=num_gradients_to_accumulate,
-            is_scaled_loss=is_scaled_loss,
-            debias_ewma=debias_ewma,
-        )
-
-
-@contextlib.contextmanager
-def _scaled_learning_rates(param_groups: list[dict[str, Any]], gains: list[float]) -> Iterator[None]:
-    """Multiplies each group's ``lr`` by its gain inside the block and puts the original value back after it."""
-    original = [group["lr"] for group in param_groups]
-    for group, factor in zip(param_groups, gains, strict=True):
-        group["lr"] = group["lr"] * factor
-    try:
-        yield
-    finally:
-        for group, lr in zip(param_groups, original, strict=True):
-            group["lr"] = lr

@@ -106,3 +106,24 @@ def combined_gain(estimates: list[SmoothedEstimate], scale: float) -> float:
     if not any(e.count for e in estimates):
         return 1.0
     return gain(sum(e.sigma2 for e in estimates), sum(e.mu2 for e in estimates), scale)
+
+
+def estimates_from_fairscale(entry: dict[str, Any], num_groups: int, debias: bool) -> list[SmoothedEstimate]:
+    """The estimates held by a fairscale AdaScale checkpoint (its wrapped optimizer's ``state["adascale"]``: per
+    group ``grad_var_avg`` = sigma2 and ``grad_sqr_avg`` = mu2, with the debiasing weight ``grad_var_avg_unbias``
+    or the update count ``grad_var_avg_count``), continuing exactly as fairscale's moving averages would."""
+    sigma2, mu2 = [float(v) for v in entry["grad_var_avg"]], [float(v) for v in entry["grad_sqr_avg"]]
+    if len(sigma2) != num_groups or len(mu2) != num_groups:
+        raise ValueError(
+            f"load_state_dict: the fairscale AdaScale state has {len(sigma2)} parameter groups, this optimizer has "
+            f"{num_groups}"
+        )
+    out = []
+    for i in range(num_groups):
+        weight = float(entry["grad_var_avg_unbias"][i]) if "grad_var_avg_unbias" in entry else 0.0
+        count = int(entry["grad_var_avg_count"][0]) if "grad_var_avg_count" in entry else int(weight > 0.0)
+        if count == 0:  # never updated (fairscale starts mu2 at 1 there: the same gain of 1)
+            out.append(SmoothedEstimate(debias=debias))
+            continue
+        out.append(SmoothedEstimate(debias=debias, sigma2=sigma2[i], mu2=mu2[i], count=count, weight=weight))
+    return out

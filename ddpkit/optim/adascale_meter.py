@@ -1,4 +1,5 @@
-"""Measuring micro-gradients for AdaScale: the squared norm of every gradient contribution, before it is averaged."""
+"""Measuring micro-gradients for AdaScale: the squared norm of every gradient contribution, before it is averaged,
+and a call at the end of every backward pass that produced one."""
 
 from __future__ import annotations
 
@@ -17,10 +18,16 @@ class MicroGradientMeter:
     ``.grad``; DDP and ShardedDataParallel act after accumulation, so each value is one worker's gradient of one
     micro-batch, with or without ``no_sync()``. Each squared norm is multiplied by ``factor()`` (read at hook time)
     and added to its group's float64 total on the gradient's device. Nothing is communicated here.
+
+    The first measured gradient of a backward pass queues `on_backward_end` to run when that backward is over:
+    queued from inside the engine's own end-of-backward callbacks, so it runs after the callbacks that DDP's and
+    ShardedDataParallel's hooks queued during the pass (their gradient reductions are complete by then).
     """
 
-    def __init__(self, factor: Callable[[], float]) -> None:
+    def __init__(self, factor: Callable[[], float], on_backward_end: Callable[[], None]) -> None:
         self._factor = factor
+        self._on_backward_end = on_backward_end
+        self._end_queued = False
         self._totals: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()  # hooks of parameters on different devices may run on different threads
         self._handles: list[Any] = []
@@ -47,6 +54,23 @@ class MicroGradientMeter:
         with self._lock:
             total = self._totals.get(group_index)
             self._totals[group_index] = square if total is None else total + square.to(total.device)
+            first_of_backward = not self._end_queued
+            self._end_queued = True
+        if first_of_backward:
+            _queue_callback(self._queue_end)
+
+    def _queue_end(self) -> None:
+        _queue_callback(self._backward_ended)  # behind every callback queued during the pass
+
+    def _backward_ended(self) -> None:
+        with self._lock:
+            self._end_queued = False
+        self._on_backward_end()
+
+    @property
+    def watching(self) -> bool:
+        """Whether some parameter is hooked."""
+        return bool(self._handles)
 
     @property
     def pending(self) -> bool:
@@ -62,6 +86,7 @@ class MicroGradientMeter:
     def clear(self) -> None:
         with self._lock:
             self._totals.clear()
+            self._end_queued = False  # a backward that raised never ran its callbacks
 
     def close(self) -> None:
         """Removes every hook for good."""
@@ -74,6 +99,10 @@ class MicroGradientMeter:
             handle.remove()
         self._handles = []
         self._signature = None
+
+
+def _queue_callback(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
 def square_norm(tensor: torch.Tensor) -> torch.Tensor:

@@ -37,10 +37,11 @@ class ShardedGradScaler(GradScaler):
     Memory: torch's (a scale and a growth-tracker scalar) plus one scalar flag per optimizer per iteration;
     gradients are unscaled in place.
 
-    Works on CPU (bf16 or fp16 autocast) and CUDA: `device` defaults to ``"cuda"`` when CUDA is available, else
-    ``"cpu"``, and the scaler never disables itself for lack of CUDA (an explicit ``device="cuda"`` without CUDA is
-    an error). Optimizers with a fused, scaler-aware step (``torch.optim.Adam(fused=True)``) are unscaled before
-    their step so that they skip on the agreed flag too.
+    Parameters are fairscale's, in fairscale's order; `device` (keyword only, as torch's GradScaler has it first)
+    is the one addition. Works on CPU (bf16 or fp16 autocast) and CUDA: `device` defaults to ``"cuda"`` when CUDA
+    is available, else ``"cpu"``, and the scaler never disables itself for lack of CUDA (an explicit
+    ``device="cuda"`` without CUDA is an error). Optimizers with a fused, scaler-aware step
+    (``torch.optim.Adam(fused=True)``) are unscaled before their step so that they skip on the agreed flag too.
 
     Process group: `process_group` (None: the default group) is used at the first `unscale_`, so the scaler may
     be built before ``init_process_group``. Without any process group the scaler works on its own, like torch's,
@@ -63,14 +64,20 @@ class ShardedGradScaler(GradScaler):
 
     def __init__(
         self,
-        device: str | torch.device | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
         process_group: ProcessGroup | None = None,
+        *,
+        device: str | torch.device | None = None,
     ) -> None:
+        if isinstance(init_scale, str | torch.device):
+            raise TypeError(
+                f"ShardedGradScaler: init_scale must be a number, got {init_scale!r}; the positional parameters "
+                f"follow fairscale's order (init_scale first), so pass the device by keyword: device={init_scale!r}"
+            )
         device_type = _device_type(device)
         if enabled and device_type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ddpkit.distributed import comm, shared_memory
+from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size, require_initialized
 from ddpkit.distributed.objects import broadcast_object, gather_objects
 from ddpkit.optim.param_messages import ParamBroadcaster
@@ -95,6 +97,7 @@ class OSS(Optimizer):
         self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16)
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
+        check_parameters_agree(self.param_groups, self.group, what="OSS")  # before any collective that needs it
         self._assign_new_trainable()
         self._auto_fused = _may_use_fused(optim, self.param_groups)
         # Per group: True where OSS (not the user) picked the fused kernel; checkpoints do not record that choice.
@@ -188,11 +191,12 @@ class OSS(Optimizer):
         self._own_new_trainable()
         self._push_hyperparameters()
         self._match_fused_layouts()
-        if closure is not None:
-            with torch.enable_grad():
-                loss = self.optim.step(closure, **kwargs)
-        else:
-            loss = self.optim.step(**kwargs)
+        with _unfused_where_state_is_mixed(self.optim):
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = self.optim.step(closure, **kwargs)
+            else:
+                loss = self.optim.step(**kwargs)
         self._pull_hyperparameters()
         self._broadcast_params()
         return loss
@@ -268,8 +272,9 @@ class OSS(Optimizer):
             total = total ** (1.0 / norm_type)
         total = total.reshape(())  # a 0-d tensor, like torch.nn.utils.clip_grad_norm_
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef_on = {d: clip_coef.to(d) for d in {p.grad.device for p in params}}  # one copy per device, not per grad
         for p in params:
-            p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+            p.grad.mul_(coef_on[p.grad.device].to(p.grad.dtype))
         return total
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -337,6 +342,28 @@ class OSS(Optimizer):
         self._consolidated = None
 
 
+@contextlib.contextmanager
+def _unfused_where_state_is_mixed(optim: Optimizer) -> Iterator[None]:
+    """Steps a fused group without its fused kernel when some of its parameters with a gradient have optimizer
+    state and others none yet (a parameter made trainable after the others stepped: gradual unfreezing).
+
+    torch's fused kernels take all or none of a state list (e.g. SGD's momentum buffers) and reject a mix; the
+    per-tensor path computes the same update and creates the missing state. The next step is fused again.
+    """
+    switched = []
+    for group in optim.param_groups:
+        if group.get("fused"):
+            with_grad = [bool(optim.state.get(p)) for p in group["params"] if p.grad is not None]
+            if any(with_grad) and not all(with_grad):
+                group["fused"] = False
+                switched.append(group)
+    try:
+        yield
+    finally:
+        for group in switched:
+            group["fused"] = True
+
+
 def _check_one_device_type(params: list[torch.Tensor]) -> None:
     kinds = sorted({p.device.type for p in params})
     if len(kinds) > 1:
@@ -377,7 +404,8 @@ def _local_norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.
     """This shard's contribution: ``max |g|`` for the inf-norm, else ``sum ||g||_p ** p`` (float32)."""
     if not grads:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(device) for g in grads])
+    home = grads[0].device  # reduced where the gradients are, then moved once (a CUDA-to-host copy synchronises)
+    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(home) for g in grads])
     if norm_type == float("inf"):
-        return norms.max().reshape(1)
-    return (norms**norm_type).sum().reshape(1)
+        return norms.max().reshape(1).to(device)
+    return (norms**norm_type).sum().reshape(1).to(device)

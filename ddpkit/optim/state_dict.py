@@ -61,6 +61,44 @@ def check_compatible(saved: Mapping[str, Any], param_groups: ParamGroups) -> Non
                 f"load_state_dict: parameter group {i} has {len(old['params'])} parameters in the state dict "
                 f"and {len(new['params'])} here"
             )
+    check_state_shapes(saved, [p for group in param_groups for p in group["params"]])
+
+
+PER_ELEMENT_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta", "prev",
+     "step_size", "ax", "grad_avg"}
+)  # fmt: skip
+"""State entries torch's optimizers keep with exactly their parameter's shape."""
+
+
+def check_state_shapes(saved: Mapping[str, Any], params: Sequence[torch.Tensor]) -> None:
+    """Raises a ValueError naming the parameter and the entry when a state tensor of `saved` (torch's format)
+    cannot belong to the parameter it would be loaded into: a per-element entry (`PER_ELEMENT_STATE`) of another
+    shape, any tensor with as many elements as the parameter but another shape, or a floating-point parameter
+    whose per-element entry is not floating-point. Counting alone is not enough: the state of another model with
+    as many parameters would otherwise reach a fused kernel that reads and writes past the tensors' ends.
+    `params`: the parameters in the order of ``saved["param_groups"]``."""
+    indices = [index for group in saved["param_groups"] for index in group["params"]]
+    if len(indices) != len(params):
+        raise ValueError(f"load_state_dict: the state dict has {len(indices)} parameters, this optimizer {len(params)}")
+    for position, (index, param) in enumerate(zip(indices, params, strict=True)):
+        state = saved["state"].get(index)
+        if not isinstance(state, Mapping):
+            continue
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            per_element = name in PER_ELEMENT_STATE
+            if tuple(value.shape) != tuple(param.shape) and (per_element or value.numel() == param.numel()):
+                raise ValueError(
+                    f"load_state_dict: state {name!r} of parameter {position} has shape {tuple(value.shape)}, the "
+                    f"parameter has shape {tuple(param.shape)}: the state dict belongs to another model"
+                )
+            if per_element and param.is_floating_point() and not value.is_floating_point():
+                raise ValueError(
+                    f"load_state_dict: state {name!r} of parameter {position} is {value.dtype}, the parameter "
+                    f"{param.dtype}: expected floating-point state"
+                )
 
 
 def shard_of(saved: Mapping[str, Any], param_groups: ParamGroups, local_groups: ParamGroups) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Helpers for testing distributed code: `run_distributed` runs a function on N gloo ranks."""
+"""Helpers for testing distributed code: `run_distributed` runs a function on N gloo ranks (on CPU or
+sharing GPUs)."""
 
-from ddpkit.testing.spawn import DistributedTimeout, RemoteTraceback, run_distributed
+from ddpkit.testing.spawn import DistributedTimeout, RemoteTraceback, rank_device, run_distributed
 
-__all__ = ["DistributedTimeout", "RemoteTraceback", "run_distributed"]
+__all__ = ["DistributedTimeout", "RemoteTraceback", "rank_device", "run_distributed"]

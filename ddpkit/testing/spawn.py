@@ -7,6 +7,10 @@ may leave ranks stuck in a collective (one rank raised while others did not retu
 discards the pool, and the next call spawns a fresh one. ``fresh=True`` always uses new processes, and
 ``init=False`` leaves the process group uninitialised (to test what happens without one).
 
+``device="cuda"`` places the ranks on GPUs before the group is made: rank r uses GPU ``r % torch.cuda.device_count()``,
+so on one GPU every rank of a gloo job shares ``cuda:0`` (NCCL refuses two ranks on one GPU: with ``backend="nccl"``
+the world size must not exceed the number of GPUs). Inside `fn`, `rank_device()` names the rank's device.
+
 `fn` must be picklable: a module-level function.
 """
 
@@ -25,6 +29,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 _GRACE_SECONDS = 10.0
@@ -41,6 +46,14 @@ class DistributedTimeout(TimeoutError):
     """Some ranks did not finish within the timeout."""
 
 
+_DEVICE_ENV = "DDPKIT_RANK_DEVICE"
+
+
+def rank_device() -> torch.device:
+    """The device `run_distributed` placed this rank on (``cpu`` unless it was called with ``device="cuda"``)."""
+    return torch.device(os.environ.get(_DEVICE_ENV, "cpu"))
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -49,12 +62,16 @@ def _worker(
     pg_timeout: float,
     tasks: Any,
     results: Any,
+    device: str,
 ) -> None:
-    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N ranks share few cores; avoid oversubscription
     os.environ.setdefault("LOCAL_RANK", str(rank))
+    if device == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        os.environ[_DEVICE_ENV] = f"cuda:{index}"
     if init_file is not None:
         dist.init_process_group(
             backend,
@@ -84,7 +101,7 @@ def _worker(
 class _RankPool:
     """World-size processes that run tasks one at a time, all ranks together."""
 
-    def __init__(self, world_size: int, backend: str, init: bool, pg_timeout: float) -> None:
+    def __init__(self, world_size: int, backend: str, init: bool, pg_timeout: float, device: str) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="ddpkit-rdzv-")
@@ -94,7 +111,7 @@ class _RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, backend, pg_timeout, self._tasks[r], self._results),
+                args=(r, world_size, init_file, backend, pg_timeout, self._tasks[r], self._results, device),
                 daemon=True,
             )
             for r in range(world_size)
@@ -159,7 +176,7 @@ class _RankPool:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-_pools: dict[tuple[int, str], _RankPool] = {}
+_pools: dict[tuple[int, str, str], _RankPool] = {}
 
 
 def _close_pools() -> None:
@@ -180,19 +197,22 @@ def run_distributed(
     init: bool = True,
     fresh: bool = False,
     pg_timeout: float = 60.0,
+    device: str = "cpu",
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on `world_size` ranks and returns their results in rank order.
 
     Raises the first failing rank's exception (its traceback attached as the cause), or `DistributedTimeout`
     if some rank has not returned after `timeout` seconds. Collectives inside `fn` time out after `pg_timeout`.
+    `device` is ``"cpu"`` or ``"cuda"`` (see the module doc; `rank_device()` tells `fn` which).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_distributed: world_size must be a positive int, got {world_size!r}")
+    _check_device(device, backend, world_size)
     reuse = init and not fresh
-    key = (world_size, backend)
+    key = (world_size, backend, device)
     pool = _pools.get(key) if reuse else None
     if pool is None:
-        pool = _RankPool(world_size, backend, init, pg_timeout)
+        pool = _RankPool(world_size, backend, init, pg_timeout, device)
         if reuse:
             _pools[key] = pool
     try:
@@ -202,3 +222,15 @@ def run_distributed(
             pool.close(kill=pool.broken)
             if reuse:
                 _pools.pop(key, None)
+
+
+def _check_device(device: str, backend: str, world_size: int) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"run_distributed: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run_distributed: device='cuda' but CUDA is not available")
+    if backend == "nccl" and (device != "cuda" or world_size > torch.cuda.device_count()):
+        raise ValueError(
+            f"run_distributed: backend='nccl' needs device='cuda' and a GPU per rank (world_size={world_size}, "
+            f"{torch.cuda.device_count()} GPUs): NCCL refuses two ranks on one GPU; use gloo to share one"
+        )

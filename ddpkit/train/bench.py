@@ -87,7 +87,7 @@ def _bench_process(local_rank: int, cfg: TrainConfig, port: int, steps: int, war
     torch.set_num_threads(1)
     rank = cfg.node_rank * cfg.nproc_per_node + local_rank
     placement = Placement(rank, cfg.world_size, local_rank, cfg.master_addr, port)
-    join(placement, pick_backend(cfg.backend), cfg.timeout, multi_node=cfg.nnodes > 1)
+    join(placement, pick_backend(cfg.backend, device="cpu"), cfg.timeout, multi_node=cfg.nnodes > 1)
     try:
         result = _measure(cfg, steps, warmup, placement)
         if rank == 0:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ddpkit.train.checkpoint import save_checkpoint
+from ddpkit.train.report import gather_per_rank
 from ddpkit.train.strategies import Strategy
 from ddpkit.train.trainer import Callback, StepRecord, Trainer
 
@@ -46,17 +48,31 @@ class ProgressBar(Callback):
 
 
 class MetricsRecorder(Callback):
-    """Keeps every step's record and, each epoch, the training loss/accuracy and this replica's test accuracy."""
+    """Keeps every step's record and, each epoch, the training loss/accuracy and this replica's test accuracy.
+
+    What a resumed run needs to report the whole run lives in ``trainer.state.carried`` (saved with checkpoints):
+    every earlier step's row (for steps.csv) and the totals over all ranks up to the checkpoint (`totals`)."""
 
     def __init__(self, test_loader: DataLoader) -> None:
         self.test_loader = test_loader
-        self.steps: list[StepRecord] = []
+        self.steps: list[StepRecord] = []  # this run's
         self._epoch_steps: list[StepRecord] = []
+        self._rows: list[dict[str, Any]] = []
+        self._base = {"samples": 0.0, "sent_bytes": 0.0, "wall_seconds": 0.0}
+        self._start = time.perf_counter()
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        carried = trainer.state.carried
+        self._rows = carried.setdefault("steps", [])
+        self._base = dict(carried.get("totals", self._base))
+        self._epoch_steps = [StepRecord(**r) for r in self._rows if r["epoch"] == trainer.state.epoch]
+        self._start = time.perf_counter()
 
     def after_step(self, trainer: Trainer) -> None:
         assert trainer.last is not None
         self.steps.append(trainer.last)
         self._epoch_steps.append(trainer.last)
+        self._rows.append(dataclasses.asdict(trainer.last))
 
     def on_epoch_end(self, trainer: Trainer) -> None:
         records, self._epoch_steps = self._epoch_steps, []
@@ -66,6 +82,7 @@ class MetricsRecorder(Callback):
         entry: dict[str, Any] = {
             "epoch": trainer.state.epoch - 1,
             "steps": trainer.state.step,
+            "samples": samples,
             "train_loss": sum(r.loss * r.samples for r in records) / samples,
             "train_accuracy": sum(r.correct for r in records) / targets if targets else float("nan"),
             "test_loss": test_loss,
@@ -75,16 +92,82 @@ class MetricsRecorder(Callback):
         }
         trainer.state.history.append(entry)
 
+    def totals(self) -> dict[str, float]:
+        """Samples trained, bytes sent (all ranks) and wall seconds of the whole run, earlier runs it resumed
+        included, up to now (a collective: small all-gathers)."""
+        samples = gather_per_rank(sum(r.samples for r in self.steps))
+        sent = gather_per_rank(sum(r.sent_bytes for r in self.steps))
+        wall = gather_per_rank(time.perf_counter() - self._start)
+        return {
+            "samples": self._base["samples"] + sum(samples),
+            "sent_bytes": self._base["sent_bytes"] + sum(sent),
+            "wall_seconds": self._base["wall_seconds"] + max(wall),
+        }
+
     def step_rows(self) -> list[dict[str, Any]]:
-        return [dataclasses.asdict(r) for r in self.steps]
+        """Every step's row of the whole run (this rank's batches), earlier runs included."""
+        return list(self._rows)
+
+
+class RunEvents(Callback):
+    """What happened while training, added to each epoch's history entry (so put it after `MetricsRecorder`):
+    ``fp16_skipped_steps``, the steps the loss scaler skipped (inf/nan gradients: the scale went down and the
+    optimizer did not step), and ``adascale_gain``, AdaScale's mean gain over the epoch's steps. No communication:
+    the scaler and AdaScale already agree across ranks."""
+
+    def __init__(self, scaler: Any | None, adascale: Any | None) -> None:
+        self.scaler = scaler
+        self.adascale = adascale
+        self._scale_before = 0.0
+        self._skipped = 0
+        self._gains: list[float] = []
+
+    def after_backward(self, trainer: Trainer) -> None:
+        if self.scaler is not None:
+            self._scale_before = self.scaler.get_scale()
+
+    def after_step(self, trainer: Trainer) -> None:
+        if self.scaler is not None and self.scaler.get_scale() < self._scale_before:
+            self._skipped += 1
+        if self.adascale is not None:
+            self._gains.append(float(self.adascale.gain()))
+
+    def on_epoch_end(self, trainer: Trainer) -> None:
+        entry = trainer.state.history[-1]
+        if self.scaler is not None:
+            entry["fp16_skipped_steps"] = self._skipped
+        if self.adascale is not None:
+            entry["adascale_gain"] = sum(self._gains) / len(self._gains) if self._gains else 1.0
+        self._skipped, self._gains = 0, []
 
 
 class Checkpointer(Callback):
-    """Writes a checkpoint to `out` at the end of every epoch (a collective: on every rank)."""
+    """Writes a checkpoint to `out` at the end of every epoch and, with `every`, every `every` optimizer steps
+    (a collective: on every rank); the last `keep` stay. `epoch_size`: the dataset's length (an epoch's last step
+    is left to the end-of-epoch checkpoint)."""
 
-    def __init__(self, out: str, strategy: Strategy) -> None:
-        self.out = out
-        self.strategy = strategy
+    def __init__(
+        self,
+        out: str,
+        strategy: Strategy,
+        recorder: MetricsRecorder,
+        settings: dict[str, Any],
+        *,
+        keep: int = 2,
+        every: int | None = None,
+        epoch_size: int = 0,
+    ) -> None:
+        self.out, self.strategy, self.recorder, self.settings = out, strategy, recorder, settings
+        self.keep, self.every, self.epoch_size = keep, every, epoch_size
+
+    def _save(self, trainer: Trainer) -> None:
+        trainer.state.carried["totals"] = self.recorder.totals()
+        save_checkpoint(self.out, self.strategy, trainer.state, self.settings, self.keep)
+
+    def after_step(self, trainer: Trainer) -> None:
+        last_of_epoch = trainer.state.epoch_samples >= self.epoch_size
+        if self.every and trainer.state.step % self.every == 0 and not last_of_epoch:
+            self._save(trainer)
 
     def on_epoch_end(self, trainer: Trainer) -> None:
-        save_checkpoint(self.out, self.strategy, trainer.state)
+        self._save(trainer)

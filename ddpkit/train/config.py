@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 import sys
+import tempfile
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,10 @@ DATASETS = ("digits", "mnist", "synthetic", "text")  # or PACKAGE.MODULE:FACTORY
 MODELS = ("mlp", "cnn", "gpt")  # or PACKAGE.MODULE:FACTORY
 LOSSES = ("cross_entropy", "mse")
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
+FLAG_NAMES = {"nprocs_per_node_slowmo": "slowmo-nprocs-per-node"}  # fields whose flag is not the field's name
 
 
 @dataclass
@@ -33,7 +38,7 @@ class TrainConfig:
     optimizer: str = "adam"
     lr: float | None = None  # None: 0.05 for sgd, 1e-3 for adam/adamw
     momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float | None = None  # None: 0.01 for adamw (torch's default), 0 for sgd and adam
     adascale: bool = False
     amp: str = "off"
     grad_accum: int = 1
@@ -68,11 +73,15 @@ class TrainConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port on one machine, 29500 across machines
     backend: str = "auto"
+    device: str = "auto"  # auto: CUDA with NCCL, else CPU; "cuda" with gloo puts the model on GPUs too
     timeout: float = 60.0
     # outputs
     out: str | None = None
     resume: bool = False
     progress: bool = True
+    keep: int = 2  # checkpoints kept (the newest)
+    checkpoint_every: int | None = None  # also checkpoint every N optimizer steps (besides every epoch)
+    debug: bool = False  # tracebacks and torch's C++ stack traces (as DDPKIT_DEBUG=1)
 
     @property
     def world_size(self) -> int:
@@ -82,6 +91,42 @@ class TrainConfig:
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
+    @property
+    def resolved_weight_decay(self) -> float:
+        return self.weight_decay if self.weight_decay is not None else DEFAULT_WEIGHT_DECAY[self.optimizer]
+
+
+def flag(name: str) -> str:
+    """The command-line flag of TrainConfig field `name` (``batch_size`` -> ``--batch-size``)."""
+    return "--" + FLAG_NAMES.get(name, name.replace("_", "-"))
+
+
+def field_types() -> dict[str, tuple[tuple[type, ...], bool]]:
+    """Per TrainConfig field: the types its value may have and whether it may be None."""
+    out = {}
+    for name, hint in typing.get_type_hints(TrainConfig).items():
+        args = typing.get_args(hint) or (hint,)
+        out[name] = (tuple(a for a in args if a is not type(None)), type(None) in args)
+    return out
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def checked_type(name: str, value: Any, where: str) -> Any:
+    """`value` for field `name` when its type is right (an integer is taken for a float), else a TypeError naming
+    `where` (the flag or the TOML key). Nothing else is converted: "0.1" is not a number, 1 is not true."""
+    types, optional = field_types()[name]
+    if value is None and optional:
+        return value
+    expected = types[0]
+    if expected is float and type(value) is int:
+        return float(value)
+    if type(value) is expected:
+        return value
+    kind = _KINDS.get(expected, expected.__name__) + (" (or absent)" if optional else "")
+    raise TypeError(f"{where} must be {kind}; got {value!r} ({type(value).__name__})")
+
 
 def load_toml(path: str) -> dict[str, Any]:
     """Reads a TOML config (flat keys named like the flags, dashes or underscores) into TrainConfig fields."""
@@ -90,52 +135,128 @@ def load_toml(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         raw = tomllib.load(f)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
+    by_flag = {name: name for name in known} | {flag(name)[2:].replace("-", "_"): name for name in known}
     values = {}
     for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name not in known:
+        name = by_flag.get(key.replace("-", "_"))
+        if name is None:
             raise ValueError(f"--config {path}: unknown setting {key!r}")
-        values[name] = value
+        values[name] = checked_type(name, value, f"--config {path}, setting {key!r}: {flag(name)}")
     return values
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; got {value!r}")
+        raise ValueError(f"{flag(name)} must be one of {', '.join(allowed)}; got {value!r}")
 
 
-def _at_least(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or value < low:
-        raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}; got {value!r}")
+def check_int(name: str, value: Any, low: int) -> None:
+    if type(value) is not int or value < low:
+        raise ValueError(f"{flag(name)} must be an integer >= {low}; got {value!r}")
+
+
+def check_number(name: str, value: float, low: float, high: float = math.inf, *, open_low: bool = False) -> None:
+    """A finite number in [low, high) (or (low, high) with `open_low`); NaN and infinities are errors."""
+    if not math.isfinite(value) or value < low or (open_low and value == low) or value >= high:
+        bounds = f"{'>' if open_low else '>='} {low:g}" + (f" and < {high:g}" if math.isfinite(high) else "")
+        raise ValueError(f"{flag(name)} must be a finite number {bounds}; got {value!r}")
+
+
+INT_MINIMA = {"grad_accum": 1, "epochs": 1, "batch_size": 1, "nproc_per_node": 1, "nnodes": 1, "hidden": 1}
+INT_MINIMA |= {"depth": 1, "slowmo_frequency": 1, "localsgd_frequency": 1, "synthetic_samples": 1}
+INT_MINIMA |= {"synthetic_features": 1, "synthetic_classes": 2, "node_rank": 0, "seed": 0}
+INT_MINIMA |= {"gpt_layers": 1, "gpt_width": 1, "gpt_heads": 1, "context": 1, "keep": 1}
+# (low, high, open_low): every float setting, checked finite
+FLOAT_RANGES = {"lr": (0.0, math.inf, True), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False)}
+FLOAT_RANGES |= {"timeout": (0.0, math.inf, True), "slowmo_momentum": (0.0, 1.0, False)}
+FLOAT_RANGES |= {"slowmo_lr": (0.0, math.inf, True)}
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    for field in dataclasses.fields(cfg):
+        setattr(cfg, field.name, checked_type(field.name, getattr(cfg, field.name), flag(field.name)))
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raises a ValueError (or FileNotFoundError) that names the flag, before any process starts."""
+    """Raises a ValueError, TypeError or FileNotFoundError that names the flag, before any process starts."""
+    _check_types(cfg)
     for name, allowed in (
         ("strategy", STRATEGIES),
         ("optimizer", OPTIMIZERS),
         ("amp", AMP_MODES),
         ("backend", BACKENDS),
+        ("device", DEVICES),
     ):
         _choice(name, getattr(cfg, name), allowed)
-    from ddpkit.train.workload import validate_workload
+    for name, low in INT_MINIMA.items():
+        check_int(name, getattr(cfg, name), low)
+    if cfg.seed >= 2**63:
+        raise ValueError(f"--seed must be below 2**63; got {cfg.seed}")
+    for name, (low, high, open_low) in FLOAT_RANGES.items():
+        if getattr(cfg, name) is not None:
+            check_number(name, getattr(cfg, name), low, high, open_low=open_low)
+    for name in ("max_steps", "checkpoint_every", "nprocs_per_node_slowmo"):  # optional integers
+        if getattr(cfg, name) is not None:
+            check_int(name, getattr(cfg, name), 1)
+    from ddpkit.train.workload import validate_workload  # imports the models: only once the flags are sound
 
     validate_workload(cfg)
-    for name in ("grad_accum", "epochs", "batch_size", "nproc_per_node", "nnodes", "hidden", "depth"):
-        _at_least(name, getattr(cfg, name), 1)
-    for name in ("slowmo_frequency", "localsgd_frequency", "synthetic_samples", "synthetic_features"):
-        _at_least(name, getattr(cfg, name), 1)
-    _at_least("synthetic_classes", cfg.synthetic_classes, 2)
-    _at_least("node_rank", cfg.node_rank, 0)
     if cfg.node_rank >= cfg.nnodes:
         raise ValueError(f"--node-rank {cfg.node_rank} must be smaller than --nnodes {cfg.nnodes}")
     if cfg.master_port is not None and not 0 < cfg.master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535; got {cfg.master_port}")
-    if cfg.timeout <= 0:
-        raise ValueError(f"--timeout must be positive (seconds); got {cfg.timeout}")
-    if cfg.lr is not None and cfg.lr <= 0:
-        raise ValueError(f"--lr must be positive; got {cfg.lr}")
     _validate_combinations(cfg)
+    _validate_device(cfg)
+    _check_backend(cfg)
+    if cfg.out:
+        check_writable_folder(cfg.out)
+
+
+def _check_backend(cfg: TrainConfig) -> None:
+    """--backend nccl needs one visible GPU per local process (auto picks gloo where there are fewer)."""
+    if cfg.backend != "nccl":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--backend nccl needs CUDA GPUs, and torch sees none on this machine (torch.cuda.is_available() "
+            "is False); use --backend gloo or auto"
+        )
+    gpus = torch.cuda.device_count()
+    if gpus < cfg.nproc_per_node:
+        raise ValueError(
+            f"--backend nccl gives each local process a GPU of its own: {cfg.nproc_per_node} local processes need "
+            f"{cfg.nproc_per_node} GPUs and {gpus} are visible; use --nproc-per-node {gpus} or --backend gloo"
+        )
+
+
+def check_writable_folder(path: str) -> None:
+    """Raises a ValueError naming `path` (--out) unless it is a folder this process can create files in, or can
+    be created: a file of the same name, or a read-only or missing-permission ancestor, fail before training."""
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing):
+        if os.path.exists(existing) or os.path.islink(existing):
+            what = "is a file" if existing == os.path.abspath(path) else f"is inside {existing!r}, a file"
+            raise ValueError(f"--out {path!r} {what}, not a folder")
+        existing = os.path.dirname(existing)
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".ddpkit-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        where = "" if existing == os.path.abspath(path) else f" (its folder {existing!r} exists)"
+        raise ValueError(f"--out {path!r} cannot be written{where}: {exc.strerror or exc}") from None
+
+
+def _validate_device(cfg: TrainConfig) -> None:
+    if cfg.backend == "nccl" and cfg.device == "cpu":
+        raise ValueError("--device cpu needs --backend gloo (NCCL communicates CUDA tensors only)")
+    if cfg.device == "cuda":  # (--backend nccl without CUDA is refused by _check_backend)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda needs CUDA, which this machine's PyTorch does not see; use --device cpu")
 
 
 def _validate_combinations(cfg: TrainConfig) -> None:
@@ -172,15 +293,14 @@ def _validate_combinations(cfg: TrainConfig) -> None:
 
 
 def _check_resumable(cfg: TrainConfig) -> None:
-    meta_path = os.path.join(cfg.out or "", "checkpoint", "meta.json")
     if cfg.node_rank != 0:
         return  # only rank 0's machine holds the shared part of the checkpoint
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"--resume: no checkpoint in {os.path.dirname(meta_path)}")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta["world_size"] != cfg.world_size or meta["strategy"] != cfg.strategy:
-        raise ValueError(
-            f"--resume: the checkpoint was written by --strategy {meta['strategy']} on {meta['world_size']} "
-            f"processes; resume with the same (got {cfg.strategy} on {cfg.world_size})"
+    from ddpkit.train import checkpoint_files
+
+    folder = checkpoint_files.latest(cfg.out or "")
+    if folder is None:
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint in {checkpoint_files.checkpoint_root(cfg.out or '')}"
         )
+    manifest = checkpoint_files.read_marker(folder)
+    checkpoint_files.resume_notes(manifest, checkpoint_files.resume_settings(cfg))  # raises if it cannot continue

@@ -95,7 +95,10 @@ def mnist(data_dir: str) -> Data:
 
 
 def synthetic(samples: int, features: int, classes: int, seed: int = 0) -> Data:
-    """Gaussian inputs labelled by a random linear teacher: learnable, any size, the same on every rank."""
+    """Gaussian inputs labelled by a random linear teacher: learnable, any size, the same on every rank.
+
+    A square number of features is announced and shaped as a one-channel image (64: 1x8x8), so a CNN can take it;
+    an MLP flattens it back."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, features, generator=g)
     teacher = torch.randn(features, classes, generator=g)
@@ -103,4 +106,6 @@ def synthetic(samples: int, features: int, classes: int, seed: int = 0) -> Data:
     split = max(1, int(0.9 * samples))
     side = round(features**0.5)
     shape = (1, side, side) if side * side == features else None
+    if shape is not None:
+        x = x.reshape(samples, *shape)
     return Data(TensorDataset(x[:split], y[:split]), TensorDataset(x[split:], y[split:]), shape, features, classes)

@@ -14,6 +14,8 @@ DEFAULT_MULTINODE_PORT = 29500
 
 def launch_training(cfg: TrainConfig) -> None:
     """Runs the training job `cfg` describes; returns when every local process has finished."""
+    if cfg.debug:
+        os.environ["DDPKIT_DEBUG"] = "1"  # the ranks inherit it
     placement = from_torchrun()
     if placement is not None:  # torchrun (or a scheduler) already started one process per rank
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

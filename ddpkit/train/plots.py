@@ -148,7 +148,7 @@ def _bytes_panel(ax: Any, steps: list[dict[str, Any]]) -> None:
 def run_title(summary: dict[str, Any]) -> str:
     """One line naming the run: strategy, world size, workload and settings."""
     parts = [f"{summary.get('strategy', '?')} on {summary.get('world_size', '?')} processes"]
-    for key in ("workload", "settings"):
+    for key in ("workload", "title"):
         if summary.get(key):
             parts.append(str(summary[key]))
     parts.append(f"{summary.get('steps', '?')} steps")

@@ -12,26 +12,59 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.distributed.launch import LaunchError, Placement, join, leave, pick_backend
+from ddpkit.distributed import shared_memory
+from ddpkit.distributed.launch import (
+    LaunchError,
+    Placement,
+    debug_mode,
+    explain_failure,
+    join,
+    leave,
+    pick_backend,
+)
+from ddpkit.distributed.objects import broadcast_object
+from ddpkit.distributed.rank_guard import guard_rank
 from ddpkit.nn import SlowMoDistributedDataParallel
-from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar
+from ddpkit.train import checkpoint_files
+from ddpkit.train.agreement import check_job_agrees
+from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.checkpoint import load_checkpoint
+from ddpkit.train.checkpoint_files import resume_settings
 from ddpkit.train.config import TrainConfig
-from ddpkit.train.report import format_summary, gather_digests, gather_per_rank, peak_memory_mb, write_metrics
+from ddpkit.train.report import (
+    format_summary,
+    gather_digests,
+    gather_per_rank,
+    last_epoch_train_loss,
+    peak_memory_mb,
+    run_settings,
+    write_metrics,
+)
+from ddpkit.train.sampler import ResumableSampler
 from ddpkit.train.strategies import build_strategy
 from ddpkit.train.text import bits_per_byte
 from ddpkit.train.trainer import Trainer
 from ddpkit.train.workload import build_workload
 
 
+def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.device:
+    """This rank's device: its own GPU with NCCL; with gloo the CPU, or with ``--device cuda`` a GPU (shared when
+    there are fewer GPUs than local processes)."""
+    if backend != "nccl" and cfg.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", placement.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any]:
     """Trains on this rank (the process group is joined) and returns the run's summary."""
-    device = torch.device("cuda", placement.local_rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(cfg, placement, backend)
     work = build_workload(cfg, device)
+    check_job_agrees(cfg, backend, work)  # every rank, before the wrappers' first collective
     strategy = build_strategy(cfg, work.module, device)
-    sampler = DistributedSampler(work.train, placement.world_size, placement.rank, shuffle=True, seed=cfg.seed)
+    sampler = ResumableSampler(work.train, placement.world_size, placement.rank, seed=cfg.seed)
     loader = DataLoader(work.train, batch_size=cfg.batch_size, sampler=sampler)
     recorder = MetricsRecorder(DataLoader(work.heldout, batch_size=64 if cfg.data == "text" else 512))
     total_steps = cfg.epochs * math.ceil(len(loader) / cfg.grad_accum)
@@ -40,9 +73,14 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     callbacks = [
         ProgressBar(total_steps, placement.rank, placement.world_size, label, cfg.progress),
         recorder,
+        RunEvents(strategy.scaler, strategy.optimizer if cfg.adascale else None),  # after recorder: adds to epochs
     ]
+    settings = resume_settings(cfg)
     if cfg.out:
-        callbacks.append(Checkpointer(cfg.out, strategy))
+        every, size = cfg.checkpoint_every, len(work.train)
+        callbacks.append(
+            Checkpointer(cfg.out, strategy, recorder, settings, keep=cfg.keep, every=every, epoch_size=size)
+        )
     trainer = Trainer(
         strategy.model,
         strategy.optimizer,
@@ -53,9 +91,9 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
         scaler=strategy.scaler,
         callbacks=callbacks,
     )
-    if cfg.resume:
+    if cfg.resume or resume_elastic(cfg, placement):
         assert cfg.out is not None
-        trainer.state = load_checkpoint(cfg.out, strategy)
+        trainer.state = load_checkpoint(cfg.out, strategy, settings)
     start = time.perf_counter()
     trainer.fit(cfg.epochs, cfg.max_steps)
     wall = time.perf_counter() - start
@@ -74,7 +112,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     return summary
 
 
-def run_settings(cfg: TrainConfig, world_size: int) -> str:
+def title_settings(cfg: TrainConfig, world_size: int) -> str:
     """The settings a plot title names, e.g. "adam lr 0.001, batch 32 x 2, amp bf16"."""
     text = f"{cfg.optimizer} lr {cfg.learning_rate:g}, batch {cfg.batch_size} x {world_size}"
     if cfg.grad_accum > 1:
@@ -86,39 +124,54 @@ def run_settings(cfg: TrainConfig, world_size: int) -> str:
     return text
 
 
+def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
+    """Whether this torchrun job restarts with fault tolerance (``--max-restarts`` > 0, or already restarted) and
+    --out holds a complete checkpoint, as rank 0 sees it (a collective): then every rank resumes from it."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) + int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    if not cfg.out or restarts == 0:
+        return False
+    found = checkpoint_files.latest(cfg.out) is not None if placement.rank == 0 else None
+    return bool(broadcast_object(found, 0))
+
+
 def summarize(
     cfg: TrainConfig, placement: Placement, backend: str, trainer: Trainer, recorder: MetricsRecorder, wall: float
 ) -> dict[str, Any]:
     """The run's figures, gathered over ranks (a collective)."""
     steps = recorder.steps
     sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
-    sent_total = gather_per_rank(sum(r.sent_bytes for r in steps))
     shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
-    samples = gather_per_rank(sum(r.samples for r in steps))
-    walls = gather_per_rank(wall)
+    totals = recorder.totals()  # the whole run, across resumes
     memory = gather_per_rank(peak_memory_mb())
     digests = gather_digests(getattr(trainer.model, "module", trainer.model))
     accuracy, test_loss = trainer.evaluate(recorder.test_loader)
+    history = trainer.state.history
     extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
     return {
         "workload": f"{cfg.model} on {cfg.data}",
-        "settings": run_settings(cfg, placement.world_size),
+        "title": title_settings(cfg, placement.world_size),
         "strategy": cfg.strategy,
         "world_size": placement.world_size,
         "backend": backend,
+        "device": str(next(trainer.model.parameters()).device.type),
         "epochs": cfg.epochs,
         "steps": trainer.state.step,
         "test_accuracy": accuracy,
         "test_loss": test_loss,
-        "train_loss": steps[-1].loss if steps else float("nan"),
-        "wall_seconds": max(walls),
-        "samples_per_second": sum(samples) / max(max(walls), 1e-9),
+        "train_loss": last_epoch_train_loss(history),
+        "wall_seconds": totals["wall_seconds"],
+        "samples_per_second": totals["samples"] / max(totals["wall_seconds"], 1e-9),
         "sent_bytes_per_step": statistics.fmean(sent_per_step),
-        "sent_bytes_total": sum(sent_total),
+        "sent_bytes_total": totals["sent_bytes"],
         "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
         "peak_memory_mb": memory,
         "replicas_equal": len(set(digests)) == 1,
         "parameter_digests": digests,
+        "settings": run_settings(cfg, placement.world_size, backend),
+        "fp16_skipped_steps": sum(h.get("fp16_skipped_steps", 0) for h in history) if cfg.amp == "fp16" else None,
+        "adascale_gain_per_epoch": [h.get("adascale_gain", math.nan) for h in history] if cfg.adascale else None,
         **extra,
     }
 
@@ -139,10 +192,13 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
     """Joins, trains and leaves; any failure ends this process with a message naming the rank.
 
     A crash inside torch's C++ (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to stderr, so the
-    report says where the process was."""
+    report says where the process was. SIGTERM, SIGHUP or the launcher's death end the rank at once
+    (`guard_rank`); shared-memory files it created are removed on every way out."""
+    guard_rank(f"rank {placement.rank}", shared_memory.remove_own_files)
+    shared_memory.sweep_stale(min_age=0)  # what a killed job on this host left, whatever this job's strategy
     faulthandler.enable()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.nproc_per_node, 1)))
-    backend = pick_backend(cfg.backend)
+    backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     try:
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         return train(cfg, placement, backend)
@@ -150,10 +206,10 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
         print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as exc:
-        if os.environ.get("DDPKIT_DEBUG"):
+        if debug_mode():
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"ddpkit: rank {placement.rank} failed: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+        print(f"ddpkit: rank {placement.rank} failed: {explain_failure(exc, cfg.timeout)}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
+        shared_memory.remove_own_files()
         leave()

@@ -34,7 +34,9 @@ class Strategy:
 
 
 def optimizer_arguments(cfg: TrainConfig) -> dict[str, float]:
-    args = {"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay}
+    """The torch optimizer's arguments: lr and weight decay resolved (AdamW: torch's 0.01 unless --weight-decay
+    says otherwise), and SGD's momentum."""
+    args = {"lr": cfg.learning_rate, "weight_decay": cfg.resolved_weight_decay}
     if cfg.optimizer == "sgd":
         args["momentum"] = cfg.momentum
     return args
@@ -84,5 +86,5 @@ def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) ->
         from ddpkit.optim import AdaScale
 
         optimizer = AdaScale(optimizer, num_gradients_to_accumulate=cfg.grad_accum)
-    scaler = ShardedGradScaler(device.type) if cfg.amp == "fp16" else None
+    scaler = ShardedGradScaler(device=device.type) if cfg.amp == "fp16" else None
     return Strategy(cfg.strategy, model, module, optimizer, scaler, AMP_DTYPES[cfg.amp])

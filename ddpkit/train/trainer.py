@@ -55,6 +55,8 @@ class TrainerState:
     epoch: int = 0  # the next epoch to run
     step: int = 0  # optimizer steps taken
     history: list[dict[str, Any]] = field(default_factory=list)  # one entry per finished epoch
+    epoch_samples: int = 0  # positions of this epoch's permutation the ranks consumed together (mid-epoch resume)
+    carried: dict[str, Any] = field(default_factory=dict)  # what callbacks keep across resumes (metrics, totals)
 
 
 class Trainer:
@@ -106,26 +108,46 @@ class Trainer:
             getattr(callback, hook)(self)
 
     def fit(self, epochs: int, max_steps: int | None = None) -> None:
-        """Runs epochs ``state.epoch .. epochs - 1`` (so a restored state resumes where it stopped).
+        """Runs epochs ``state.epoch .. epochs - 1`` (so a restored state resumes where it stopped, also in the
+        middle of an epoch: the sampler skips what ``state.epoch_samples`` says was consumed).
 
         With `max_steps`, training stops once ``state.step`` reaches it; an epoch cut short still ends with
         ``on_epoch_end`` (its metrics and checkpoint), and a resumed run starts at the next epoch."""
         self._emit("on_train_start")
         while self.state.epoch < epochs and (max_steps is None or self.state.step < max_steps):
-            sampler = getattr(self.train_loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.state.epoch)
             self._emit("on_epoch_start")
             self.model.train()
-            for batches in _chunks(iter(self.train_loader), self.grad_accum):
+            replicas = getattr(getattr(self.train_loader, "sampler", None), "num_replicas", 1)
+            for batches in _chunks(self._epoch_batches(), self.grad_accum):
                 self.last = self.train_step(batches)
                 self.state.step += 1
+                self.state.epoch_samples += self.last.samples * replicas
                 self._emit("after_step")
                 if max_steps is not None and self.state.step >= max_steps:
                     break
             self.state.epoch += 1
+            self.state.epoch_samples = 0
             self._emit("on_epoch_end")
         self._emit("on_train_end")
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        """This epoch's batches from ``state.epoch_samples`` on: the sampler skips them when it can
+        (`ResumableSampler.set_start`), else the first batches are drawn and dropped."""
+        sampler = getattr(self.train_loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.state.epoch)
+        skip = self.state.epoch_samples
+        if hasattr(sampler, "set_start"):
+            sampler.set_start(skip)
+            skip = 0
+        batches = iter(self.train_loader)
+        replicas = getattr(sampler, "num_replicas", 1)
+        if skip > 0:
+            for _, y in batches:
+                skip -= len(y) * replicas
+                if skip <= 0:
+                    break
+        return batches
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepRecord:
         start = time.perf_counter()

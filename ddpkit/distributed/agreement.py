@@ -1,0 +1,139 @@
+"""Ranks that must agree, checked in one small collective: settings, parameter shapes, dtypes and order.
+
+A data-parallel job assumes every rank holds the same model and the same hyper-parameters. When they do not (a
+different width, another parameter order, another learning rate or SlowMo frequency on one machine), the first
+collective that depends on it hangs, crashes in the backend, or, worse, trains on silently with ranks that
+disagree. `check_same_across_ranks` turns that into an error on every rank, before the first such collective,
+that names the first setting that differs and which ranks hold which value.
+
+What is communicated: one all-gather of an 8-byte digest (SHA-256 of the ranks' settings, in order) per check.
+Only when the digests differ, which every rank sees alike, do the ranks all-gather their settings as objects to
+name the difference; then every rank raises `RanksDisagree`. Memory: the settings' text, a few bytes per entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size
+from ddpkit.distributed.objects import gather_objects
+
+MAX_NAMED = 3
+"""How many differing settings an error names (the first one first)."""
+_SMALL_TENSOR = 16
+
+
+class RanksDisagree(ValueError):
+    """Ranks of one group hold different settings or parameters where they must hold the same."""
+
+
+def canonical(value: Any) -> str:
+    """A text for `value` that is equal on two processes exactly when the values are (no addresses, no salt)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(canonical(v) for v in value) + ")"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{canonical(k)}: {canonical(value[k])}" for k in sorted(value, key=str)) + "}"
+    if isinstance(value, torch.Tensor):
+        head = f"tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return head + (f" {value.detach().cpu().tolist()}" if value.numel() <= _SMALL_TENSOR else "")
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    return type(value).__qualname__
+
+
+def _digest(entries: list[tuple[str, str]]) -> int:
+    h = hashlib.sha256()
+    for key, value in entries:
+        h.update(f"{len(key)}:{key}={len(value)}:{value};".encode())
+    return int.from_bytes(h.digest()[:8], "big", signed=True)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def describe_differences(per_rank: list[dict[str, str]], limit: int = MAX_NAMED) -> list[str]:
+    """Per differing key (in the first rank's order, then keys only others have): which ranks hold which value."""
+    keys = list(dict.fromkeys(k for entries in per_rank for k in entries))
+    lines = []
+    for key in keys:
+        holders: dict[str, list[int]] = {}
+        for rank, entries in enumerate(per_rank):
+            holders.setdefault(entries.get(key, "(none)"), []).append(rank)
+        if len(holders) > 1:
+            values = "; ".join(f"{value} on {_ranks_text(ranks)}" for value, ranks in holders.items())
+            lines.append(f"{key}: {values}")
+        if len(lines) == limit:
+            break
+    return lines
+
+
+def check_same_across_ranks(
+    settings: Mapping[str, Any] | Iterable[tuple[str, Any]], group: ProcessGroup | None = None, what: str = "job"
+) -> None:
+    """Raises `RanksDisagree` on every rank of `group` unless every rank passed equal `settings` (a collective).
+
+    `settings` maps a name ("--lr", "parameter 3") to a value; values are compared by `canonical` text and in
+    order. The error names up to `MAX_NAMED` differing settings, the first one first, with each value's ranks.
+    """
+    items = settings.items() if isinstance(settings, Mapping) else settings
+    entries = [(str(k), v if isinstance(v, str) else canonical(v)) for k, v in items]
+    if not dist.is_initialized() or group_size(group) < 2:
+        return
+    device = comm_device(group)
+    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(group_size(group))]
+    comm.all_gather(digests, torch.tensor([_digest(entries)], dtype=torch.int64, device=device), group)
+    if len({int(d.item()) for d in digests}) == 1:
+        return
+    everyone = gather_objects(dict(entries), dst=-1, group=group)
+    assert everyone is not None
+    lines = describe_differences(everyone) or ["the same settings in another order"]
+    me = group_rank(group)
+    raise RanksDisagree(f"{what}: ranks disagree (seen from rank {me}): " + " | ".join(lines))
+
+
+def parameter_settings(
+    params: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+) -> list[tuple[str, str]]:
+    """What must agree about `params`: their number, and per position its name (when a module gives names),
+    shape, dtype and whether it is trained; for param groups also each group's size and hyper-parameters."""
+    if isinstance(params, nn.Module):
+        named: list[tuple[str | None, torch.Tensor]] = [(n, p) for n, p in params.named_parameters()]
+        groups: list[dict[str, Any]] = []
+    else:
+        listed = list(params)
+        groups = [g for g in listed if isinstance(g, dict)]
+        tensors = [p for g in groups for p in g["params"]] if groups else listed
+        named = [(None, p) for p in tensors]
+    entries = [("number of parameters", str(len(named)))]
+    for index, (name, p) in enumerate(named):
+        trained = "trained" if p.requires_grad else "frozen"
+        text = f"shape {tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')}, {trained}"
+        entries.append((f"parameter {index}", f"{name}: {text}" if name else text))
+    for index, group in enumerate(groups):
+        entries.append((f"param group {index} size", str(len(group["params"]))))
+        for key in sorted(k for k in group if k != "params"):
+            entries.append((f"param group {index} {key}", canonical(group[key])))
+    return entries
+
+
+def check_parameters_agree(
+    params: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    group: ProcessGroup | None = None,
+    what: str = "parameters",
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Raises `RanksDisagree` on every rank unless all ranks of `group` hold parameters of the same number, shapes,
+    dtypes and order (and names, for a module; sizes and hyper-parameters, for param groups), and equal `extra`
+    settings: one all-gather of 8 bytes per rank (a collective). `what` names the caller in the error."""
+    entries: list[tuple[str, Any]] = [*(extra or {}).items(), *parameter_settings(params)]
+    check_same_across_ranks(entries, group, what)

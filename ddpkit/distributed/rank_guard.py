@@ -1,0 +1,77 @@
+"""A rank that never lingers: it ends when told to stop (SIGTERM, SIGHUP) or when the process that started it is
+gone, even while its main thread waits inside a collective."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+PARENT_POLL_SECONDS = 0.5
+"""How often a rank checks that the process that started it still runs (where PR_SET_PDEATHSIG is missing)."""
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Asks Linux to send `sig` to this process when its parent ends (prctl PR_SET_PDEATHSIG); False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
+    """Makes this rank end, never linger, when it is told to stop or its launcher is gone.
+
+    SIGTERM and SIGHUP get a handler whose C part, in whatever thread the signal lands, writes the signal's number
+    to a pipe (``signal.set_wakeup_fd``); a watcher thread reads it, so the signal is acted on even while the main
+    thread waits inside a collective, where Python handlers never run. The watcher runs `cleanup`, says why and
+    exits with 128 + the signal. The parent's death sends SIGTERM (PR_SET_PDEATHSIG on Linux), and the watcher
+    also checks every `PARENT_POLL_SECONDS` that the parent still runs. Call it from the main thread.
+    """
+    import multiprocessing
+    import select
+
+    spawner = multiprocessing.parent_process()  # set in processes `spawn` started; None under torchrun
+    parent = spawner.pid if spawner is not None and spawner.pid is not None else os.getppid()
+    caught = (signal.SIGTERM, signal.SIGHUP)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    for sig in caught:
+        signal.signal(sig, lambda signum, frame: None)  # the watcher acts; the main thread goes on meanwhile
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    _set_parent_death_signal(signal.SIGTERM)
+
+    def finish(code: int, why: str) -> None:
+        try:
+            cleanup()
+        finally:
+            print(f"ddpkit: {label}: {why}; stopping", file=sys.stderr, flush=True)
+            os._exit(code)
+
+    def watch() -> None:
+        while True:
+            ready, _, _ = select.select([read_end], [], [], PARENT_POLL_SECONDS)
+            numbers = [n for n in (os.read(read_end, 64) if ready else b"") if n in caught]
+            if numbers:  # the parent-death signal can come before this process is given its new parent
+                time.sleep(0.1)
+            gone = os.getppid() != parent
+            if numbers:
+                finish(
+                    128 + numbers[0], "its launcher is gone" if gone else f"{signal.Signals(numbers[0]).name} received"
+                )
+            if gone:
+                finish(1, "its launcher is gone")
+
+    if os.getppid() != parent:  # the parent ended before the death signal was armed
+        finish(1, "its launcher is gone")
+    threading.Thread(target=watch, name="ddpkit-rank-guard", daemon=True).start()

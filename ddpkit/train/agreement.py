@@ -1,0 +1,60 @@
+"""What every rank of a `ddpkit train` job must share, compared once at start-up, before any wrapper is built.
+
+Every setting that changes what is computed or communicated must be equal on every rank: the resolved
+configuration (flags and TOML, learning rate and weight decay resolved), the data's sizes, the model's parameter
+names, shapes and dtypes, and the optimizer's arguments. Settings that belong to one machine may differ:
+`PER_MACHINE` (the data's folder, --out's path, the progress bar, this machine's --node-rank, the master's
+address as this machine reaches it, --timeout). Whether --out is given at all must agree, since writing a
+checkpoint is a collective. One all-gather of 8 bytes when they agree (`ddpkit.distributed.agreement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ddpkit.distributed.agreement import canonical, check_same_across_ranks, parameter_settings
+from ddpkit.train.config import TrainConfig, flag
+from ddpkit.train.strategies import optimizer_arguments
+from ddpkit.train.workload import Workload
+
+PER_MACHINE = ("data_dir", "out", "progress", "node_rank", "master_addr", "master_port", "timeout")
+
+
+def agreed_settings(cfg: TrainConfig, backend: str) -> dict[str, Any]:
+    """The resolved settings that must be equal on every rank, keyed by their flags."""
+    settings: dict[str, Any] = {
+        flag(name): value for name, value in dataclasses.asdict(cfg).items() if name not in PER_MACHINE
+    }
+    settings.update({"--lr": cfg.learning_rate, "--weight-decay": cfg.resolved_weight_decay, "--backend": backend})
+    settings["--out given"] = "yes" if cfg.out else "no"
+    return settings
+
+
+def _sample_shapes(dataset: Any) -> str:
+    """The shapes and dtypes of a dataset's first sample (tensors, or a tuple of them), '' when it has none."""
+    if len(dataset) == 0:
+        return ""
+    sample = dataset[0]
+    parts = sample if isinstance(sample, tuple | list) else (sample,)
+    return ", ".join(canonical(p) if not torch.is_tensor(p) or p.numel() > 1 else str(p.dtype) for p in parts)
+
+
+def data_settings(work: Workload) -> str:
+    """The data's sizes and the first sample's shapes: equal on every rank that reads the same data."""
+    return (
+        f"{len(work.train)} training and {len(work.heldout)} held-out samples, first sample "
+        f"({_sample_shapes(work.train)})"
+    )
+
+
+def check_job_agrees(cfg: TrainConfig, backend: str, work: Workload) -> None:
+    """Raises `RanksDisagree` on every rank, naming the settings and ranks, unless all ranks agree (a collective:
+    call it on every rank, after joining and before building the strategy)."""
+    settings = agreed_settings(cfg, backend)
+    settings["data"] = data_settings(work)
+    settings["optimizer arguments"] = optimizer_arguments(cfg)
+    entries = [*settings.items(), *(("model " + key, value) for key, value in parameter_settings(work.module))]
+    check_same_across_ranks(entries, what="ddpkit train")

@@ -1,0 +1,213 @@
+"""The files of a checkpoint: one folder per saved step, written atomically, committed by a marker with checksums.
+
+Layout of ``OUT/checkpoint/``::
+
+    step-00000045/          one folder per checkpoint, named by the optimizer steps taken
+        shared.pt           rank 0: model (all replicas equal), whole optimizer state, SlowMo state, trainer state
+        rank1.pt ...        SlowMo only: each rank's own replica and optimizer state (they differ between nodes)
+        COMMIT.json         written last, by rank 0: what was saved and the SHA-256 of every file
+
+Every file is written under a temporary name, flushed to disk (fsync), then renamed, so a file with the final name
+is always complete. The marker is written only after every rank reported its file written and synced, so a folder
+without one is torn (a rank died while saving) and is never picked. On resume the checksum of every file is
+verified before it is read: a changed, truncated or missing file is an error naming it. A disk that fills up is
+an error naming the path; the folders of earlier checkpoints are removed only after the new one is committed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+
+MARKER = "COMMIT.json"
+SHARED = "shared.pt"
+_FOLDER = re.compile(r"step-(\d{8,})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file and the cause."""
+
+
+def checkpoint_root(out: str) -> str:
+    return os.path.join(out, "checkpoint")
+
+
+def folder_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Writes `data` to `path` through a temporary file that is synced and renamed; raises CheckpointError."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if exc.errno == errno.ENOSPC:
+            raise CheckpointError(f"no space left on device writing {path}") from None
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def save_file(obj: Any, path: str) -> str:
+    """torch.save of `obj` to `path`, atomically; returns the file's SHA-256 (hex)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    write_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_marker(folder: str, manifest: dict[str, Any]) -> None:
+    write_atomic(os.path.join(folder, MARKER), json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def read_marker(folder: str) -> dict[str, Any]:
+    """The commit marker of `folder`; a CheckpointError naming it when it cannot be read or parsed."""
+    path = os.path.join(folder, MARKER)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint marker {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint marker {path} is corrupt (not valid JSON: {exc})") from None
+    required = {"step", "epoch", "world_size", "strategy", "files"}
+    if not isinstance(manifest, dict) or not required <= set(manifest) or not isinstance(manifest["files"], dict):
+        raise CheckpointError(f"checkpoint marker {path} is corrupt (missing {sorted(required)})")
+    return manifest
+
+
+def step_folders(out: str) -> list[tuple[int, str]]:
+    """(step, folder) of every checkpoint folder under `out`, committed or not, oldest first."""
+    root = checkpoint_root(out)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := _FOLDER.fullmatch(n))]
+    return sorted(found)
+
+
+def committed(out: str) -> list[tuple[int, str]]:
+    """(step, folder) of the checkpoints whose commit marker exists, oldest first (torn ones are left out)."""
+    return [(step, folder) for step, folder in step_folders(out) if os.path.exists(os.path.join(folder, MARKER))]
+
+
+def latest(out: str) -> str | None:
+    """The folder of the newest committed checkpoint under `out`, or None."""
+    done = committed(out)
+    return done[-1][1] if done else None
+
+
+def load_verified(folder: str, name: str, manifest: dict[str, Any]) -> Any:
+    """Reads `name` from `folder` after checking its SHA-256 against the marker; CheckpointError naming the file."""
+    path = os.path.join(folder, name)
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"{path} is not listed in {os.path.join(folder, MARKER)}: it belongs to no checkpoint")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc.strerror or exc}") from None
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt: its SHA-256 differs from the one recorded when it was written "
+            f"({len(data)} bytes now)"
+        )
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # GPU-written: onto CPU too
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {exc}") from None
+
+
+def prune(out: str, keep: list[str]) -> None:
+    """Removes every checkpoint folder under `out` whose name is not in `keep` (older and torn ones)."""
+    for _, folder in step_folders(out):
+        if os.path.basename(folder) not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+HYPERPARAMETERS = ("lr", "momentum", "weight_decay")
+
+
+def resume_settings(cfg: Any) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it, to judge a later --resume (from a TrainConfig)."""
+    return {
+        "strategy": cfg.strategy,
+        "world_size": cfg.world_size,
+        "optimizer": cfg.optimizer,
+        "adascale": cfg.adascale,
+        "amp": cfg.amp,
+        "lr": cfg.learning_rate,
+        "momentum": cfg.momentum if cfg.optimizer == "sgd" else None,
+        "weight_decay": cfg.resolved_weight_decay,
+    }
+
+
+def resume_notes(manifest: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What changes when a run with settings `now` resumes the checkpoint `manifest` describes: a line per kept or
+    changed setting; a ValueError when the run cannot continue correctly from it."""
+    then = {**{k: None for k in now}, **manifest.get("settings", {})}
+    then.update(strategy=manifest["strategy"], world_size=manifest["world_size"])
+    where = f"the checkpoint of step {manifest['step']} was written by --strategy {then['strategy']}"
+    if then["optimizer"] is not None and then["optimizer"] != now["optimizer"]:
+        raise ValueError(
+            f"--resume: {where} with --optimizer {then['optimizer']}; its state cannot drive --optimizer "
+            f"{now['optimizer']}. Resume with --optimizer {then['optimizer']}, or start afresh in another --out"
+        )
+    if bool(then["adascale"]) != bool(now["adascale"]):
+        raise ValueError(f"--resume: {where} {'with' if then['adascale'] else 'without'} --adascale; resume the same")
+    if "slowmo" in (then["strategy"], now["strategy"]) and then["strategy"] != now["strategy"]:
+        raise ValueError(
+            f"--resume: {where}; SlowMo keeps a replica and optimizer state per rank and the others one for all, "
+            f"so it cannot continue as --strategy {now['strategy']}. Resume with --strategy {then['strategy']}"
+        )
+    notes = [f"resuming from step {manifest['step']} (epoch {manifest['epoch']})"]
+    if then["strategy"] != now["strategy"]:
+        notes.append(f"strategy {then['strategy']} -> {now['strategy']}: model and optimizer state carried over")
+    if then["world_size"] != now["world_size"]:
+        notes.append(f"world size {then['world_size']} -> {now['world_size']}: optimizer state re-split, "
+                     "the epoch's remaining samples divided over the new ranks")  # fmt: skip
+        if now["strategy"] == "slowmo":
+            notes.append(f"every rank starts from the mean of the {then['world_size']} saved SlowMo replicas and "
+                         "optimizer states; the slow buffers are carried")  # fmt: skip
+    for name in HYPERPARAMETERS:
+        if then[name] is not None and now[name] is not None and then[name] != now[name]:
+            notes.append(f"{name} {then[name]:g} -> {now[name]:g}: the new value takes effect")
+    if then["amp"] is not None and then["amp"] != now["amp"]:
+        notes.append(f"amp {then['amp']} -> {now['amp']}: the loss scaler starts afresh")
+    return notes

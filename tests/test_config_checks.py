@@ -1,0 +1,243 @@
+"""`ddpkit train` and `ddpkit bench` settings checked before any process starts: numbers finite and in range,
+TOML values of the right type (never coerced), an --out that can be written, NCCL only with enough GPUs, AdamW's
+default weight decay, the model x data combinations, and every default shown by --help. In-process: parsing and
+validation only; the runs that must start are in test_train_checks.py."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_checks import write_tiny_mnist
+
+from ddpkit import cli
+from ddpkit.train import config as cfgmod
+from ddpkit.train.config import DATASETS, MODELS, TrainConfig, validate
+from ddpkit.train.strategies import optimizer_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config_from(argv: list[str]) -> TrainConfig:
+    return cli.make_config(cli.build_parser().parse_args(["train", *argv]))
+
+
+def error_of(argv: list[str]) -> str:
+    with pytest.raises((ValueError, TypeError, FileNotFoundError)) as info:
+        config_from(argv)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--lr", "nan"], "--lr must be a finite number > 0; got nan"),
+        (["--lr", "inf"], "--lr must be a finite number > 0; got inf"),
+        (["--lr", "0"], "--lr must be a finite number > 0; got 0.0"),
+        (["--momentum=-inf"], "--momentum must be a finite number >= 0 and < 1; got -inf"),
+        (["--momentum", "1.5"], "--momentum must be a finite number >= 0 and < 1; got 1.5"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0; got nan"),
+        (["--weight-decay=-0.1"], "--weight-decay must be a finite number >= 0; got -0.1"),
+        (["--timeout", "inf"], "--timeout must be a finite number > 0; got inf"),
+        (["--timeout", "0"], "--timeout must be a finite number > 0; got 0.0"),
+        (["--slowmo-momentum", "nan"], "--slowmo-momentum must be a finite number >= 0 and < 1; got nan"),
+        (["--slowmo-lr", "inf"], "--slowmo-lr must be a finite number > 0; got inf"),
+        (["--slowmo-frequency", "0"], "--slowmo-frequency must be an integer >= 1; got 0"),
+        (["--localsgd-frequency=-3"], "--localsgd-frequency must be an integer >= 1; got -3"),
+        (["--slowmo-nprocs-per-node", "0"], "--slowmo-nprocs-per-node must be an integer >= 1; got 0"),
+        (["--epochs", "0"], "--epochs must be an integer >= 1; got 0"),
+        (["--batch-size=-1"], "--batch-size must be an integer >= 1; got -1"),
+        (["--seed=-1"], "--seed must be an integer >= 0; got -1"),
+        (["--model", "cnn", "--data", "synthetic", "--synthetic-features", "10"], "needs a square"),
+        (["--backend", "nccl"], "--backend nccl needs CUDA GPUs"),
+    ],
+)
+def test_numbers_are_finite_and_in_range(flags, needle, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert needle in error_of(flags)
+
+
+def test_toml_values_of_the_wrong_type_name_the_key(tmp_path):
+    path = tmp_path / "run.toml"
+    for text, needle in [
+        ('lr = "0.01"', "setting 'lr': --lr must be a number (or absent); got '0.01' (str)"),
+        ("epochs = 2.0", "setting 'epochs': --epochs must be an integer; got 2.0 (float)"),
+        ("epochs = true", "setting 'epochs': --epochs must be an integer; got True (bool)"),
+        ('adascale = "yes"', "setting 'adascale': --adascale must be true or false; got 'yes' (str)"),
+        ("progress = 0", "setting 'progress': --progress must be true or false; got 0 (int)"),
+        ("batch-size = [32]", "setting 'batch-size': --batch-size must be an integer; got [32] (list)"),
+        ("strategy = 1", "setting 'strategy': --strategy must be a string; got 1 (int)"),
+        ("lr = nan", "--lr must be a finite number > 0; got nan"),
+        ("timeout = inf", "--timeout must be a finite number > 0; got inf"),
+        ("world-size = 2", "unknown setting 'world-size'"),
+    ]:
+        path.write_text(text + "\n")
+        assert needle in error_of(["--config", str(path)]), text
+    path.write_text('slowmo-nprocs-per-node = 2\nlr = 1\nweight_decay = 0\nstrategy = "slowmo"\nnproc-per-node = 4\n')
+    cfg = config_from(["--config", str(path)])
+    assert (cfg.nprocs_per_node_slowmo, cfg.lr, cfg.weight_decay, cfg.nproc_per_node) == (2, 1.0, 0.0, 4)
+    assert type(cfg.lr) is float  # an integer is taken where a number is expected, and stored as one
+
+
+def test_the_python_api_is_checked_alike():
+    with pytest.raises(TypeError, match="--epochs must be an integer; got '3'"):
+        validate(TrainConfig(epochs="3"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="--progress must be true or false; got 1"):
+        validate(TrainConfig(progress=1))  # type: ignore[arg-type]
+
+
+def test_out_that_cannot_be_written_fails_before_start(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert f"--out {str(a_file)!r} is a file, not a folder" in error_of(["--out", str(a_file)])
+    inside = a_file / "sub"
+    assert f"--out {str(inside)!r} is inside {str(a_file)!r}, a file" in error_of(["--out", str(inside)])
+    assert "--out '/proc/1/ddpkit-out' cannot be written (its folder '/proc/1' exists)" in error_of(
+        ["--out", "/proc/1/ddpkit-out"]
+    )
+    if os.geteuid() != 0:  # root writes into read-only folders
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert "cannot be written" in error_of(["--out", str(locked / "run")])
+    fresh = tmp_path / "new" / "deeper"
+    assert config_from(["--out", str(fresh)]).out == str(fresh)
+    assert not (tmp_path / "new").exists()  # checked, not created
+    assert os.listdir(tmp_path) == ["a-file"] + (["locked"] if os.geteuid() != 0 else [])
+
+
+def test_nccl_needs_one_gpu_per_local_process(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    text = error_of(["--backend", "nccl", "--nproc-per-node", "2"])
+    assert "--backend nccl gives each local process a GPU of its own: 2 local processes need 2 GPUs and 1 are" in text
+    assert "use --nproc-per-node 1 or --backend gloo" in text
+    assert config_from(["--nproc-per-node", "4"]).backend == "auto"  # auto: gloo unless every process has a GPU
+    assert config_from(["--backend", "nccl", "--nproc-per-node", "1"]).backend == "nccl"
+    assert config_from(["--backend", "gloo", "--nproc-per-node", "4"]).backend == "gloo"
+
+
+def test_adamw_uses_torchs_default_weight_decay():
+    torch_default = inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default
+    assert torch_default == 0.01
+    assert optimizer_arguments(config_from(["--optimizer", "adamw"])) == {"lr": 1e-3, "weight_decay": torch_default}
+    assert optimizer_arguments(config_from(["--optimizer", "adam"])) == {"lr": 1e-3, "weight_decay": 0.0}
+    given = config_from(["--optimizer", "adamw", "--weight-decay", "0"])
+    assert optimizer_arguments(given)["weight_decay"] == 0.0
+    sgd = optimizer_arguments(config_from(["--optimizer", "sgd"]))
+    assert sgd == {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9}
+
+
+# every model x data pair: True when it trains (test_train_checks.py runs each), else the start of the reason it
+# is refused before any process starts
+MATRIX: dict[tuple[str, str], bool | str] = {
+    ("gpt", "text"): True,
+    ("gpt", "digits"): "--model gpt reads byte sequences",
+    ("gpt", "mnist"): "--model gpt reads byte sequences",
+    ("gpt", "synthetic"): "--model gpt reads byte sequences",
+    ("mlp", "text"): "--model mlp classifies",
+    ("cnn", "text"): "--model cnn classifies",
+    ("mlp", "digits"): True,
+    ("mlp", "mnist"): True,
+    ("mlp", "synthetic"): True,
+    ("cnn", "digits"): True,
+    ("cnn", "mnist"): True,
+    ("cnn", "synthetic"): True,  # a square number of features (64 by default) is announced and shaped as 1x8x8
+}
+
+
+def matrix_flags(model: str, data: str, mnist_dir: Path) -> list[str]:
+    return ["--model", model, "--data", data] + (["--data-dir", str(mnist_dir)] if data == "mnist" else [])
+
+
+def test_every_model_and_data_pair_is_accepted_or_refused_up_front(tmp_path):
+    assert set(MATRIX) == {(m, d) for m in MODELS for d in DATASETS}, "classify every new model x data pair"
+    write_tiny_mnist(tmp_path / "mnist")
+    for (model, data), outcome in MATRIX.items():
+        flags = matrix_flags(model, data, tmp_path / "mnist")
+        if outcome is True:
+            assert (config_from(flags).model, config_from(flags).data) == (model, data)
+        else:
+            assert str(outcome) in error_of(flags)
+    # synthetic features that do not make a square image are refused for the CNN, not for the MLP
+    refused = ["--model", "cnn", "--data", "synthetic", "--synthetic-features", "48"]
+    assert "--model cnn on synthetic data needs a square --synthetic-features" in error_of(refused)
+    assert config_from(["--data", "synthetic", "--synthetic-features", "48"]).synthetic_features == 48
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """{option: its help text} from argparse's --help output."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("  -"):
+            current = stripped.split()[0].rstrip(",")
+            entries[current] = stripped
+        elif current and line.startswith("      "):
+            entries[current] += " " + stripped
+        else:
+            current = None
+    return entries
+
+
+def test_help_shows_every_default():
+    result = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", "--help"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    entries = _help_entries(result.stdout)
+    options = {o for a in cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions  # type: ignore[union-attr]
+               for o in a.option_strings[:1] if o != "-h"}  # fmt: skip
+    assert options <= set(entries) and len(options) > 35
+    for option in options:
+        assert "(default: " in entries[option], entries[option]
+    fields = {f"--{name.replace('_', '-')}": value for name, value in vars(TrainConfig()).items()}
+    for option in ("--strategy", "--optimizer", "--epochs", "--batch-size", "--hidden", "--slowmo-frequency"):
+        assert f"(default: {fields[option]})" in entries[option], entries[option]
+    assert "(default: 60.0)" in entries["--timeout"] and "(default: 2)" in entries["--nproc-per-node"]
+    assert "0.01 for adamw" in entries["--weight-decay"] and "0.05 for sgd" in entries["--lr"]
+
+
+def test_bench_numbers_are_checked_before_start(capsys):
+    for flags, needle in [
+        (["--steps", "0"], "--steps must be an integer >= 1; got 0"),
+        (["--warmup=-1"], "--warmup must be an integer >= 0; got -1"),
+        (["--timeout", "nan"], "--timeout must be a finite number > 0; got nan"),
+        (["--batch-size", "0"], "--batch-size must be an integer >= 1; got 0"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["bench", *flags])
+        assert info.value.code == 1
+        assert needle in capsys.readouterr().err
+
+
+def test_numeric_ranges_cover_every_float_setting():
+    floats = {n for n, (types, _) in cfgmod.field_types().items() if types == (float,)}
+    assert floats == set(cfgmod.FLOAT_RANGES)
+    ints = {n for n, (types, optional) in cfgmod.field_types().items() if types == (int,) and not optional}
+    assert ints == set(cfgmod.INT_MINIMA)
+    assert math.isinf(cfgmod.FLOAT_RANGES["lr"][1])
+
+
+def test_the_readme_toml_example_is_valid(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "run.toml").write_text(example)
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from(["--config", "run.toml", "--epochs", "2"])
+    assert (cfg.strategy, cfg.optimizer, cfg.lr, cfg.batch_size, cfg.localsgd_frequency) == (
+        "slowmo",
+        "sgd",
+        0.05,
+        64,
+        4,
+    )
+    assert cfg.epochs == 2 and cfg.progress is False and cfg.model == "cnn"
