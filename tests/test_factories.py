@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from ddpkit import cli
-from ddpkit.train import factories
+from ddpkit.train import checkpoint_files, factories
 from ddpkit.train import launcher as launcher_mod
 from ddpkit.train.factories import build_data, build_model, cross_entropy, load_factory, pick_loss
 from ddpkit.train.trainer import count_correct
@@ -192,7 +192,9 @@ def test_train_from_factories_at_two_processes(tmp_path):
     assert summary["workload"] == f"{SPEC}regression_model on {SPEC}regression_data"
     # the reported held-out loss is the factory's L1 loss of the trained model
     module = nn.Linear(4, 1)
-    module.load_state_dict(torch.load(tmp_path / "checkpoint" / "rank0.pt", weights_only=False)["model"])
+    folder = checkpoint_files.latest(str(tmp_path))  # the last committed checkpoint: step 12
+    assert folder is not None and folder.endswith(checkpoint_files.folder_name(12))
+    module.load_state_dict(torch.load(os.path.join(folder, checkpoint_files.SHARED), weights_only=False)["model"])
     x, y = regression_data()[1].tensors
     with torch.no_grad():
         l1, initial = F.l1_loss(module(x), y).item(), F.l1_loss(torch.zeros_like(y), y).item()
