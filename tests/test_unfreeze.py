@@ -111,8 +111,9 @@ def _optim_kwargs(combo):
 def _scaler(combo, sharded):
     if combo["amp"] != "fp16":
         return None
-    make = ShardedGradScaler if sharded else torch.amp.GradScaler
-    return make("cpu", init_scale=2.0**10, growth_interval=2)  # powers of two: scaling is exact
+    if sharded:  # powers of two: scaling is exact
+        return ShardedGradScaler(init_scale=2.0**10, growth_interval=2, device="cpu")
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
 
 def _reference_step(model, opt, scaler, combo, step, world):
