@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hidden", type=int, help="MLP width")
     bench.add_argument("--depth", type=int, help="MLP hidden layers")
     bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
-    bench.add_argument("--strategies", help="comma-separated subset")
+    bench.add_argument("--strategies", help="comma-separated subset of ddp,oss,sharded,slowmo,sgp")
     advice = bench.add_argument_group("your workload and your network (the advisor)")
     _add_workload_flags(advice)
     data_help = "synthetic | text | PACKAGE.MODULE:FACTORY"

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from ddpkit.distributed.launch import TORCHRUN_VARIABLES, free_port
+from ddpkit.train.bench import BENCH_STRATEGIES
 from ddpkit.train.config import STRATEGIES
 
 pytestmark = pytest.mark.slow
@@ -702,11 +703,11 @@ def test_bench_compares_every_strategy(tmp_path):
     lines = result.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
     assert lines[head].count("x ddp") == 3
-    table = {line.split()[0]: line.split() for line in lines[head + 1 : head + 1 + len(STRATEGIES)]}
-    assert list(table) == list(STRATEGIES)
+    table = {line.split()[0]: line.split() for line in lines[head + 1 : head + 1 + len(BENCH_STRATEGIES)]}
+    assert list(table) == list(BENCH_STRATEGIES)
     assert table["ddp"][2] == table["ddp"][5] == table["ddp"][7] == "1.00"  # ratios of ddp against itself
     results = json.loads((tmp_path / "out.json").read_text())
-    assert [r["strategy"] for r in results] == list(STRATEGIES)
+    assert [r["strategy"] for r in results] == list(BENCH_STRATEGIES)
     keys = {"step_ms_median", "samples_per_second", "sent_bytes_per_step", "optimizer_state_bytes_per_rank"}
     for r in results:
         assert keys <= set(r) and r["peak_memory_mb"] > 0 and r["parameters"] == 1024 * 64 + 64 + 64 * 10 + 10
@@ -718,6 +719,8 @@ def test_bench_compares_every_strategy(tmp_path):
     assert full == by["slowmo"]["optimizer_state_bytes_per_rank"]
     assert 8 * 1024 * 64 <= by["oss"]["optimizer_state_bytes_per_rank"] < full
     assert 8 * 1024 * 64 <= by["sharded"]["optimizer_state_bytes_per_rank"] < full
+    # SGP on 2 one-process nodes: each step pushes the parameters and the push-sum weight to one peer, nothing else
+    assert by["sgp"]["sent_bytes_per_step"] == 4 * (1024 * 64 + 64 + 64 * 10 + 10 + 1)
     ratio = by["oss"]["sent_bytes_per_step"] / by["ddp"]["sent_bytes_per_step"]
     assert table["oss"][5] == f"{ratio:.2f}"
     assert (tmp_path / "out.png").read_bytes().startswith(PNG)

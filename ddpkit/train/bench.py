@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.distributed import comm, comm_stats
-from ddpkit.distributed.launch import Placement, free_port, join, leave, pick_backend, spawn
+from ddpkit.distributed.launch import Placement, exit_without_teardown, free_port, join, leave, pick_backend, spawn
 from ddpkit.optim import OSS
 from ddpkit.train import advisor
 from ddpkit.train.config import STRATEGIES, TrainConfig, validate
@@ -36,6 +35,18 @@ from ddpkit.train.trainer import Trainer
 from ddpkit.train.workload import build_workload
 
 FEATURES, CLASSES = 1024, 10
+BENCH_STRATEGIES = (*STRATEGIES, "sgp")  # sgp: --strategy slowmo --slowmo-base sgp, with its other settings
+
+
+def strategy_config(cfg: TrainConfig, name: str) -> TrainConfig:
+    """The run of bench strategy `name` (one of BENCH_STRATEGIES) on `cfg`."""
+    if name == "sgp":
+        return dataclasses.replace(cfg, strategy="slowmo", slowmo_base="sgp")
+    return dataclasses.replace(cfg, strategy=name, slowmo_base="localsgd")
+
+
+def strategy_label(cfg: TrainConfig) -> str:
+    return "sgp" if cfg.strategy == "slowmo" and cfg.slowmo_base == "sgp" else cfg.strategy
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -64,7 +75,7 @@ def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) ->
     times, values = timed_steps(step, steps, warmup)
     sent, messages, shared = ([v[i] for v in values] for i in range(3))
     return {
-        "strategy": cfg.strategy,
+        "strategy": strategy_label(cfg),
         "workload": work.name,
         "world_size": placement.world_size,
         "timed_steps": steps,
@@ -102,8 +113,7 @@ def _bench_process(local_rank: int, cfg: TrainConfig, port: int, steps: int, war
     # exception"). The results are written and every rank reached the barrier: give the peers a moment to leave
     # it, then end the process without the teardown; the operating system closes the connections.
     time.sleep(0.5)
-    sys.stdout.flush()
-    os._exit(0)
+    exit_without_teardown()
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
@@ -191,10 +201,10 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs each strategy in its own fresh processes (so peak memory is per strategy), prints the table and the
     advice, and writes the plot (and JSON) on the machine of rank 0."""
     given = vars(args)
-    names = given.get("strategies", ",".join(STRATEGIES)).split(",")
-    unknown = [n for n in names if n not in STRATEGIES]
+    names = given.get("strategies", ",".join(BENCH_STRATEGIES)).split(",")
+    unknown = [n for n in names if n not in BENCH_STRATEGIES]
     if unknown:
-        raise ValueError(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+        raise ValueError(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(BENCH_STRATEGIES)}")
     cfg = bench_config(given)
     target = None
     if "link_mbit" in given:
@@ -209,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         for index, name in enumerate(names):
             print(f"bench: {name} on {cfg.world_size} processes ...", flush=True)
             out = os.path.join(tmp, f"{name}.json")
-            run_cfg = dataclasses.replace(cfg, strategy=name)
+            run_cfg = strategy_config(cfg, name)
             spawn(_bench_process, cfg.nproc_per_node, (run_cfg, _port(cfg, index), steps, warmup, out))
             if cfg.node_rank == 0:
                 with open(out) as f:

@@ -18,6 +18,7 @@ from ddpkit.distributed.launch import (
     LaunchError,
     Placement,
     debug_mode,
+    exit_without_teardown,
     explain_failure,
     join,
     leave,
@@ -186,6 +187,7 @@ def process_main(local_rank: int, cfg: TrainConfig, master_port: int) -> None:
         master_port=master_port,
     )
     run_placed(cfg, placement)
+    exit_without_teardown()  # done and the group left: torch's teardown at exit may abort (see its docstring)
 
 
 def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
