@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ddpkit.distributed.launch import free_port, from_torchrun, spawn
+from ddpkit.distributed.launch import exit_without_teardown, free_port, from_torchrun, spawn
 from ddpkit.train.config import TrainConfig, validate
 from ddpkit.train.run import process_main, run_placed
 
@@ -24,7 +24,7 @@ def launch_training(cfg: TrainConfig) -> None:
         )
         validate(cfg)
         run_placed(cfg, placement)
-        return
+        exit_without_teardown()  # this process is torchrun's worker: done, and the group left
     port = cfg.master_port
     if port is None:
         port = free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
