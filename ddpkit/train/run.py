@@ -7,7 +7,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -95,12 +94,10 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     if cfg.resume or resume_elastic(cfg, placement):
         assert cfg.out is not None
         trainer.state = load_checkpoint(cfg.out, strategy, settings)
-    start = time.perf_counter()
     trainer.fit(cfg.epochs, cfg.max_steps)
-    wall = time.perf_counter() - start
     if isinstance(strategy.model, SlowMoDistributedDataParallel):
         strategy.model.average_parameters()  # one model at the end, whatever step the run stopped at
-    summary = summarize(cfg, placement, backend, trainer, recorder, wall)
+    summary = summarize(cfg, placement, backend, trainer, recorder)
     if placement.rank == 0:
         print(format_summary(summary), flush=True)
         if "heldout_bits_per_byte" in summary:
@@ -138,7 +135,7 @@ def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
 
 
 def summarize(
-    cfg: TrainConfig, placement: Placement, backend: str, trainer: Trainer, recorder: MetricsRecorder, wall: float
+    cfg: TrainConfig, placement: Placement, backend: str, trainer: Trainer, recorder: MetricsRecorder
 ) -> dict[str, Any]:
     """The run's figures, gathered over ranks (a collective)."""
     steps = recorder.steps
