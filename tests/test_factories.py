@@ -215,8 +215,12 @@ def test_max_steps_stops_mid_epoch_and_ends_that_epoch():
     trainer = Trainer(module, torch.optim.SGD(module.parameters(), lr=0.05), DataLoader(train, batch_size=60),
                       F.l1_loss, callbacks=[recorder])  # fmt: skip
     trainer.fit(epochs=3, max_steps=6)  # 4 steps per epoch: epoch 0 whole, epoch 1 cut after 2 steps
-    assert trainer.state.step == 6 and trainer.state.epoch == 2 and len(recorder.steps) == 6
-    assert [h["steps"] for h in trainer.state.history] == [4, 6]
+    assert trainer.state.step == 6 and trainer.state.epoch == 1 and len(recorder.steps) == 6
+    assert trainer.state.epoch_samples == 120  # epoch 1 keeps its place: a resumed run trains its other half
+    assert [(h["epoch"], h["steps"]) for h in trainer.state.history] == [(0, 4), (1, 6)]
     assert all(h["train_accuracy"] != h["train_accuracy"] for h in trainer.state.history)  # NaN: no classes
     trainer.fit(epochs=3, max_steps=6)  # already there: nothing more
     assert trainer.state.step == 6
+    trainer.fit(epochs=3, max_steps=8)  # the rest of epoch 1, which replaces its cut-short entry
+    assert (trainer.state.step, trainer.state.epoch, trainer.state.epoch_samples) == (8, 2, 0)
+    assert [(h["epoch"], h["steps"]) for h in trainer.state.history] == [(0, 4), (1, 8)]

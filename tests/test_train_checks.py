@@ -226,3 +226,16 @@ def test_two_commands_with_different_flags_fail_on_both_before_training(tmp_path
         assert "Traceback" not in err and "shared-memory" not in err
     assert time.monotonic() - start < 120
     assert not (tmp_path / "out").exists()
+
+
+def test_an_elastic_job_on_a_shared_rendezvous_store_is_told_that_machines_cannot_rejoin(monkeypatch):
+    from ddpkit.distributed.launch import rejoin_blocked_note
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in rejoin_blocked_note()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
+    assert rejoin_blocked_note() is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # not elastic: nothing to rejoin
+    assert rejoin_blocked_note() is None

@@ -50,6 +50,24 @@ def from_torchrun() -> Placement | None:
     )
 
 
+def rejoin_blocked_note() -> str | None:
+    """Why a machine that leaves this elastic torchrun job could not come back, or None.
+
+    With torchrun's default of sharing its rendezvous TCPStore with the workers, an agent that stays rank 0 across
+    rendezvous rounds keeps the store address of the first round and never publishes it for the next one, so an
+    agent that comes back waits for it until it times out (seen with torch 2.13; a job that only loses machines is
+    not affected). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every machine makes each round publish its own."""
+    env = os.environ
+    elastic = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+    shared_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if not (elastic and shared_store):
+        return None
+    return (
+        "a machine that leaves this elastic job cannot rejoin it while torchrun shares its rendezvous store with "
+        "the workers; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment of torchrun on every machine"
+    )
+
+
 def pick_backend(requested: str, local_processes: int = 1, device: str = "auto") -> str:
     """``auto``: NCCL when CUDA is present with a GPU for each of the `local_processes` (NCCL refuses two ranks on
     one GPU) and `device` is not ``"cpu"``, else gloo."""

@@ -79,8 +79,9 @@ class MetricsRecorder(Callback):
         samples = sum(r.samples for r in records) or 1
         targets = sum(r.targets for r in records)
         accuracy, test_loss = trainer.evaluate(self.test_loader)
+        epoch = records[-1].epoch if records else trainer.state.epoch - 1  # a cut-short epoch keeps its number
         entry: dict[str, Any] = {
-            "epoch": trainer.state.epoch - 1,
+            "epoch": epoch,
             "steps": trainer.state.step,
             "samples": samples,
             "train_loss": sum(r.loss * r.samples for r in records) / samples,
@@ -90,7 +91,10 @@ class MetricsRecorder(Callback):
             "seconds": sum(r.seconds for r in records),
             "sent_bytes": sum(r.sent_bytes for r in records),
         }
-        trainer.state.history.append(entry)
+        history = trainer.state.history
+        if history and history[-1]["epoch"] == epoch:  # an epoch cut short (--max-steps) and resumed: one entry
+            history.pop()
+        history.append(entry)
 
     def totals(self) -> dict[str, float]:
         """Samples trained, bytes sent (all ranks) and wall seconds of the whole run, earlier runs it resumed

@@ -22,6 +22,7 @@ from ddpkit.distributed.launch import (
     join,
     leave,
     pick_backend,
+    rejoin_blocked_note,
 )
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import guard_rank
@@ -91,6 +92,9 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
         scaler=strategy.scaler,
         callbacks=callbacks,
     )
+    note = rejoin_blocked_note()
+    if note and placement.rank == 0:
+        print(f"ddpkit: note: {note}", file=sys.stderr, flush=True)
     if cfg.resume or resume_elastic(cfg, placement):
         assert cfg.out is not None
         trainer.state = load_checkpoint(cfg.out, strategy, settings)

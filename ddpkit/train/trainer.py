@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -112,21 +113,25 @@ class Trainer:
         middle of an epoch: the sampler skips what ``state.epoch_samples`` says was consumed).
 
         With `max_steps`, training stops once ``state.step`` reaches it; an epoch cut short still ends with
-        ``on_epoch_end`` (its metrics and checkpoint), and a resumed run starts at the next epoch."""
+        ``on_epoch_end`` (its metrics and checkpoint) but keeps its place (``state.epoch`` and
+        ``state.epoch_samples``), so a resumed run goes on with the rest of that epoch."""
         self._emit("on_train_start")
         while self.state.epoch < epochs and (max_steps is None or self.state.step < max_steps):
             self._emit("on_epoch_start")
             self.model.train()
             replicas = getattr(getattr(self.train_loader, "sampler", None), "num_replicas", 1)
+            cut_short = False
             for batches in _chunks(self._epoch_batches(), self.grad_accum):
                 self.last = self.train_step(batches)
                 self.state.step += 1
                 self.state.epoch_samples += self.last.samples * replicas
                 self._emit("after_step")
                 if max_steps is not None and self.state.step >= max_steps:
+                    cut_short = True
                     break
-            self.state.epoch += 1
-            self.state.epoch_samples = 0
+            if not cut_short or self.state.epoch_samples >= _length(self.train_loader.dataset):
+                self.state.epoch += 1
+                self.state.epoch_samples = 0
             self._emit("on_epoch_end")
         self._emit("on_train_end")
 
@@ -217,6 +222,14 @@ def count_correct(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]
     if predicted.shape != target.shape:
         return 0, 0
     return int((predicted == target).sum()), target.numel()
+
+
+def _length(dataset: Any) -> float:
+    """The number of samples in `dataset`; infinite for one without a length (an iterable dataset)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return math.inf
 
 
 def _chunks(batches: Iterator[Any], size: int) -> Iterator[list[Any]]:
