@@ -33,6 +33,9 @@ class ShardedDataParallel(ModuleWrapper):
     remaining buckets are flushed, every reduce is waited for, owners hold exactly DDP's averaged gradient and
     the other ranks drop theirs (``grad = None``). `OSS.step()` then updates each shard and broadcasts it.
 
+    Communication at construction: one all-gather of an 8-byte digest of every rank's parameter names, shapes,
+    dtypes and order (`ddpkit.distributed.agreement`), then (`sync_models_at_startup`) parameters and buffers
+    broadcast from rank 0.
     Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
     traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). With `broadcast_buffers`, module buffers are

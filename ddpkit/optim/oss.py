@@ -39,6 +39,8 @@ class OSS(Optimizer):
     LR schedulers write) into that local optimizer, which updates the shard; then each owner broadcasts its
     updated parameters to all ranks.
 
+    Communication at construction: one all-gather of an 8-byte digest of every rank's parameter shapes, dtypes,
+    order and param-group hyper-parameters (`ddpkit.distributed.agreement`; a mismatch is named on every rank).
     Communication per `step()`: one broadcast per (owner, device, dtype) of the owner's trainable parameters,
     all in flight together, i.e. every trainable parameter crosses the network once (in fp16 with
     `broadcast_fp16`: the owner keeps its own fp32 values). At the first step (world size > 1) each such group
