@@ -15,6 +15,8 @@ EXAMPLES = """examples:
   ddpkit train                                         # 2 local processes, digits, OSS + ShardedDataParallel
   ddpkit train --strategy slowmo --nproc-per-node 4 --localsgd-frequency 3
   ddpkit train --strategy slowmo --slowmo-base sgp --graph ring --nproc-per-node 4 --overlap
+  ddpkit train --strategy slowmo --localsgd-frequency 8 --slowmo-compression int4 --slowmo-fragments 4 \
+      --slowmo-sync-delay 1 --slowmo-error-feedback   # streaming DiLoCo: over slow links
   ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 2
   torchrun --nproc-per-node 2 -m ddpkit train          # under torchrun
   ddpkit train --world-size 2 --rank 0 --host 10.0.0.1   # on machine 0, then --rank 1 on machine 1
@@ -67,6 +69,20 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     slowmo.add_argument(
         "--slowmo-sgp-average-params", action="store_true", help="sgp: exact average every --localsgd-frequency"
     )
+    slowmo.add_argument("--slowmo-nesterov", action="store_true", help="the outer step is Nesterov's (DiLoCo)")
+    links = p.add_argument_group("SlowMo over slow links (--strategy slowmo, localsgd: DiLoCo, Streaming DiLoCo)")
+    links.add_argument(
+        "--slowmo-compression",
+        choices=cfgmod.SLOWMO_COMPRESSIONS,
+        help="nodes send pseudo-gradients as none (fp32) | bf16 | int8 | int4",
+    )
+    links.add_argument("--slowmo-compression-block", type=int, help="values per fp32 scale (int8, int4)")
+    links.add_argument(
+        "--slowmo-error-feedback", action="store_true", help="what quantisation dropped joins the next sync"
+    )
+    links.add_argument("--slowmo-fragments", type=int, help="parameter fragments synced at staggered steps")
+    links.add_argument("--slowmo-sync-delay", type=int, help="steps a fragment's sync travels before it is merged")
+    links.add_argument("--slowmo-merge-alpha", type=float, help="weight of the local parameters in a delayed merge")
 
 
 def _name_or_factory(names: tuple[str, ...]) -> Callable[[str], str]:
