@@ -3,7 +3,7 @@
 Against a single-process simulation of the nodes written out from the formulas of SlowMoDistributedDataParallel's
 docstring, message for message (the quantised chunks each node master sent and owned are those
 `simulate_messages` computes from its inputs), through CommStats, with error feedback, across a checkpoint taken
-with syncs in flight, and on the error paths. Each spawned run covers many settings and returns numbers; the
+with syncs in flight, without a CUDA call on the CPU path, and on the error paths. Each spawned run covers many settings and returns numbers; the
 assertions are made here, in the parent.
 """
 
@@ -13,7 +13,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-from test_slowmo import _batch, _error, _flat, _local_step, _mlp, _optimizer, _scheduler
+from test_slowmo import CUDA_FUNCTIONS, _batch, _error, _flat, _local_step, _mlp, _optimizer, _scheduler
 from test_slowmo import _wrap as slowmo_wrap
 from torch.nn import functional as F
 
@@ -244,10 +244,25 @@ CONFIGS = {
 EF_PAIR = (1, 7)  # CONFIGS[4]: the same run with and without error feedback
 
 
+@contextmanager
+def _cuda_forbidden():
+    """Every torch.cuda function test_slowmo lists records its name instead of running, for the block."""
+    calls, saved = [], {name: getattr(torch.cuda, name) for name in CUDA_FUNCTIONS}
+    for name in CUDA_FUNCTIONS:
+        setattr(torch.cuda, name, lambda *args, _name=name, **kwargs: calls.append(_name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
+
+
 def _runs(rank, world):
-    with warnings.catch_warnings():  # the one-node warning; the pool's processes are reused
+    with warnings.catch_warnings(), _cuda_forbidden() as cuda_calls:  # the one-node warning: the pool is reused
         warnings.simplefilter("ignore")
-        return [_run(rank, cfg) for cfg in CONFIGS[world]]
+        runs = [_run(rank, cfg) for cfg in CONFIGS[world]]
+    assert cuda_calls == [], cuda_calls  # the CPU path calls no CUDA function
+    return runs
 
 
 def _check_params(world, cfg, runs, expected, nodes):
