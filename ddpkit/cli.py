@@ -70,7 +70,11 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
         "--slowmo-sgp-average-params", action="store_true", help="sgp: exact average every --localsgd-frequency"
     )
     slowmo.add_argument("--slowmo-nesterov", action="store_true", help="the outer step is Nesterov's (DiLoCo)")
-    links = p.add_argument_group("SlowMo over slow links (--strategy slowmo, localsgd: DiLoCo, Streaming DiLoCo)")
+    _add_slow_link_flags(p.add_argument_group("SlowMo over slow links (--strategy slowmo: DiLoCo, Streaming DiLoCo)"))
+
+
+def _add_slow_link_flags(links: argparse._ArgumentGroup) -> None:
+    """How SlowMo's nodes exchange pseudo-gradients (shared by `train` and `bench`)."""
     links.add_argument(
         "--slowmo-compression",
         choices=cfgmod.SLOWMO_COMPRESSIONS,
@@ -192,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--depth", type=int, help="MLP hidden layers")
     bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
     bench.add_argument("--strategies", help="comma-separated subset of ddp,oss,sharded,slowmo,sgp")
+    _add_slow_link_flags(bench.add_argument_group("the slowmo run over slow links"))
     advice = bench.add_argument_group("your workload and your network (the advisor)")
     _add_workload_flags(advice)
     data_help = "synthetic | text | PACKAGE.MODULE:FACTORY"

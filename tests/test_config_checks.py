@@ -126,6 +126,19 @@ def test_slow_link_flags_reach_slowmo_and_the_metrics():
                         if k in defaults}  # fmt: skip
 
 
+def test_bench_passes_the_slow_link_flags_to_its_slowmo_run():
+    from ddpkit.train import bench
+
+    args = cli.build_parser().parse_args(["bench", "--slowmo-compression", "int4", "--slowmo-fragments", "3"])
+    cfg = bench.bench_config(vars(args))
+    assert (cfg.slowmo_compression, cfg.slowmo_fragments, cfg.localsgd_frequency) == ("int4", 3, 3)
+    assert bench.strategy_config(cfg, "slowmo").slowmo_compression == "int4"
+    sgp = bench.strategy_config(cfg, "sgp")  # gossip: no slow-link settings
+    assert (sgp.slowmo_base, sgp.slowmo_compression, sgp.slowmo_fragments) == ("sgp", "none", 1)
+    with pytest.raises(ValueError, match="--slowmo-fragments 4 must be at most --localsgd-frequency 3"):
+        bench.bench_config({"slowmo_fragments": 4})
+
+
 def test_sgp_graph_names_are_the_library_graphs():
     from ddpkit.distributed.gossip_graphs import GRAPHS
 

@@ -3,8 +3,8 @@
 Against a single-process simulation of the nodes written out from the formulas of SlowMoDistributedDataParallel's
 docstring, message for message (the quantised chunks each node master sent and owned are those
 `simulate_messages` computes from its inputs), through CommStats, with error feedback, across a checkpoint taken
-with syncs in flight, without a CUDA call on the CPU path, and on the error paths. Each spawned run covers many settings and returns numbers; the
-assertions are made here, in the parent.
+with syncs in flight, without a CUDA call on the CPU path, and on the error paths. Each spawned run covers many
+settings and returns numbers; the assertions are made here, in the parent.
 """
 
 import io
