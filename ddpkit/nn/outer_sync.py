@@ -133,10 +133,11 @@ class OuterSync:
     """Averaging between nodes through quantised pseudo-gradients, fragment by fragment, optionally overlapped.
 
     Every node (all its ranks alike) keeps the synchronised copy ``g`` of the parameters (bit-identical on every
-    rank). Fragment j of the flat parameters (`fragment_bounds`: K pieces balanced by elements, whole tensors where
-    possible) starts a sync after step t when ``(t + s_j) % localsgd_frequency == 0`` (and, slow momentum on, when
-    ``(t + s_j) % slowmo_frequency == 0``), with ``s_j = H - (j + 1) H // K`` (H = localsgd_frequency): the
-    fragments start at evenly spaced steps of each period, the last one where SlowMo alone would average. A sync:
+    rank). Fragment j of the flat parameters (`fragment_bounds`: K pieces balanced by elements, i.e. by bytes as
+    every parameter is fp32; whole tensors where possible) starts a sync after step t when
+    ``(t + s_j) % localsgd_frequency == 0`` (and, slow momentum on, when ``(t + s_j) % slowmo_frequency == 0``),
+    with ``s_j = H - (j + 1) H // K`` (H = localsgd_frequency): the fragments start at evenly spaced steps of each
+    period, the last one where SlowMo alone would average. A sync:
 
     1. each node's pseudo-gradient ``d = g - x`` (+ its error-feedback residual e) goes to `compressed_mean`
        among node masters (quantised all-to-all to chunk owners, fp32 sum, re-quantised all-gather); with error
@@ -147,9 +148,10 @@ class OuterSync:
     3. the node's parameters become ``x = g`` (tau = 0), or Streaming DiLoCo's merge ``x = a x + (1 - a) g`` with
        a = `merge_alpha` (tau > 0: x has moved on for tau steps).
 
-    Communication per sync of a fragment of F elements: between node masters, at most 2 (N-1)/N of its quantised
-    size (`payload_bytes`) per master; inside a node, one fp32 broadcast of F elements. No step starts more than
-    about 1/K of the model (when slowmo_frequency is a multiple of localsgd_frequency).
+    Communication per sync of a fragment of F elements: between node masters, 2 (N-1)/N of its quantised size
+    (`payload_bytes`) per master (exactly 2 (N-1) of it over all masters; a master owning a chunk one block longer
+    sends up to N-2 blocks' bytes more); inside a node, one fp32 broadcast of F elements. No step starts more
+    than about 1/K of the model (when slowmo_frequency is a multiple of localsgd_frequency).
     Memory: g (P fp32), the residual (P fp32, with error feedback and compression), each sync in flight (its
     pseudo-gradient and mean, about P/K each), and SlowMo's x0 and u whole (2P) on every rank.
     """
