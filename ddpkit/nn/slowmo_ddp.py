@@ -82,7 +82,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     parameters as of the last sync (the same bits on every rank); a sync sends each node's pseudo-gradient
     ``d = g - x`` (plus, with `slowmo_error_feedback`, what quantisation dropped from its previous one), quantised
     ("bf16", "int8" or "int4" with one fp32 scale per `slowmo_compression_block` values; "none": fp32), averaged
-    among node masters by `ddpkit.distributed.compressed_allreduce` (at most 2(N-1)/N of the quantised size per
+    among node masters by `ddpkit.distributed.compressed_allreduce` (about 2(N-1)/N of the quantised size per
     master) and broadcast in fp32 inside each node: ``g = g - mean(d)``, then slow momentum on g on a slow step
     (``x0``, ``u`` as above with x = g), then ``x = g``. The parameters form K fragments (balanced by elements,
     whole tensors where possible, K <= localsgd_frequency), each synced at its own offset of every period; with
