@@ -531,3 +531,12 @@ def test_bad_settings_fail_before_any_collective():
             assert collectives == [], (label, collectives)
         assert "slowmo_compression: int8 on rank 0; int4 on rank 1" in out["disagree"], out["disagree"]
         assert any("slowmo_error_feedback" in m and "no effect" in m for m in out["idle"]), out["idle"]
+
+
+def test_the_simulation_tells_the_settings_apart():
+    """Each setting changes the trajectory the runs are compared with (so the comparisons above can fail)."""
+    base = _cfg(1, 4, 8, "int4", k=2, tau=1, ef=True, nesterov=True)
+    reference = _simulate(4, base, STEPS)[0]
+    for change in ({"merge": 0.0}, {"ef": False}, {"compression": "none"}, {"k": 1}, {"tau": 0}, {"nesterov": False}):
+        other = _simulate(4, {**base, **change}, STEPS)[0]
+        assert (other - reference).abs().max().item() > 1e-4, change
