@@ -15,6 +15,8 @@ reduce          the tensor                             on gloo (ddpkit sends poi
 broadcast       the tensor                             ``(N-1)/N B`` (scatter + all-gather)
 all_gather      this rank's input                      ``(N-1) B``
 reduce_scatter  this rank's full input                 ``(N-1)/N B``
+all_to_all      this rank's full input (every part)    ``(N-1)/N B`` with equal parts; what is addressed to
+                                                       other ranks exactly, as the compressed mean records it
 gather          this rank's input                      ``B`` on non-roots, 0 on the root
 barrier         nothing                                0
 shared_memory   a copy out of another rank's segment   0 (same host, no wire; see shared_memory.py)
@@ -61,7 +63,7 @@ def wire_bytes(kind: str, payload_bytes: int, world_size: int, is_root: bool = F
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n * payload_bytes
-    if kind in ("reduce", "broadcast", "reduce_scatter"):
+    if kind in ("reduce", "broadcast", "reduce_scatter", "all_to_all"):
         return (n - 1) / n * payload_bytes
     if kind == "all_gather":
         return float((n - 1) * payload_bytes)
