@@ -14,6 +14,7 @@ from ddpkit.distributed import comm
 from ddpkit.distributed.compressed_allreduce import (
     chunk_bounds,
     compressed_mean,
+    open_channel,
     simulate_compressed_mean,
     simulate_messages,
     start_compressed_mean,
@@ -64,6 +65,8 @@ def _overlap(rank: int, world: int) -> dict:
 def _subgroups(rank: int, world: int) -> dict:
     """Ranks 0 and 2 average over their group, 1 and 3 over theirs (a master group's shape), concurrently."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    open_channel([0, 2], groups[0])  # every rank, in the same order: creating a group involves all of them
+    open_channel([1, 3], groups[1])
     mine = groups[rank % 2]
     return {"mean": compressed_mean(_input(rank, 777, 7), mine, "int4", 16)}
 

@@ -25,11 +25,15 @@ Memory: the quantised messages (about Q on each side of each exchange, N q for t
 one fp32 chunk for the owner's sum and the fp32 result (n values).
 
 `start_compressed_mean` returns at once with a `PendingMean`; the exchange runs on a process group of the same
-ranks created for it (`use_local_synchronization`, so only the group's ranks take part, with the parent's
-timeout) by one worker thread per group of ranks, which runs the started means one after the other, in the
-order they were started (the same order on every rank, as for any collective). So a mean in flight never
-interleaves with the collectives the caller keeps issuing on its own groups. `compressed_mean` starts one and
-waits for it. `simulate_compressed_mean` computes, in one process, the very result N ranks get, bit for bit.
+ranks created for it (a "channel", with the parent's timeout) by one worker thread per group of ranks, which runs
+the started means one after the other, in the order they were started (the same order on every rank, as for any
+collective). So a mean in flight never interleaves with the collectives the caller keeps issuing on its own groups.
+Creating a group is a collective of every rank of the job, members or not, so a mean over part of the job needs
+`open_channel` called first on every rank, in the same order (SlowMo does so at construction); a mean over the
+whole job opens its channel on first use. (torch's `use_local_synchronization` would spare the non-members, but it
+names a group after how many groups the rank already has, so ranks that made different groups before hang in its
+set-up.) `compressed_mean` starts one and waits for it. `simulate_compressed_mean` computes, in one process, the
+very result N ranks get, bit for bit.
 """
 
 from __future__ import annotations
@@ -202,9 +206,9 @@ class _Job:
 class _Channel:
     """A process group of given ranks and the one worker thread that runs its started means in order."""
 
-    def __init__(self, ranks: list[int], parent: ProcessGroup | None) -> None:
+    def __init__(self, ranks: list[int], group: ProcessGroup) -> None:
         self.default = dist.distributed_c10d._get_default_group()  # held: a new job's group is another object
-        self.group = dist.new_group(ranks, timeout=job_timeout(parent), use_local_synchronization=True)
+        self.group = group
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         name = "ddpkit-compressed-mean-" + ",".join(map(str, ranks))
         threading.Thread(target=self._serve, name=name, daemon=True).start()
@@ -221,11 +225,27 @@ _channels: dict[tuple[int, ...], _Channel] = {}
 _channels_lock = threading.Lock()
 
 
+def open_channel(ranks: list[int], parent: ProcessGroup | None) -> None:
+    """Opens the channel that started means among the global `ranks` travel on (`parent`: the group whose
+    timeout it takes). A collective of every rank of the job, members or not: call it on all, in the same order."""
+    group = dist.new_group(sorted(ranks), timeout=job_timeout(parent))
+    if dist.get_rank() in ranks:
+        with _channels_lock:
+            _channels[tuple(sorted(ranks))] = _Channel(sorted(ranks), group)
+
+
 def _channel(group: ProcessGroup | None) -> _Channel:
-    """The channel for `group`'s ranks, created on first use (by every rank of the group, in the same order)."""
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    """The channel for `group`'s ranks; one over the whole job is opened on first use (by every rank, as the mean
+    itself is), one over part of it must have been opened by `open_channel`."""
+    ranks = tuple(sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)))
     with _channels_lock:
-        channel = _channels.get(tuple(ranks))
-        if channel is None or channel.default is not dist.distributed_c10d._get_default_group():
-            channel = _channels[tuple(ranks)] = _Channel(list(ranks), group)
-        return channel
+        channel = _channels.get(ranks)
+        if channel is not None and channel.default is dist.distributed_c10d._get_default_group():
+            return channel
+    if len(ranks) != dist.get_world_size():
+        raise RuntimeError(
+            f"compressed mean over ranks {list(ranks)}: call ddpkit.distributed.compressed_allreduce.open_channel"
+            f"({list(ranks)}, group) on every rank of the job first (creating its group involves all of them)"
+        )
+    open_channel(list(ranks), group)
+    return _channels[ranks]
