@@ -15,6 +15,8 @@ EXAMPLES = """examples:
   ddpkit train                                         # 2 local processes, digits, OSS + ShardedDataParallel
   ddpkit train --strategy slowmo --nproc-per-node 4 --localsgd-frequency 3
   ddpkit train --strategy slowmo --slowmo-base sgp --graph ring --nproc-per-node 4 --overlap
+  ddpkit train --strategy slowmo --localsgd-frequency 8 --slowmo-compression int4 --slowmo-fragments 4 \
+      --slowmo-sync-delay 1 --slowmo-error-feedback   # streaming DiLoCo: over slow links
   ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 2
   torchrun --nproc-per-node 2 -m ddpkit train          # under torchrun
   ddpkit train --world-size 2 --rank 0 --host 10.0.0.1   # on machine 0, then --rank 1 on machine 1
@@ -67,6 +69,24 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     slowmo.add_argument(
         "--slowmo-sgp-average-params", action="store_true", help="sgp: exact average every --localsgd-frequency"
     )
+    slowmo.add_argument("--slowmo-nesterov", action="store_true", help="the outer step is Nesterov's (DiLoCo)")
+    _add_slow_link_flags(p.add_argument_group("SlowMo over slow links (--strategy slowmo: DiLoCo, Streaming DiLoCo)"))
+
+
+def _add_slow_link_flags(links: argparse._ArgumentGroup) -> None:
+    """How SlowMo's nodes exchange pseudo-gradients (shared by `train` and `bench`)."""
+    links.add_argument(
+        "--slowmo-compression",
+        choices=cfgmod.SLOWMO_COMPRESSIONS,
+        help="nodes send pseudo-gradients as none (fp32) | bf16 | int8 | int4",
+    )
+    links.add_argument("--slowmo-compression-block", type=int, help="values per fp32 scale (int8, int4)")
+    links.add_argument(
+        "--slowmo-error-feedback", action="store_true", help="what quantisation dropped joins the next sync"
+    )
+    links.add_argument("--slowmo-fragments", type=int, help="parameter fragments synced at staggered steps")
+    links.add_argument("--slowmo-sync-delay", type=int, help="steps a fragment's sync travels before it is merged")
+    links.add_argument("--slowmo-merge-alpha", type=float, help="weight of the local parameters in a delayed merge")
 
 
 def _name_or_factory(names: tuple[str, ...]) -> Callable[[str], str]:
@@ -176,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--depth", type=int, help="MLP hidden layers")
     bench.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
     bench.add_argument("--strategies", help="comma-separated subset of ddp,oss,sharded,slowmo,sgp")
+    _add_slow_link_flags(bench.add_argument_group("the slowmo run over slow links"))
     advice = bench.add_argument_group("your workload and your network (the advisor)")
     _add_workload_flags(advice)
     data_help = "synthetic | text | PACKAGE.MODULE:FACTORY"

@@ -17,6 +17,7 @@ import torch
 from test_train_checks import write_tiny_mnist
 
 from ddpkit import cli
+from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train import config as cfgmod
 from ddpkit.train.config import DATASETS, MODELS, TrainConfig, validate
 from ddpkit.train.strategies import optimizer_arguments
@@ -72,6 +73,70 @@ def error_of(argv: list[str]) -> str:
 def test_numbers_are_finite_and_in_range(flags, needle, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert needle in error_of(flags)
+
+
+SLOW = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency", "8"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ([*SLOW, "--slowmo-compression", "fp8"], "invalid choice: 'fp8'"),
+        ([*SLOW, "--slowmo-compression-block", "0"], "--slowmo-compression-block must be an integer >= 1; got 0"),
+        ([*SLOW, "--slowmo-compression", "int4", "--slowmo-compression-block", "7"], "an even --slowmo-compression-b"),
+        ([*SLOW, "--slowmo-fragments", "0"], "--slowmo-fragments must be an integer >= 1; got 0"),
+        ([*SLOW, "--slowmo-fragments", "5"], "--slowmo-fragments 5 must be at most --localsgd-frequency 4"),
+        ([*SLOW, "--slowmo-sync-delay", "4"], "--slowmo-sync-delay 4 must be smaller than --localsgd-frequency 4"),
+        ([*SLOW, "--slowmo-sync-delay=-1"], "--slowmo-sync-delay must be an integer >= 0; got -1"),
+        ([*SLOW, "--slowmo-sync-delay", "1", "--slowmo-frequency", "6"], "a multiple of --localsgd-frequency (4)"),
+        ([*SLOW, "--slowmo-merge-alpha", "1.5"], "--slowmo-merge-alpha must be a number in [0, 1]; got 1.5"),
+        ([*SLOW, "--slowmo-merge-alpha", "nan"], "--slowmo-merge-alpha must be a finite number >= 0; got nan"),
+        ([*SLOW, "--slowmo-base", "sgp", "--slowmo-fragments", "2"], "need --slowmo-base localsgd"),
+        (["--strategy", "ddp", "--slowmo-compression", "int8"], "--slowmo-compression need --strategy slowmo"),
+    ],
+)
+def test_slow_link_flags_are_checked(flags, needle, capsys):
+    try:
+        message = error_of(flags)
+    except SystemExit:  # argparse's own refusal (an unknown choice)
+        message = capsys.readouterr().err
+    assert needle in message
+
+
+def test_slow_link_flags_reach_slowmo_and_the_metrics():
+    from ddpkit.train.strategies import slow_link_arguments
+
+    flags = [*SLOW, "--slowmo-compression", "int4", "--slowmo-compression-block", "32", "--slowmo-fragments", "4"]
+    flags += [
+        "--slowmo-sync-delay",
+        "1",
+        "--slowmo-merge-alpha",
+        "0.25",
+        "--slowmo-error-feedback",
+        "--slowmo-nesterov",
+    ]
+    cfg = config_from(flags)
+    assert slow_link_arguments(cfg) == {
+        "slowmo_compression": "int4", "slowmo_compression_block": 32, "slowmo_error_feedback": True,
+        "slowmo_fragments": 4, "slowmo_sync_delay": 1, "slowmo_merge_alpha": 0.25,
+    }  # fmt: skip
+    assert cfg.slowmo_nesterov
+    defaults = slow_link_arguments(config_from(SLOW))
+    assert defaults == {k: v.default for k, v in inspect.signature(SlowMoDistributedDataParallel).parameters.items()
+                        if k in defaults}  # fmt: skip
+
+
+def test_bench_passes_the_slow_link_flags_to_its_slowmo_run():
+    from ddpkit.train import bench
+
+    args = cli.build_parser().parse_args(["bench", "--slowmo-compression", "int4", "--slowmo-fragments", "3"])
+    cfg = bench.bench_config(vars(args))
+    assert (cfg.slowmo_compression, cfg.slowmo_fragments, cfg.localsgd_frequency) == ("int4", 3, 3)
+    assert bench.strategy_config(cfg, "slowmo").slowmo_compression == "int4"
+    sgp = bench.strategy_config(cfg, "sgp")  # gossip: no slow-link settings
+    assert (sgp.slowmo_base, sgp.slowmo_compression, sgp.slowmo_fragments) == ("sgp", "none", 1)
+    with pytest.raises(ValueError, match="--slowmo-fragments 4 must be at most --localsgd-frequency 3"):
+        bench.bench_config({"slowmo_fragments": 4})
 
 
 def test_sgp_graph_names_are_the_library_graphs():

@@ -46,6 +46,10 @@ DIGITS_STEPS_PER_EPOCH = math.ceil(math.ceil(1437 / 2) / 16)
 # between averagings (replicas differ at the checkpoint) and after several slow-momentum updates
 SLOWMO = ["--slowmo-frequency", "8", "--localsgd-frequency", "4"]
 SGP = ["--slowmo-base", "sgp", "--graph", "ring", "--overlap", "--synch-freq", "2"]
+# over slow links: int8 pseudo-gradients with error feedback, 2 fragments merged 2 steps late; the epoch's 45th
+# step falls between fragment 1's start (step 44) and its merge (46), so the checkpoint holds a sync in flight
+DILOCO = ["--slowmo-compression", "int8", "--slowmo-fragments", "2", "--slowmo-sync-delay", "2"]
+DILOCO += ["--slowmo-error-feedback", "--slowmo-nesterov"]
 ACCURACY_FLOOR = 0.8  # measured 0.90-0.92 for every strategy after this one epoch
 LONG_RUN = ["--epochs", "100000", "--no-progress", "--data", "synthetic", "--synthetic-samples", "512"]
 LONG_RUN += ["--hidden", "32", "--depth", "1"]
@@ -306,6 +310,7 @@ VARIANTS = {
     "slowmo": ("slowmo", SLOWMO, DIGITS_STEPS_PER_EPOCH),
     # SGP on a ring, overlapped two steps: the checkpoint holds a gossip round in flight
     "sgp": ("slowmo", [*SLOWMO, *SGP], DIGITS_STEPS_PER_EPOCH),
+    "diloco": ("slowmo", [*SLOWMO, *DILOCO], DIGITS_STEPS_PER_EPOCH),
     # AdaScale on OSS + ShardedDataParallel, 2 batches per step: 45 batches make 23 steps
     "adascale": ("sharded", ["--optimizer", "sgd", "--lr", "0.05", "--adascale", "--grad-accum", "2"], 23),
 }
@@ -358,14 +363,36 @@ def test_strategies_send_what_they_should(one_epoch):
     assert sent["slowmo"] < 0.5 * sent["ddp"]
 
 
-@pytest.mark.parametrize("name", ["sharded", "slowmo", "sgp", pytest.param("adascale", marks=ADASCALE_WIP)])
+def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
+    """--slowmo-compression int8, 2 fragments, a delay of 2, error feedback, outer Nesterov: trains like SlowMo,
+    sends less, records its settings, and each rank's checkpoint carries its residual and the sync in flight."""
+    result, out = one_epoch("diloco")
+    metrics = check_run(result, out, "slowmo")
+    slowmo = metrics["summary"]["settings"]["slowmo"]
+    assert {k: slowmo[k] for k in ("slowmo_compression", "slowmo_fragments", "slowmo_sync_delay")} == {
+        "slowmo_compression": "int8", "slowmo_fragments": 2, "slowmo_sync_delay": 2,
+    }  # fmt: skip
+    assert slowmo["slowmo_error_feedback"] and slowmo["slowmo_nesterov"] and slowmo["slowmo_merge_alpha"] == 0.5
+    assert "int8 pseudo-gradients in 2 fragment(s), merged 2 step(s) late (alpha 0.5), error feedback" in result.stdout
+    plain = one_epoch("slowmo")[1]
+    sent = json.loads((plain / "metrics.json").read_text())["summary"]["sent_bytes_total"]
+    assert metrics["summary"]["sent_bytes_total"] < 0.5 * sent  # int8 instead of fp32 between the nodes
+    states = [torch.load(latest_checkpoint(out) / f"rank{r}.pt", weights_only=False)["slowmo"] for r in (0, 1)]
+    for state in states:
+        assert list(state["outer_in_flight"]) == [1] and state["outer_in_flight"][1]["start"] == 44
+        assert state["outer_residual"].abs().max() > 0
+    assert not torch.equal(states[0]["outer_residual"], states[1]["outer_residual"])  # each node its own
+    assert torch.equal(states[0]["outer_synced"], states[1]["outer_synced"])
+
+
+@pytest.mark.parametrize("name", ["sharded", "slowmo", "sgp", "diloco", pytest.param("adascale", marks=ADASCALE_WIP)])
 def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale
     state restored; for SlowMo the replicas differ between ranks at the checkpoint: 45 steps, averaging every 4)."""
     first, first_out = one_epoch(name)
     assert first.returncode == 0, str(first)
     strategy, _, per_epoch = VARIANTS[name]
-    if name in ("slowmo", "sgp"):  # the cases that need each rank's own replica and optimizer state back
+    if name in ("slowmo", "sgp", "diloco"):  # the cases that need each rank's own replica and optimizer state back
         ckpt = [torch.load(latest_checkpoint(first_out) / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
         assert any(not torch.equal(ckpt[0]["model"][k], ckpt[1]["model"][k]) for k in ckpt[0]["model"])
         exp_avg = [c["optimizer"]["state"][0]["exp_avg"] for c in ckpt]
@@ -396,7 +423,7 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == list(range(2 * per_epoch))  # the first epoch's rows were kept
     # the checkpoints after epoch 2 (SlowMo: each rank's replica before the final averaging) are bit-identical too
-    for file in ["rank0.pt", "rank1.pt"] if name in ("slowmo", "sgp") else ["shared.pt"]:
+    for file in ["rank0.pt", "rank1.pt"] if name in ("slowmo", "sgp", "diloco") else ["shared.pt"]:
         x = torch.load(latest_checkpoint(resumed) / file, weights_only=False)["model"]
         y = torch.load(latest_checkpoint(tmp_path / "straight") / file, weights_only=False)["model"]
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -17,11 +17,20 @@ from ddpkit.distributed import comm
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced, flatten, unflatten_into
 from ddpkit.distributed.env import ProcessGroup, require_initialized
-from ddpkit.distributed.groups import check_nprocs_per_node, make_node_groups
+from ddpkit.distributed.groups import make_node_groups
 from ddpkit.distributed.hooks import counting_allreduce_hook
 from ddpkit.distributed.objects import gather_objects
+from ddpkit.nn.outer_sync import MERGE_ALPHA, OuterSync, OuterSyncSettings
 from ddpkit.nn.sgp import SGPEngine, resolve_sgp_arguments, sgp_settings
 from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
+from ddpkit.nn.slowmo_checks import (
+    agreed_settings,
+    check_positive_int,
+    check_settings,
+    check_step_inputs,
+    master_params,
+    warn_sgp_only,
+)
 from ddpkit.nn.wrapper import ModuleWrapper
 
 _DDP_BUFFER_FLAG = (
@@ -68,6 +77,20 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     `slowmo_sgp_average_params`. Memory: one more flat copy of the parameters (the push-sum numerators) and the
     gossip's message and receive buffers on node masters.
 
+    Over slow links (DiLoCo, Streaming DiLoCo; LOCALSGD only): with `slowmo_compression` other than "none",
+    `slowmo_fragments` K > 1 or `slowmo_sync_delay` tau > 0, nodes never send parameters. Each rank keeps g, the
+    parameters as of the last sync (the same bits on every rank); a sync sends each node's pseudo-gradient
+    ``d = g - x`` (plus, with `slowmo_error_feedback`, what quantisation dropped from its previous one), quantised
+    ("bf16", "int8" or "int4" with one fp32 scale per `slowmo_compression_block` values; "none": fp32), averaged
+    among node masters by `ddpkit.distributed.compressed_allreduce` (about 2(N-1)/N of the quantised size per
+    master) and broadcast in fp32 inside each node: ``g = g - mean(d)``, then slow momentum on g on a slow step
+    (``x0``, ``u`` as above with x = g), then ``x = g``. The parameters form K fragments (balanced by elements,
+    whole tensors where possible, K <= localsgd_frequency), each synced at its own offset of every period; with
+    tau (< localsgd_frequency) a fragment's mean travels in the background for tau steps and is merged as
+    ``x = a x + (1 - a) g`` with a = `slowmo_merge_alpha` (Streaming DiLoCo's mixing factor, 0.5). The slow
+    buffers are then kept whole on every rank. Memory: g (P floats), the residual (P, with error feedback), the
+    syncs in flight. See `ddpkit.nn.outer_sync.OuterSync`.
+
     When to use the outer Nesterov option: DiLoCo-style training with long local phases (hundreds of steps,
     ``slowmo_lr=0.7, slowmo_momentum=0.9, slowmo_nesterov=True``), where the averaged progress is treated as an
     outer gradient; for short local phases (a few steps) the paper's plain slow momentum is the tested choice.
@@ -110,6 +133,12 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         local_node_group: ProcessGroup | None = None,
         comm_device: torch.device | None = None,
         slowmo_nesterov: bool = False,
+        slowmo_compression: str = "none",
+        slowmo_compression_block: int = 64,
+        slowmo_error_feedback: bool = False,
+        slowmo_fragments: int = 1,
+        slowmo_sync_delay: int = 0,
+        slowmo_merge_alpha: float = MERGE_ALPHA,
     ) -> None:
         super().__init__()
         require_initialized("SlowMoDistributedDataParallel")
@@ -118,7 +147,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.slowmo_base_algorithm = SlowMoBaseAlgorithm(slowmo_base_algorithm)
         self.process_rank = dist.get_rank() if process_rank is None else process_rank
         self.process_world_size = dist.get_world_size() if process_world_size is None else process_world_size
-        _check_settings(nprocs_per_node, self.process_world_size, localsgd_frequency, slowmo_frequency)
+        check_settings(nprocs_per_node, self.process_world_size, localsgd_frequency, slowmo_frequency)
         sgp_args = (graph, mixing, push_sum, overlap, synch_freq)
         sgp_flags = {"use_streams": use_streams, "slowmo_sgp_average_params": slowmo_sgp_average_params}
         if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
@@ -126,8 +155,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
             layout = (node, self.process_world_size // nprocs_per_node, nprocs_per_node, local_rank)
             graph, mixing = resolve_sgp_arguments(*sgp_args, sgp_flags, layout)
         else:
-            _warn_sgp_only(graph=graph, mixing=mixing, overlap=overlap, synch_freq=synch_freq)
-        _check_positive_int("slowmo_num_shards", slowmo_num_shards)
+            warn_sgp_only(graph=graph, mixing=mixing, overlap=overlap, synch_freq=synch_freq)
+        check_positive_int("slowmo_num_shards", slowmo_num_shards)
         if not 0.0 <= slowmo_momentum < 1.0 or slowmo_lr <= 0:
             raise ValueError(
                 f"SlowMoDistributedDataParallel: need 0 <= slowmo_momentum < 1 and slowmo_lr > 0, got "
@@ -142,11 +171,18 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.localsgd_frequency = localsgd_frequency
         self.slowmo_memory_efficient = slowmo_memory_efficient
         self.slowmo = slowmo_lr != 1.0 or slowmo_momentum != 0.0
+        self.outer_settings = OuterSyncSettings(
+            slowmo_compression, slowmo_compression_block, slowmo_error_feedback, slowmo_fragments, slowmo_sync_delay,
+            slowmo_merge_alpha,
+        )  # fmt: skip
+        numel = sum(p.numel() for p in module.parameters())
+        sgp = self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP
+        self.outer_settings.check(localsgd_frequency, slowmo_frequency if self.slowmo else None, numel, sgp)
         self.rule = SlowMoRule(beta=slowmo_momentum, alpha=slowmo_lr, nesterov=slowmo_nesterov)
         self.comm_device = comm_device
         self.verbose = verbose
         self.num_updates = 0
-        agreed = _agreed_settings(self, slowmo_num_shards)  # one 8-byte all-gather, before any group is made
+        agreed = agreed_settings(self, slowmo_num_shards)  # one 8-byte all-gather, before any group is made
         if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
             agreed.update(sgp_settings(graph, mixing), sgp_args=sgp_args[2:], sgp_flags=sgp_flags)
         check_parameters_agree(module, global_group, "SlowMoDistributedDataParallel", agreed)
@@ -167,9 +203,16 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.global_group)
         # not a registered submodule: its parameters are the module's, and state_dict keys stay module.*
         object.__setattr__(self, "_node_ddp", self._wrap_for_node(module))
-        self.num_shards = min(self.process_world_size, slowmo_num_shards) if slowmo_memory_efficient else None
+        sharded = slowmo_memory_efficient and not self.outer_settings.active  # OuterSync keeps x0, u whole
+        self.num_shards = min(self.process_world_size, slowmo_num_shards) if sharded else None
         flat = self._flat(list(module.parameters())).float()
         self.slow_buffers = SlowBuffers(flat, self.process_rank, self.num_shards) if self.slowmo else None
+        self._outer = None
+        if self.outer_settings.active:
+            slow = (self.slow_buffers, self.rule) if self.slow_buffers is not None else None
+            frequencies = (localsgd_frequency, slowmo_frequency if self.slowmo else None)
+            sizes = [p.numel() for p in module.parameters()]
+            self._outer = OuterSync(flat, sizes, self.outer_settings, self.groups, slow, frequencies)
         self.slowmo_sgp_average_params = slowmo_sgp_average_params
         self._sgp = None
         if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
@@ -245,18 +288,24 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         tensor covering the module's parameters in order, a list of tensors, or a dict holding one flat tensor. It
         is averaged and stepped, then copied into the module's parameters.
         """
-        params = _master_params(fp32_params) if fp32_params is not None else list(self.module.parameters())
-        self._check_step_inputs(optimizer, params, fp32_params is not None)
+        params = master_params(fp32_params) if fp32_params is not None else list(self.module.parameters())
+        if id(optimizer) not in self._checked_optimizers:
+            check_step_inputs(self.module, optimizer, params, fp32_params is not None)
+            self._checked_optimizers.add(id(optimizer))
         self.num_updates += 1
         slow_step = self.slowmo and self.num_updates % self.slowmo_frequency == 0
         average = self.num_updates % self.localsgd_frequency == 0
+        if self._outer is not None:
+            average = slow_step = self._outer.busy(self.num_updates)  # its own schedule, fragment by fragment
         if self._sgp is not None:  # gossip every step; an exact average on slow steps (and every k with the flag)
             average = slow_step or (average and self.slowmo_sgp_average_params)
         elif not (slow_step or average):
             return
         flat = self._flat(params)
         lr = float(optimizer.param_groups[0]["lr"])
-        if self._sgp is not None:
+        if self._outer is not None:
+            self._outer.step(flat, self.num_updates, lr)
+        elif self._sgp is not None:
             self._sgp.step(flat, average, lambda x: self._average_and_slow_step(x, slow_step, lr))
         else:
             self._average_and_slow_step(flat, slow_step, lr)
@@ -279,9 +328,12 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     def average_parameters(self) -> None:
         """Averages the module's parameters exactly over all nodes now (e.g. at the end of training), so every
         replica holds the same model; counters and slow buffers are left as they are. A collective. With SGP, the
-        round in flight is mixed in first and the average is the push-sum one (numerators over nodes)."""
+        round in flight is mixed in first and the average is the push-sum one (numerators over nodes); with
+        `slowmo_sync_delay`, the syncs in flight are merged first. The average is exact (fp32) in every case."""
         params = list(self.module.parameters())
         flat = self._flat(params)
+        if self._outer is not None:
+            self._outer.flush(flat)
         if self._sgp is not None:
             self._sgp.step(flat, True, self._average_between_nodes)
         else:
@@ -302,39 +354,17 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         if self.nprocs_per_node > 1:
             comm.broadcast(flat, 0, self.local_node_group)
 
-    def _check_step_inputs(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], master: bool) -> None:
-        if id(optimizer) in self._checked_optimizers:
-            return
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"perform_slowmo: optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
-        if wrong:
-            raise ValueError(
-                f"perform_slowmo: SlowMo averages fp32 parameters, got {', '.join(wrong)}; train with an fp32 master "
-                "copy and pass it as perform_slowmo(optimizer, fp32_params=master_params)"
-            )
-        expected = sum(p.numel() for p in self.module.parameters())
-        if master and sum(p.numel() for p in params) != expected:
-            raise ValueError(
-                f"perform_slowmo: fp32_params hold {sum(p.numel() for p in params)} elements, the module's parameters "
-                f"{expected}"
-            )
-        held = {p for group in optimizer.param_groups for p in group["params"]}
-        missing = sum(p not in held for p in params)
-        if missing:
-            what = "fp32_params" if master else "the module's parameters"
-            raise ValueError(
-                f"perform_slowmo: the optimizer does not hold {missing} of {what}; build it on "
-                f"{'those tensors' if master else 'model.parameters()'}"
-            )
-        self._checked_optimizers.add(id(optimizer))
-
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def get_extra_state(self) -> dict[str, Any]:
         """What `state_dict()` carries besides the module's tensors (key ``_extra_state``): `num_updates` and this
-        rank's slow buffers (x0, u: all of them, or its slice when sharded). Not a collective."""
+        rank's slow buffers (x0, u: all of them, or its slice when sharded), and with `slowmo_compression`,
+        `slowmo_fragments` or `slowmo_sync_delay` this rank's `OuterSync` state (``outer``: the synchronised copy,
+        the error-feedback residual, the syncs in flight). Not a collective: a node master waits for the means in
+        flight, which every rank sent when they started."""
         state: dict[str, Any] = {"num_updates": self.num_updates, "slow": None}
+        if self._outer is not None:
+            state["outer"] = self._outer.state()
         buffers = self.slow_buffers
         if buffers is not None and buffers.x0 is not None and buffers.u is not None:
             bounds = self._my_bounds()
@@ -345,6 +375,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         """Restores what `get_extra_state` saved. Slow buffers load from this rank's own slice or from whole ones
         (a run without sharding, or `slowmo_state_dict`); another rank's slice is an error."""
         self.num_updates = int(state["num_updates"])
+        if self._outer is not None:
+            self._outer.load(state.get("outer") or {})
         slow, buffers = state.get("slow"), self.slow_buffers
         if slow is None or buffers is None or buffers.x0 is None or buffers.u is None:
             return
@@ -379,10 +411,13 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         return type(result)(missing, result.unexpected_keys)
 
     def slowmo_state_dict(self) -> dict[str, Any]:
-        """The counters and the whole slow buffers (x0, u), on every rank. A collective when they are sharded."""
+        """The counters and the whole slow buffers (x0, u), on every rank, and this rank's `OuterSync` state (see
+        `get_extra_state`). A collective when the slow buffers are sharded."""
         state: dict[str, Any] = {"num_updates": self.num_updates}
         if self._sgp is not None:
             state.update(self._sgp.state())
+        if self._outer is not None:
+            state.update(self._outer.state())
         if self.slow_buffers is None:
             return state
         if self.num_shards is None:
@@ -399,6 +434,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         """Restores what `slowmo_state_dict` returned, so a resumed run continues exactly; does not change `state`."""
         if self._sgp is not None:
             self._sgp.load(state)
+        if self._outer is not None:
+            self._outer.load(state)
         self.num_updates = int(state["num_updates"])
         if self.slow_buffers is not None:
             if "x0" not in state:
@@ -407,42 +444,3 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 
 
 SlowMoDDP = SlowMoDistributedDataParallel
-
-
-def _master_params(fp32_params: torch.Tensor | list[torch.Tensor] | dict[Any, torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(fp32_params, dict):
-        if len(fp32_params) != 1:
-            raise ValueError(f"perform_slowmo: a dict fp32_params must hold one flat tensor, got {len(fp32_params)}")
-        fp32_params = next(iter(fp32_params.values()))
-    return [fp32_params] if isinstance(fp32_params, torch.Tensor) else list(fp32_params)
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"SlowMoDistributedDataParallel: {name} must be an int >= 1, got {value!r}")
-
-
-def _check_settings(nprocs_per_node: int, world_size: int, localsgd_frequency: int, slowmo_frequency: int) -> None:
-    check_nprocs_per_node(nprocs_per_node, world_size)
-    _check_positive_int("localsgd_frequency", localsgd_frequency)
-    _check_positive_int("slowmo_frequency", slowmo_frequency)
-
-
-def _warn_sgp_only(**settings: Any) -> None:
-    defaults = {"graph": None, "mixing": None, "overlap": False, "synch_freq": 0}
-    changed = [name for name, value in settings.items() if value != defaults[name]]
-    if changed:
-        warnings.warn(
-            f"SlowMoDistributedDataParallel: {', '.join(changed)} only affect the SGP base algorithm, which is not "
-            "implemented; they have no effect with LOCALSGD",
-            stacklevel=3,
-        )
-
-
-def _agreed_settings(model: SlowMoDistributedDataParallel, num_shards: int) -> dict[str, Any]:
-    """The settings every rank must share: ranks with other frequencies would pair collectives of different steps."""
-    names = ("nprocs_per_node", "process_world_size", "localsgd_frequency", "slowmo_frequency", "slowmo_momentum")
-    settings = {name: getattr(model, name) for name in names}
-    settings.update(slowmo_lr=model.slowmo_lr, slowmo_nesterov=model.rule.nesterov, slowmo_num_shards=num_shards)
-    settings.update(slowmo_memory_efficient=model.slowmo_memory_efficient, broadcast_buffers=model.broadcast_buffers)
-    return settings

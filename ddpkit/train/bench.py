@@ -26,7 +26,7 @@ from ddpkit.distributed import comm, comm_stats
 from ddpkit.distributed.launch import Placement, exit_without_teardown, free_port, join, leave, pick_backend, spawn
 from ddpkit.optim import OSS
 from ddpkit.train import advisor
-from ddpkit.train.config import STRATEGIES, TrainConfig, validate
+from ddpkit.train.config import SLOW_LINK_FLAGS, STRATEGIES, TrainConfig, validate
 from ddpkit.train.report import gather_per_rank, peak_memory_mb
 from ddpkit.train.strategies import build_strategy
 from ddpkit.train.timing import optimizer_state_bytes as state_bytes
@@ -40,8 +40,9 @@ BENCH_STRATEGIES = (*STRATEGIES, "sgp")  # sgp: --strategy slowmo --slowmo-base 
 
 def strategy_config(cfg: TrainConfig, name: str) -> TrainConfig:
     """The run of bench strategy `name` (one of BENCH_STRATEGIES) on `cfg`."""
-    if name == "sgp":
-        return dataclasses.replace(cfg, strategy="slowmo", slowmo_base="sgp")
+    if name == "sgp":  # gossip sends parameters: the slow-link settings are local SGD's
+        exact = {n: getattr(TrainConfig, n) for n in SLOW_LINK_FLAGS}
+        return dataclasses.replace(cfg, strategy="slowmo", slowmo_base="sgp", **exact)
     return dataclasses.replace(cfg, strategy=name, slowmo_base="localsgd")
 
 
@@ -158,6 +159,10 @@ def bench_config(given: dict[str, Any]) -> TrainConfig:
         nprocs_per_node_slowmo=values["nproc_per_node"] if values.get("nnodes", 1) > 1 else 1,
     )
     validate(cfg)
+    slow_links = {k: given[k] for k in SLOW_LINK_FLAGS if k in given}  # for the slowmo run, checked as its flags
+    if slow_links:
+        cfg = dataclasses.replace(cfg, **slow_links)
+        validate(dataclasses.replace(cfg, strategy="slowmo"))
     return cfg
 
 

@@ -58,6 +58,12 @@ def _is_slowmo(strategy: Strategy) -> bool:
     return isinstance(strategy.model, SlowMoDistributedDataParallel)
 
 
+def _per_rank(slow_state: dict[str, Any] | None) -> bool:
+    """Whether SlowMo's state differs between nodes (SGP's gossip buffer; the slow-link residuals and syncs in
+    flight), so each rank's own file carries it."""
+    return slow_state is not None and ("sgp_buffer" in slow_state or "outer_synced" in slow_state)
+
+
 def _agree(error: str | None) -> None:
     """Raises on every rank the first rank's error, if any rank had one (one small all-gather)."""
     errors = gather_objects(error, dst=-1)
@@ -83,7 +89,7 @@ def _write_files(folder: str, strategy: Strategy, state: TrainerState) -> tuple[
                 "model": strategy.module.state_dict(),
                 "optimizer": strategy.optimizer.state_dict(),
                 "scaler": scaler,
-                "slowmo": slow_state if slow_state is not None and "sgp_buffer" in slow_state else None,  # per node
+                "slowmo": slow_state if _per_rank(slow_state) else None,  # per node
             }
             written[files.rank_file(rank)] = files.save_file(mine, os.path.join(folder, files.rank_file(rank)))
         if rank == 0:
@@ -148,9 +154,10 @@ def _read_shared(out: str, settings: dict[str, Any]) -> tuple[str, dict[str, Any
         raise CheckpointError(str(exc)) from None
     shared = files.load_verified(folder, files.SHARED, manifest)
     if manifest["strategy"] == "slowmo" and manifest["world_size"] != settings["world_size"]:
-        if shared["slowmo"] is not None and "sgp_buffer" in shared["slowmo"]:
+        if _per_rank(shared["slowmo"]):
             raise CheckpointError(
-                f"--resume: the checkpoint of step {manifest['step']} holds SGP's gossip state of "
+                f"--resume: the checkpoint of step {manifest['step']} holds SGP's gossip state or the slow-link "
+                f"state (error-feedback residuals, syncs in flight) of "
                 f"{manifest['world_size']} processes, which does not carry to {settings['world_size']}; resume at "
                 f"--nproc-per-node x --nnodes = {manifest['world_size']}"
             )
@@ -234,7 +241,7 @@ def load_checkpoint(out: str, strategy: Strategy, settings: dict[str, Any]) -> T
         error = str(exc)
     _agree(error)
     _apply_settings(strategy.optimizer, settings)
-    if slowmo:  # SGP's gossip state differs per node: each rank's own file carries it
+    if slowmo:  # SGP's gossip state and the slow-link state differ per node: each rank's own file carries them
         strategy.model.load_slowmo_state_dict(mine.get("slowmo") or shared["slowmo"])
     if rank == 0:
         print("ddpkit: " + "; ".join(notes), file=sys.stderr, flush=True)

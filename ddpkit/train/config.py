@@ -27,6 +27,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
 SLOWMO_BASES = ("localsgd", "sgp")
+# how pseudo-gradients travel between SlowMo nodes (ddpkit.distributed.quantize.COMPRESSIONS, without torch here)
+SLOWMO_COMPRESSIONS = ("none", "bf16", "int8", "int4")
 # the gossip graphs of --slowmo-base sgp (ddpkit.distributed.gossip_graphs.GRAPHS, without importing torch here)
 SGP_GRAPHS = ("npeer-exponential", "exponential", "bipartite-exponential", "linear", "bipartite-linear", "ring")
 FLAG_NAMES = {"nprocs_per_node_slowmo": "slowmo-nprocs-per-node"}  # fields whose flag is not the field's name
@@ -76,6 +78,14 @@ class TrainConfig:
     overlap: bool = False  # sgp only
     synch_freq: int = 0  # sgp with overlap only
     slowmo_sgp_average_params: bool = False  # sgp only
+    slowmo_nesterov: bool = False  # the outer step is Nesterov's (DiLoCo)
+    # over slow links (localsgd only): pseudo-gradients, quantised, in fragments, overlapped
+    slowmo_compression: str = "none"
+    slowmo_compression_block: int = 64
+    slowmo_error_feedback: bool = False
+    slowmo_fragments: int = 1
+    slowmo_sync_delay: int = 0
+    slowmo_merge_alpha: float = 0.5
     # where it runs
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -177,10 +187,11 @@ INT_MINIMA |= {"depth": 1, "slowmo_frequency": 1, "localsgd_frequency": 1, "synt
 INT_MINIMA |= {"synthetic_features": 1, "synthetic_classes": 2, "node_rank": 0, "seed": 0}
 INT_MINIMA |= {"gpt_layers": 1, "gpt_width": 1, "gpt_heads": 1, "context": 1, "keep": 1}
 INT_MINIMA |= {"peers_per_itr": 1, "synch_freq": 0}
+INT_MINIMA |= {"slowmo_compression_block": 1, "slowmo_fragments": 1, "slowmo_sync_delay": 0}
 # (low, high, open_low): every float setting, checked finite
 FLOAT_RANGES = {"lr": (0.0, math.inf, True), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False)}
 FLOAT_RANGES |= {"timeout": (0.0, math.inf, True), "slowmo_momentum": (0.0, 1.0, False)}
-FLOAT_RANGES |= {"slowmo_lr": (0.0, math.inf, True)}
+FLOAT_RANGES |= {"slowmo_lr": (0.0, math.inf, True), "slowmo_merge_alpha": (0.0, math.inf, False)}  # and <= 1
 
 
 def _check_types(cfg: TrainConfig) -> None:
@@ -199,6 +210,7 @@ def validate(cfg: TrainConfig) -> None:
         ("device", DEVICES),
         ("slowmo_base", SLOWMO_BASES),
         ("graph", SGP_GRAPHS),
+        ("slowmo_compression", SLOWMO_COMPRESSIONS),
     ):
         _choice(name, getattr(cfg, name), allowed)
     for name, low in INT_MINIMA.items():
@@ -300,8 +312,13 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         if cfg.world_size % node:
             raise ValueError(f"--slowmo-nprocs-per-node {node} must divide the world size {cfg.world_size}")
         _check_sgp(cfg, cfg.world_size // node)
+        _check_slow_links(cfg)
     elif cfg.slowmo_base != "localsgd":
         raise ValueError(f"--slowmo-base {cfg.slowmo_base} needs --strategy slowmo (got {cfg.strategy})")
+    else:
+        changed = [flag(n) for n in SLOW_LINK_FLAGS if getattr(cfg, n) != getattr(TrainConfig, n)]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} need --strategy slowmo (got {cfg.strategy})")
     if cfg.resume and not cfg.out:
         raise ValueError("--resume needs --out DIR (where the checkpoint was written)")
     if cfg.resume:
@@ -320,6 +337,39 @@ def _check_sgp(cfg: TrainConfig, nodes: int) -> None:
         raise ValueError(
             f"--graph {cfg.graph} with --peers-per-itr {cfg.peers_per_itr} on {nodes} nodes: {exc}"
         ) from None
+
+
+SLOW_LINK_FLAGS = ("slowmo_compression", "slowmo_compression_block", "slowmo_error_feedback", "slowmo_fragments")
+SLOW_LINK_FLAGS += ("slowmo_sync_delay", "slowmo_merge_alpha")
+
+
+def _check_slow_links(cfg: TrainConfig) -> None:
+    """What SlowMoDistributedDataParallel would refuse of the slow-link flags, named by flag."""
+    active = cfg.slowmo_compression != "none" or cfg.slowmo_fragments > 1 or cfg.slowmo_sync_delay > 0
+    if active and cfg.slowmo_base != "localsgd":
+        raise ValueError("--slowmo-compression, --slowmo-fragments and --slowmo-sync-delay need --slowmo-base localsgd")
+    if cfg.slowmo_compression == "int4" and cfg.slowmo_compression_block % 2:
+        raise ValueError(
+            f"--slowmo-compression int4 needs an even --slowmo-compression-block; got {cfg.slowmo_compression_block}"
+        )
+    if cfg.slowmo_fragments > cfg.localsgd_frequency:
+        raise ValueError(
+            f"--slowmo-fragments {cfg.slowmo_fragments} must be at most --localsgd-frequency {cfg.localsgd_frequency} "
+            "(one fragment per step of a period)"
+        )
+    if cfg.slowmo_sync_delay >= cfg.localsgd_frequency:
+        raise ValueError(
+            f"--slowmo-sync-delay {cfg.slowmo_sync_delay} must be smaller than --localsgd-frequency "
+            f"{cfg.localsgd_frequency} (a fragment's sync is merged before its next one starts)"
+        )
+    if cfg.slowmo_merge_alpha > 1.0:
+        raise ValueError(f"--slowmo-merge-alpha must be a number in [0, 1]; got {cfg.slowmo_merge_alpha!r}")
+    slowmo_on = cfg.slowmo_momentum != 0 or cfg.slowmo_lr != 1
+    if cfg.slowmo_sync_delay and slowmo_on and cfg.slowmo_frequency % cfg.localsgd_frequency:
+        raise ValueError(
+            f"--slowmo-sync-delay needs --slowmo-frequency ({cfg.slowmo_frequency}) to be a multiple of "
+            f"--localsgd-frequency ({cfg.localsgd_frequency})"
+        )
 
 
 def _check_resumable(cfg: TrainConfig) -> None:

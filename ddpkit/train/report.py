@@ -78,6 +78,8 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str) -> dict[str, A
     }
     if cfg.strategy == "slowmo":
         names = ("slowmo_momentum", "slowmo_lr", "slowmo_frequency", "localsgd_frequency", "slowmo_base")
+        names += ("slowmo_nesterov", "slowmo_compression", "slowmo_compression_block", "slowmo_error_feedback")
+        names += ("slowmo_fragments", "slowmo_sync_delay", "slowmo_merge_alpha")
         if cfg.slowmo_base == "sgp":
             names += ("graph", "peers_per_itr", "push_sum", "overlap", "synch_freq", "slowmo_sgp_average_params")
         settings["slowmo"] = {name: getattr(cfg, name) for name in names} | {"nprocs_per_node": slowmo_node_size(cfg)}
@@ -92,6 +94,17 @@ def last_epoch_train_loss(history: list[dict[str, Any]]) -> float:
     totals = gather_per_rank(last["train_loss"] * samples)
     counts = gather_per_rank(samples)
     return sum(totals) / sum(counts) if sum(counts) else math.nan
+
+
+def _slow_links(sm: dict[str, Any]) -> str:
+    """How SlowMo's nodes exchange pseudo-gradients, when they do (empty for the exact parameter average)."""
+    if sm.get("slowmo_compression", "none") == "none" and sm.get("slowmo_fragments", 1) == 1:
+        if not sm.get("slowmo_sync_delay"):
+            return ""
+    text = f"; {sm['slowmo_compression']} pseudo-gradients in {sm['slowmo_fragments']} fragment(s)"
+    if sm["slowmo_sync_delay"]:
+        text += f", merged {sm['slowmo_sync_delay']} step(s) late (alpha {sm['slowmo_merge_alpha']:g})"
+    return text + (", error feedback" if sm["slowmo_error_feedback"] else "")
 
 
 def _settings_rows(settings: dict[str, Any], summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -117,8 +130,9 @@ def _settings_rows(settings: dict[str, Any], summary: dict[str, Any]) -> list[tu
         rows.append(
             (
                 "slowmo",
-                f"{base}, slow momentum {sm['slowmo_momentum']:g} "
-                f"(lr {sm['slowmo_lr']:g}) every {sm['slowmo_frequency']}, nodes of {sm['nprocs_per_node']}",
+                f"{base}, {'Nesterov ' if sm.get('slowmo_nesterov') else ''}slow momentum {sm['slowmo_momentum']:g} "
+                f"(lr {sm['slowmo_lr']:g}) every {sm['slowmo_frequency']}, nodes of {sm['nprocs_per_node']}"
+                + _slow_links(sm),
             )
         )
     hosts = sorted(set(settings["hosts"]))

@@ -70,6 +70,12 @@ def sgp_arguments(cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
+def slow_link_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """SlowMo's arguments for slow links: compressed, fragmented, delayed pseudo-gradients (local SGD only)."""
+    names = ("compression", "compression_block", "error_feedback", "fragments", "sync_delay", "merge_alpha")
+    return {f"slowmo_{name}": getattr(cfg, f"slowmo_{name}") for name in names}
+
+
 def _ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=ids)
@@ -100,6 +106,8 @@ def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) ->
             slowmo_lr=cfg.slowmo_lr,
             slowmo_frequency=cfg.slowmo_frequency,
             localsgd_frequency=cfg.localsgd_frequency,
+            slowmo_nesterov=cfg.slowmo_nesterov,
+            **slow_link_arguments(cfg),
             **sgp_arguments(cfg),
         )
         optimizer = cls(module.parameters(), **args)

@@ -1,0 +1,291 @@
+"""SlowMo's averaging between nodes through pseudo-gradients: compressed, in fragments, overlapped (DiLoCo family).
+
+`OuterSync` replaces SlowMo's exact parameter average between nodes when one of `OuterSyncSettings` asks for it.
+Its algorithm (DiLoCo, Douillard et al. 2023; Streaming DiLoCo, Douillard et al. 2025; error feedback as in
+Seide et al. 2014 and Karimireddy et al. 2019) is spelled out in `OuterSync`'s docstring.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.compressed_allreduce import PendingMean, start_compressed_mean
+from ddpkit.distributed.groups import NodeGroups
+from ddpkit.distributed.quantize import check_compression, dequantize, quantize
+from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
+
+MERGE_ALPHA = 0.5
+"""Streaming DiLoCo's mixing factor: the weight a node's own parameters keep when a delayed sync is merged."""
+
+
+@dataclass(frozen=True)
+class OuterSyncSettings:
+    """The `slowmo_compression*`, `slowmo_error_feedback`, `slowmo_fragments`, `slowmo_sync_delay` and
+    `slowmo_merge_alpha` arguments of SlowMoDistributedDataParallel. The defaults leave SlowMo as it was."""
+
+    compression: str = "none"
+    block: int = 64
+    error_feedback: bool = False
+    fragments: int = 1
+    sync_delay: int = 0
+    merge_alpha: float = MERGE_ALPHA
+
+    @property
+    def active(self) -> bool:
+        """Whether averaging goes through `OuterSync` (else: SlowMo's exact all-reduce of the parameters)."""
+        return self.compression != "none" or self.fragments > 1 or self.sync_delay > 0
+
+    def named(self) -> dict[str, Any]:
+        """The settings by their argument names (for the check that every rank holds the same)."""
+        return {
+            "slowmo_compression": self.compression,
+            "slowmo_compression_block": self.block,
+            "slowmo_error_feedback": self.error_feedback,
+            "slowmo_fragments": self.fragments,
+            "slowmo_sync_delay": self.sync_delay,
+            "slowmo_merge_alpha": self.merge_alpha,
+        }
+
+    def check(self, localsgd_frequency: int, slowmo_frequency: int | None, numel: int, sgp: bool) -> None:
+        """Raises a ValueError or TypeError naming the argument (before any collective); warns where a setting has
+        no effect. `slowmo_frequency` is None when slow momentum is off; `numel` counts the parameters."""
+        check_compression(self.compression, self.block)
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"slowmo_error_feedback must be a bool, got {self.error_feedback!r}")
+        _check_int("slowmo_fragments", self.fragments, 1)
+        _check_int("slowmo_sync_delay", self.sync_delay, 0)
+        alpha = self.merge_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"SlowMoDistributedDataParallel: slowmo_merge_alpha must be in [0, 1], got {alpha!r}")
+        if sgp and self.active:
+            raise ValueError(
+                "SlowMoDistributedDataParallel: slowmo_compression, slowmo_fragments and slowmo_sync_delay need the "
+                "LOCALSGD base algorithm (SGP gossips parameters every step)"
+            )
+        if self.fragments > min(localsgd_frequency, numel):
+            raise ValueError(
+                f"SlowMoDistributedDataParallel: slowmo_fragments={self.fragments} must be at most localsgd_frequency="
+                f"{localsgd_frequency} (one fragment per step of a period) and the {numel} parameter elements"
+            )
+        if self.sync_delay >= localsgd_frequency:
+            raise ValueError(
+                f"SlowMoDistributedDataParallel: slowmo_sync_delay={self.sync_delay} must be smaller than the period "
+                f"localsgd_frequency={localsgd_frequency}: a fragment's sync must be merged before its next one starts"
+            )
+        if self.sync_delay and slowmo_frequency is not None and slowmo_frequency % localsgd_frequency:
+            raise ValueError(
+                f"SlowMoDistributedDataParallel: slowmo_sync_delay > 0 needs slowmo_frequency ({slowmo_frequency}) to "
+                f"be a multiple of localsgd_frequency ({localsgd_frequency}), so a fragment syncs every period exactly"
+            )
+        self._warn_idle()
+
+    def _warn_idle(self) -> None:
+        idle = []
+        if self.error_feedback and self.compression == "none":
+            idle.append("slowmo_error_feedback (nothing is lost without slowmo_compression)")
+        if self.merge_alpha != MERGE_ALPHA and self.sync_delay == 0:
+            idle.append("slowmo_merge_alpha (a sync without slowmo_sync_delay replaces the parameters)")
+        if idle:
+            warnings.warn(f"SlowMoDistributedDataParallel: {'; '.join(idle)} has no effect", stacklevel=4)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"SlowMoDistributedDataParallel: {name} must be an int >= {low}, got {value!r}")
+
+
+def fragment_bounds(sizes: list[int], k: int) -> list[tuple[int, int]]:
+    """Splits a flat vector of tensors of `sizes` elements into `k` contiguous [start, end) fragments of nearly
+    equal size: cut j lies at j/k of the elements, moved to the nearest tensor boundary when that is at most
+    1/(4k) of the elements away (so whole tensors where possible). Every fragment holds at most 1/k of the
+    elements plus one tensor, and at least one element."""
+    total = sum(sizes)
+    edges = list(itertools.accumulate(sizes))
+    cuts = [0]
+    for j in range(1, k):
+        ideal = (j * total + k // 2) // k
+        low, high = cuts[-1] + 1, total - (k - j)
+        near = [e for e in edges if low <= e <= high and 4 * k * abs(e - ideal) <= total]
+        cut = min(near, key=lambda e: (abs(e - ideal), e)) if near else min(max(ideal, low), high)
+        cuts.append(cut)
+    cuts.append(total)
+    return list(itertools.pairwise(cuts))
+
+
+@dataclass
+class _InFlight:
+    """One fragment's sync between its start and its merge."""
+
+    start: int  # the step after which it started
+    slow: bool  # whether the merge applies slow momentum
+    lr: float  # the base optimizer's learning rate when it started
+    work: PendingMean | None = None  # node masters, while the mean travels
+    mean: torch.Tensor | None = None  # node masters, once it arrived (non-masters get it at the merge)
+
+
+class OuterSync:
+    """Averaging between nodes through quantised pseudo-gradients, fragment by fragment, optionally overlapped.
+
+    Every node (all its ranks alike) keeps the synchronised copy ``g`` of the parameters (bit-identical on every
+    rank). Fragment j of the flat parameters (`fragment_bounds`: K pieces balanced by elements, i.e. by bytes as
+    every parameter is fp32; whole tensors where possible) starts a sync after step t when
+    ``(t + s_j) % localsgd_frequency == 0`` (and, slow momentum on, when ``(t + s_j) % slowmo_frequency == 0``),
+    with ``s_j = H - (j + 1) H // K`` (H = localsgd_frequency): the fragments start at evenly spaced steps of each
+    period, the last one where SlowMo alone would average. A sync:
+
+    1. each node's pseudo-gradient ``d = g - x`` (+ its error-feedback residual e) goes to `compressed_mean`
+       among node masters (quantised all-to-all to chunk owners, fp32 sum, re-quantised all-gather); with error
+       feedback ``e = d - dequantize(quantize(d))``, what quantisation dropped, joins the next sync;
+    2. after `sync_delay` (tau) more steps, during which the mean travels in the background, the mean D is
+       broadcast inside each node and merged: ``g = g - D``, then on a slow step SlowMo's rule moves g (``u = beta
+       u + (x0 - g)/lr; x0 -= alpha lr u`` or Nesterov's, g = x0, lr from the sync's start);
+    3. the node's parameters become ``x = g`` (tau = 0), or Streaming DiLoCo's merge ``x = a x + (1 - a) g`` with
+       a = `merge_alpha` (tau > 0: x has moved on for tau steps).
+
+    Communication per sync of a fragment of F elements: between node masters, 2 (N-1)/N of its quantised size
+    (`payload_bytes`) per master (exactly 2 (N-1) of it over all masters; a master owning a chunk one block longer
+    sends up to N-2 blocks' bytes more); inside a node, one fp32 broadcast of F elements. No step starts more
+    than about 1/K of the model (when slowmo_frequency is a multiple of localsgd_frequency).
+    Memory: g (P fp32), the residual (P fp32, with error feedback and compression), each sync in flight (its
+    pseudo-gradient and mean, about P/K each), and SlowMo's x0 and u whole (2P) on every rank.
+    """
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        sizes: list[int],
+        settings: OuterSyncSettings,
+        groups: NodeGroups,
+        slow: tuple[SlowBuffers, SlowMoRule] | None,
+        frequencies: tuple[int, int | None],
+    ) -> None:
+        self.settings = settings
+        self.groups = groups
+        self.slow = slow
+        self.localsgd_frequency, self.slowmo_frequency = frequencies
+        k, h = settings.fragments, self.localsgd_frequency
+        self.bounds = fragment_bounds(sizes, k)
+        self.shifts = [h - (j + 1) * h // k for j in range(k)]
+        self.synced = flat.detach().float().clone()
+        keep_residual = settings.error_feedback and settings.compression != "none" and groups.num_nodes > 1
+        self.residual = torch.zeros_like(self.synced) if keep_residual else None
+        self.in_flight: dict[int, _InFlight] = {}
+
+    def starting(self, step: int) -> list[tuple[int, bool]]:
+        """The fragments whose sync starts after step `step`, each with whether it is a slow step."""
+        out = []
+        for j, shift in enumerate(self.shifts):
+            slow = self.slowmo_frequency is not None and (step + shift) % self.slowmo_frequency == 0
+            if slow or (step + shift) % self.localsgd_frequency == 0:
+                out.append((j, slow))
+        return out
+
+    def merging(self, step: int) -> list[int]:
+        return sorted(j for j, f in self.in_flight.items() if f.start + self.settings.sync_delay == step)
+
+    def busy(self, step: int) -> bool:
+        """Whether step `step` starts or merges a sync (else `step` has nothing to do)."""
+        return bool(self.merging(step) or self.starting(step))
+
+    def step(self, flat: torch.Tensor, step: int, lr: float) -> None:
+        """After the base optimizer's step `step`: merges the syncs due, starts the new ones (in place on `flat`)."""
+        for j in self.merging(step):
+            self._merge(flat, j)
+        for j, slow in self.starting(step):
+            self._start(flat, j, _InFlight(step, slow, lr))
+            if self.settings.sync_delay == 0:
+                self._merge(flat, j)
+
+    def flush(self, flat: torch.Tensor) -> None:
+        """Merges every sync in flight now (a collective inside nodes)."""
+        for j in sorted(self.in_flight):
+            self._merge(flat, j)
+
+    def _start(self, flat: torch.Tensor, j: int, flight: _InFlight) -> None:
+        a, b = self.bounds[j]
+        d = self.synced[a:b] - flat[a:b]
+        s = self.settings
+        if self.residual is not None:
+            d.add_(self.residual[a:b])
+            self.residual[a:b] = d - dequantize(quantize(d, s.compression, s.block))
+        if self.groups.num_nodes == 1:
+            flight.mean = d  # nothing to average with
+        elif self.groups.master is not None:  # travels in the background until `_arrived` waits for it
+            flight.work = start_compressed_mean(d, self.groups.master, s.compression, s.block)
+        self.in_flight[j] = flight
+
+    def _arrived(self, flight: _InFlight) -> torch.Tensor | None:
+        """The mean of a sync on node masters (waiting for it if it still travels); None on the other ranks."""
+        if flight.work is not None:
+            flight.mean, flight.work = flight.work.wait(), None
+        return flight.mean
+
+    def _merge(self, flat: torch.Tensor, j: int) -> None:
+        flight = self.in_flight.pop(j)
+        a, b = self.bounds[j]
+        mean = self._arrived(flight)
+        if self.groups.num_nodes > 1 and self.groups.nprocs_per_node > 1:  # the node master shares it
+            mean = mean if mean is not None else torch.empty(b - a, device=self.synced.device)
+            comm.broadcast(mean, 0, self.groups.local)
+        assert mean is not None
+        synced = self.synced[a:b]
+        synced.sub_(mean)
+        if flight.slow and self.slow is not None:
+            buffers, rule = self.slow
+            assert buffers.x0 is not None and buffers.u is not None
+            rule.apply(buffers.x0[a:b], buffers.u[a:b], synced, flight.lr)
+        if self.settings.sync_delay:
+            alpha = self.settings.merge_alpha
+            flat[a:b].mul_(alpha).add_(synced, alpha=1.0 - alpha)
+        else:
+            flat[a:b].copy_(synced)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The synchronised copy, the residual and the syncs in flight (on node masters their mean, waited for:
+        every rank sent its part when the sync started; the others get it from their master at the merge)."""
+        flights = {
+            j: {"start": f.start, "slow": f.slow, "lr": f.lr, "mean": _clone(self._arrived(f))}
+            for j, f in self.in_flight.items()
+        }
+        return {
+            "outer_synced": self.synced.clone(),
+            "outer_residual": _clone(self.residual),
+            "outer_bounds": list(self.bounds),
+            "outer_in_flight": flights,
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restores `state()`'s output, saved by the same rank of a job of the same shape and settings."""
+        if "outer_synced" not in state:
+            raise ValueError(
+                "load_slowmo_state_dict: the checkpoint has no pseudo-gradient state (it was saved without "
+                "slowmo_compression, slowmo_fragments or slowmo_sync_delay)"
+            )
+        if [tuple(b) for b in state["outer_bounds"]] != self.bounds:
+            raise ValueError(
+                f"load_slowmo_state_dict: the checkpoint's fragments {state['outer_bounds']} differ from this "
+                f"model's {self.bounds} (another slowmo_fragments or model)"
+            )
+        if (state["outer_residual"] is None) != (self.residual is None):
+            raise ValueError("load_slowmo_state_dict: the checkpoint was saved with another slowmo_error_feedback")
+        for flight in self.in_flight.values():  # a live sync of this run: complete its transfers before dropping it
+            self._arrived(flight)
+        self.synced.copy_(state["outer_synced"])
+        if self.residual is not None:
+            self.residual.copy_(state["outer_residual"])
+        self.in_flight = {
+            int(j): _InFlight(f["start"], f["slow"], f["lr"], mean=_clone(f["mean"], self.synced.device))
+            for j, f in state["outer_in_flight"].items()
+        }
+
+
+def _clone(t: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
+    return None if t is None else t.to(device if device is not None else t.device, copy=True)
