@@ -14,7 +14,6 @@ from ddpkit.distributed import comm
 from ddpkit.distributed.compressed_allreduce import (
     chunk_bounds,
     compressed_mean,
-    open_channel,
     simulate_compressed_mean,
     simulate_messages,
     start_compressed_mean,
@@ -63,12 +62,16 @@ def _overlap(rank: int, world: int) -> dict:
 
 
 def _subgroups(rank: int, world: int) -> dict:
-    """Ranks 0 and 2 average over their group, 1 and 3 over theirs (a master group's shape), concurrently."""
-    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    open_channel([0, 2], groups[0])  # every rank, in the same order: creating a group involves all of them
-    open_channel([1, 3], groups[1])
-    mine = groups[rank % 2]
-    return {"mean": compressed_mean(_input(rank, 777, 7), mine, "int4", 16)}
+    """Means over subgroups started by their members alone (as over node masters), in an order that gives the
+    ranks different numbers of groups: 0 and 2 first, then 0, 1 and 2, then 0 and 2 while 1 and 3 average."""
+    pair, trio, other = dist.new_group([0, 2]), dist.new_group([0, 1, 2]), dist.new_group([1, 3])
+    out = {}
+    if rank in (0, 2):
+        out["pair"] = compressed_mean(_input(rank, 777, 7), pair, "int4", 16)
+    if rank in (0, 1, 2):
+        out["trio"] = compressed_mean(_input(rank, 300, 8), trio, "int8", 64)
+    out["again"] = compressed_mean(_input(rank, 500, 9), pair if rank in (0, 2) else other, "bf16", 64)
+    return out
 
 
 def _errors(rank: int, world: int) -> list[str]:
@@ -155,6 +158,11 @@ def test_compressed_mean_matches_the_simulation_with_exact_bytes(world):
     _check_overlap(results, world)
     _check_errors(results)
     if world == 4:
+        subgroups = [r["subgroups"] for r in results]
+        expected = simulate_compressed_mean([_input(r, 777, 7) for r in (0, 2)], "int4", 16)
+        assert all(torch.equal(subgroups[r]["pair"], expected) for r in (0, 2))
+        expected = simulate_compressed_mean([_input(r, 300, 8) for r in (0, 1, 2)], "int8", 64)
+        assert all(torch.equal(subgroups[r]["trio"], expected) for r in (0, 1, 2))
         for members in ([0, 2], [1, 3]):
-            expected = simulate_compressed_mean([_input(r, 777, 7) for r in members], "int4", 16)
-            assert all(torch.equal(results[r]["subgroups"]["mean"], expected) for r in members)
+            expected = simulate_compressed_mean([_input(r, 500, 9) for r in members], "bf16", 64)
+            assert all(torch.equal(subgroups[r]["again"], expected) for r in members)

@@ -25,21 +25,19 @@ Memory: the quantised messages (about Q on each side of each exchange, N q for t
 one fp32 chunk for the owner's sum and the fp32 result (n values).
 
 `start_compressed_mean` returns at once with a `PendingMean`; the exchange runs on a process group of the same
-ranks created for it (a "channel", with the parent's timeout) by one worker thread per group of ranks, which runs
-the started means one after the other, in the order they were started (the same order on every rank, as for any
-collective). So a mean in flight never interleaves with the collectives the caller keeps issuing on its own groups.
-Creating a group is a collective of every rank of the job, members or not, so a mean over part of the job needs
-`open_channel` called first on every rank, in the same order (SlowMo does so at construction); a mean over the
-whole job opens its channel on first use. (torch's `use_local_synchronization` would spare the non-members, but it
-names a group after how many groups the rank already has, so ranks that made different groups before hang in its
-set-up.) `compressed_mean` starts one and waits for it. `simulate_compressed_mean` computes, in one process, the
-very result N ranks get, bit for bit.
+ranks made for it by its members alone at their first mean (`_Channel`; with the parent's timeout), by one
+worker thread per group of ranks, which runs the started means one after the other, in the order they were
+started (the same order on every rank, as for any collective). So a mean in flight never interleaves with the
+collectives the caller keeps issuing on its own groups. `compressed_mean` starts one and waits for it.
+`simulate_compressed_mean` computes, in one process, the very result N ranks get, bit for bit.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,7 +155,7 @@ def compressed_mean(flat: torch.Tensor, group: ProcessGroup | None, compression:
 
 
 class _Job:
-    """One started mean, as the worker thread runs it on the channel's group."""
+    """One started mean, as the worker thread runs it on the channel."""
 
     def __init__(self, pending: PendingMean, bounds: list[tuple[int, int]], sizes: list[int], settings: tuple) -> None:
         self.pending, self.bounds, self.sizes = pending, bounds, sizes
@@ -166,86 +164,93 @@ class _Job:
         if self.event is not None:
             self.event.record()  # the quantisation queued on the caller's stream
 
-    def run(self, group: ProcessGroup) -> None:
+    def run(self, channel: _Channel) -> None:
         try:
             if self.event is not None:
                 torch.cuda.set_device(self.pending.device)
                 torch.cuda.current_stream().wait_event(self.event)
-            owner, result = self._exchange(group)
+            owner, result = self._exchange(channel)
             if self.event is not None:
                 torch.cuda.current_stream().synchronize()
             self.pending._finish(owner, result, None)
         except BaseException as error:  # handed to the caller's wait()
             self.pending._finish(None, None, error)
 
-    def _transport(self, group: ProcessGroup, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int]):
+    def _transport(self, channel: _Channel, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int]):
         """One all-to-all of uint8 messages, through host copies for CUDA tensors on gloo."""
-        staged = send.device.type == "cuda" and "gloo" in str(dist.get_backend(group)).lower()
+        staged = send.device.type == "cuda" and channel.gloo
         if staged:
             send = send.cpu()
             comm_stats.record("cpu_staging", self.label, send.numel(), 0.0)
         recv = torch.empty(sum(out_sizes), dtype=torch.uint8, device=send.device)
-        dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=group)
+        channel.all_to_all(recv, send, out_sizes, in_sizes)
         if staged:
             comm_stats.record("cpu_staging", self.label, recv.numel(), 0.0)
             recv = recv.to(self.pending.device)
         return recv.split(out_sizes)
 
-    def _exchange(self, group: ProcessGroup) -> tuple[Quantized, torch.Tensor]:
-        n, me, sizes = group_size(group), group_rank(group), self.sizes
+    def _exchange(self, channel: _Channel) -> tuple[Quantized, torch.Tensor]:
+        n, me, sizes = channel.size, channel.rank, self.sizes
         numels = [b - a for a, b in self.bounds]
         send = torch.cat([to_bytes(q) for q in self.pending.sent])
-        mine = self._transport(group, send, [sizes[me]] * n, sizes)
+        mine = self._transport(channel, send, [sizes[me]] * n, sizes)
         received = [from_bytes(m, numels[me], self.compression, self.block) for m in mine]
         owner = _owner_mean(received, self.compression, self.block)
-        gathered = self._transport(group, to_bytes(owner).repeat(n), sizes, [sizes[me]] * n)
+        gathered = self._transport(channel, to_bytes(owner).repeat(n), sizes, [sizes[me]] * n)
         chunks = [from_bytes(m, k, self.compression, self.block) for m, k in zip(gathered, numels, strict=True)]
         return owner, torch.cat([dequantize(q) for q in chunks])
 
 
 class _Channel:
-    """A process group of given ranks and the one worker thread that runs its started means in order."""
+    """A process group of the given ranks, made for the means alone, and the one thread that runs them in order.
 
-    def __init__(self, ranks: list[int], group: ProcessGroup) -> None:
+    On gloo the group is a `ProcessGroupGloo` built by the members only, on the job's store under a prefix named
+    by the ranks: torch's ``new_group`` needs every rank of the job (or, with ``use_local_synchronization``,
+    members that have made as many groups as each other, as its hashed names count them), where a mean over node
+    masters is started by the masters alone. Other backends get ``new_group(use_local_synchronization=True)``.
+    """
+
+    def __init__(self, ranks: list[int], parent: ProcessGroup | None, generation: int) -> None:
         self.default = dist.distributed_c10d._get_default_group()  # held: a new job's group is another object
-        self.group = group
+        self.rank, self.size = ranks.index(dist.get_rank()), len(ranks)
+        timeout = job_timeout(parent) or job_timeout() or timedelta(minutes=30)
+        self.gloo = "gloo" in str(dist.get_backend(parent)).lower()
+        if self.gloo:
+            name = f"ddpkit/compressed_mean/{'_'.join(map(str, ranks))}/{generation}/"
+            store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
+            self.backend: Any = dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
+        else:
+            self.backend = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         name = "ddpkit-compressed-mean-" + ",".join(map(str, ranks))
         threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> None:
+        if self.gloo:
+            self.backend.alltoall_base(recv, send, out_sizes, in_sizes).wait()
+        else:
+            dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=self.backend)
 
     def submit(self, job: _Job) -> None:
         self._jobs.put(job)
 
     def _serve(self) -> None:
         while True:
-            self._jobs.get().run(self.group)
+            self._jobs.get().run(self)
 
 
 _channels: dict[tuple[int, ...], _Channel] = {}
+_generations: dict[tuple[int, ...], int] = {}
 _channels_lock = threading.Lock()
 
 
-def open_channel(ranks: list[int], parent: ProcessGroup | None) -> None:
-    """Opens the channel that started means among the global `ranks` travel on (`parent`: the group whose
-    timeout it takes). A collective of every rank of the job, members or not: call it on all, in the same order."""
-    group = dist.new_group(sorted(ranks), timeout=job_timeout(parent))
-    if dist.get_rank() in ranks:
-        with _channels_lock:
-            _channels[tuple(sorted(ranks))] = _Channel(sorted(ranks), group)
-
-
 def _channel(group: ProcessGroup | None) -> _Channel:
-    """The channel for `group`'s ranks; one over the whole job is opened on first use (by every rank, as the mean
-    itself is), one over part of it must have been opened by `open_channel`."""
-    ranks = tuple(sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)))
+    """The channel for `group`'s ranks, made by its members at their first mean on it (the same call everywhere)."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     with _channels_lock:
         channel = _channels.get(ranks)
-        if channel is not None and channel.default is dist.distributed_c10d._get_default_group():
-            return channel
-    if len(ranks) != dist.get_world_size():
-        raise RuntimeError(
-            f"compressed mean over ranks {list(ranks)}: call ddpkit.distributed.compressed_allreduce.open_channel"
-            f"({list(ranks)}, group) on every rank of the job first (creating its group involves all of them)"
-        )
-    open_channel(list(ranks), group)
-    return _channels[ranks]
+        if channel is None or channel.default is not dist.distributed_c10d._get_default_group():
+            generation = _generations.get(ranks, -1) + 1  # a store prefix never used before in this process
+            _generations[ranks] = generation
+            channel = _channels[ranks] = _Channel(list(ranks), group, generation)
+        return channel

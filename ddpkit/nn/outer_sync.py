@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ddpkit.distributed import comm
-from ddpkit.distributed.compressed_allreduce import PendingMean, open_channel, start_compressed_mean
+from ddpkit.distributed.compressed_allreduce import PendingMean, start_compressed_mean
 from ddpkit.distributed.groups import NodeGroups
 from ddpkit.distributed.quantize import check_compression, dequantize, quantize
 from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
@@ -177,9 +176,6 @@ class OuterSync:
         keep_residual = settings.error_feedback and settings.compression != "none" and groups.num_nodes > 1
         self.residual = torch.zeros_like(self.synced) if keep_residual else None
         self.in_flight: dict[int, _InFlight] = {}
-        if groups.num_nodes > 1:  # every rank, in the same order: creating the masters' channel involves all
-            world = dist.get_process_group_ranks(groups.world if groups.world is not None else dist.group.WORLD)
-            open_channel([world[k * groups.nprocs_per_node] for k in range(groups.num_nodes)], groups.master)
 
     def starting(self, step: int) -> list[tuple[int, bool]]:
         """The fragments whose sync starts after step `step`, each with whether it is a slow step."""
