@@ -350,6 +350,13 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     plotting.save(fig, report["benchmark"], out_dir)
 
 
+def result_name(args: argparse.Namespace) -> str:
+    """diloco, or diloco_<rates>_<steps>steps for runs at other rates or lengths (the quick run keeps diloco)."""
+    if args.quick or (args.rates == "100mbit,10mbit" and args.steps == 400):
+        return "diloco"
+    return f"diloco_{args.rates.replace(',', '_')}_{args.steps}steps"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS), help="comma-separated subset")
