@@ -11,7 +11,8 @@ for every method) as the inner optimizer, ``--steps`` steps of ``--batch`` windo
   that averages each gradient bucket with `ddpkit.distributed.compressed_allreduce.compressed_mean`;
 * ``slowmo3``: SlowMo, parameters averaged every 3 steps (slow momentum 0.5 every 48, the defaults);
 * ``dilocoH``: DiLoCo, H inner steps, then the outer Nesterov step on the averaged progress (SlowMo with
-  ``localsgd_frequency = slowmo_frequency = H``, ``slowmo_momentum=0.9, slowmo_lr=0.7, slowmo_nesterov=True``);
+  ``localsgd_frequency = slowmo_frequency = H``, ``slowmo_momentum=0.9, slowmo_lr=0.7, slowmo_nesterov=True``,
+  the paper's; ``--outer-momentum`` and ``--outer-lr`` change them);
 * ``streaming``: streaming DiLoCo, the same with ``slowmo_fragments=4, slowmo_sync_delay=1`` at the longest H;
 each (but ``local``) in fp32 (``none``), bf16, int8 and int4 (``slowmo_compression``; for SlowMo and DiLoCo the
 averaged quantity is the pseudo-gradient). All runs of one link rate run in one job, one after the other.
@@ -111,7 +112,8 @@ def build(name: str, compression: str, model: nn.Module, job: dict[str, Any]) ->
         kwargs.update(localsgd_frequency=3, slowmo_momentum=0.5, slowmo_frequency=48)
     else:
         h = max(periods) if name == "streaming" else int(name[6:])
-        kwargs.update(localsgd_frequency=h, slowmo_frequency=h, slowmo_momentum=0.9, slowmo_lr=0.7)
+        kwargs.update(localsgd_frequency=h, slowmo_frequency=h)
+        kwargs.update(slowmo_momentum=job["outer_momentum"], slowmo_lr=job["outer_lr"])
         kwargs["slowmo_nesterov"] = True
         if name == "streaming":
             kwargs.update(slowmo_fragments=4, slowmo_sync_delay=1)
@@ -195,7 +197,8 @@ def worker(job: dict[str, Any]) -> None:
 
 def run_rate(rate: str, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     """Every run at link rate `rate`, as one 2-process job over two shaped hosts."""
-    keys = ("steps", "warmup", "eval_every", "batch", "lr", "seed", "pg_timeout", "periods", "block")
+    keys = ("steps", "warmup", "eval_every", "batch", "lr", "seed", "pg_timeout", "periods", "block", "outer_lr")
+    keys += ("outer_momentum",)
     with netns.Hosts(2, rate, args.burst, args.latency) as hosts:
         commands, envs, outs = [], [], []
         for rank in range(2):
@@ -350,6 +353,14 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     plotting.save(fig, report["benchmark"], out_dir)
 
 
+def result_name(args: argparse.Namespace) -> str:
+    """diloco, or diloco_<rates>_<steps>steps for runs at other rates or lengths (the quick run keeps diloco)."""
+    outer = "" if (args.outer_lr, args.outer_momentum) == (0.7, 0.9) else f"_outer{args.outer_lr}_{args.outer_momentum}"
+    if args.quick or (args.rates == "100mbit,10mbit" and args.steps == 400 and not outer):
+        return "diloco"
+    return f"diloco_{args.rates.replace(',', '_')}_{args.steps}steps{outer}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     parser.add_argument("--compressions", default=",".join(COMPRESSIONS), help="comma-separated subset")
@@ -361,6 +372,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses")
     parser.add_argument("--batch", type=int, default=16, help="windows per rank and step")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's base lr of the cosine schedule")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (slowmo_lr)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum")
     parser.add_argument("--block", type=int, default=64, help="slowmo_compression_block")
     parser.add_argument("--error-feedback", action="store_true", help="slowmo_error_feedback for int8/int4")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data streams")
