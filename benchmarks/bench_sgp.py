@@ -350,7 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=256, help="GPT width")
     parser.add_argument("--heads", type=int, default=4, help="GPT attention heads")
     parser.add_argument("--context", type=int, default=128, help="GPT context (bytes)")
-    parser.add_argument("--steps", type=int, default=48, help="a multiple of 12 keeps every period whole")
+    parser.add_argument("--steps", type=int, default=36, help="a multiple of 12 keeps every period whole")
     parser.add_argument("--warmup", type=int, default=6, help="steps before the clock starts")
     parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     parser.add_argument("--lr", type=float, default=0.03, help="base lr of the cosine schedule")
