@@ -304,8 +304,9 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     _bars(axes[1, 0], names, {"modelled (comm_stats)": modelled, "measured (tx_bytes)": measured})
     axes[1, 0].set(ylabel="MB sent per step and rank", title=f"bytes per step ({settings[0]} links)")
     _curves(axes[1, 1], medians(figures["rows"], settings[-1]), settings[-1])
-    links = "\n".join(f"{s}: {link}" for s, link in figures["links"].items())
-    fig.suptitle(plotting.title(f"{figures['workload']}, batch {cfg['batch']}/rank\n{links}", WORLD, report))
+    links = f"every link tbf {cfg['rate']} both ways; with the straggler, host {cfg['straggler_host']} at "
+    links += f"{cfg['straggler_rate']}; the same {cfg['steps']} steps in every run"
+    fig.suptitle(plotting.title(f"{figures['workload']}, batch {cfg['batch']}/rank", WORLD, report) + "\n" + links)
     plotting.save(fig, report["benchmark"], out_dir)
 
 
@@ -342,6 +343,11 @@ def _curves(ax: Any, rows: dict[str, dict[str, Any]], setting: str) -> None:
     ax.legend()
 
 
+def result_name(args: argparse.Namespace) -> str:
+    """sgp, or sgp_<variant> for a run given ``--variant``."""
+    return "sgp" + (f"_{args.variant}" if args.variant else "")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="link settings, comma-separated")
@@ -361,6 +367,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--straggler-host", type=int, default=3, help="which host straggles")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds per configuration")
     parser.add_argument("--pg-timeout", type=float, default=300.0, help="seconds per collective")
+    parser.add_argument("--variant", default="", help="writes results/sgp_<variant>.json instead of sgp.json")
 
 
 if __name__ == "__main__":  # a rank: python -m benchmarks.bench_sgp '<job as JSON>'
