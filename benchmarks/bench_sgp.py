@@ -261,7 +261,8 @@ def setting_table(rows: dict[str, dict[str, Any]]) -> str:
 def table(report: dict[str, Any]) -> str:
     figures, cfg = report["figures"], report["config"]
     size = f"{cfg['steps']} steps ({cfg['warmup']} untimed) x {cfg['batch']} samples x 4 ranks"
-    lines = [f"{figures['workload']}; {size}; load average at the end {figures['load_average']}"]
+    load = " / ".join(f"{x:.1f}" for x in figures["load_average"])
+    lines = [f"{figures['workload']}; {size}; load average at the end (1 / 5 / 15 min) {load}"]
     for setting, link in figures["links"].items():
         lines += ["", f"{setting}: {link}", setting_table(medians(figures["rows"], setting))]
     return "\n".join([*lines, "", *verdicts(figures["rows"])])
@@ -306,7 +307,8 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     _curves(axes[1, 1], medians(figures["rows"], settings[-1]), settings[-1])
     links = f"every link tbf {cfg['rate']} both ways; with the straggler, host {cfg['straggler_host']} at "
     links += f"{cfg['straggler_rate']}; the same {cfg['steps']} steps in every run"
-    fig.suptitle(plotting.title(f"{figures['workload']}, batch {cfg['batch']}/rank", WORLD, report) + "\n" + links)
+    machine = plotting.title(f"{WORLD} hosts", WORLD, report)
+    fig.suptitle(f"{figures['workload']}, batch {cfg['batch']}/rank\n{links}\n{machine}")
     plotting.save(fig, report["benchmark"], out_dir)
 
 
