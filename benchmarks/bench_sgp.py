@@ -264,7 +264,7 @@ def table(report: dict[str, Any]) -> str:
     load = " / ".join(f"{x:.1f}" for x in figures["load_average"])
     lines = [f"{figures['workload']}; {size}; load average at the end (1 / 5 / 15 min) {load}"]
     for setting, link in figures["links"].items():
-        lines += ["", f"{setting}: {link}", setting_table(medians(figures["rows"], setting))]
+        lines += ["", f"{setting}: {link}", "", setting_table(medians(figures["rows"], setting))]
     return "\n".join([*lines, "", *verdicts(figures["rows"])])
 
 
