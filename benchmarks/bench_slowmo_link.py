@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from torch import nn
 
 from benchmarks.lib import netns, plotting, workloads
 from benchmarks.lib.cli import Skip, UsageError, progress
+from benchmarks.lib.linkrank import held_out_loss, lr_at, train_step, tx_bytes
 from benchmarks.lib.results import ROOT
 
 QUESTION = "slowmo_link: SlowMo against DDP and torch PostLocalSGD on two hosts joined by a 100 Mbit/s link (root)"
@@ -105,30 +105,10 @@ def _post_local_sgd(model: nn.Module, lr: float, period: int) -> tuple[nn.Module
 # -- one rank of one configuration (a process on one host) ----------------------------------------------------------
 
 
-def lr_at(step: int, steps: int, base: float) -> float:
-    """Cosine decay from `base` at step 1 to 5% of it at step `steps`."""
-    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - 1) / max(1, steps - 1))))
-
-
-def tx_bytes() -> int | None:
-    """Bytes sent so far by this host's interface (None on loopback, which both ranks share)."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    return None if ifname == "lo" else int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
-
-
-@torch.no_grad()
-def held_out_loss(model: nn.Module, workload: HeldOutWorkload, data: workloads.Batch) -> float:
-    model.eval()
-    loss = workload.loss(model(data[0]), data[1]).item()
-    model.train()
-    return loss
-
-
 def train(job: dict[str, Any], workload: HeldOutWorkload, model: nn.Module, built: tuple) -> dict[str, Any]:
     """The training loop: the clock starts after the warm-up steps and pauses for the held-out losses."""
     from ddpkit.distributed import comm_stats
 
-    wrapped, optimizer, after_step = built
     steps = job["steps"]
     held_out = workload.held_out(job["seed"], HELD_OUT)
     batches = workload.batches(job["seed"], job["rank"], steps, job["batch"])  # made before timing
@@ -140,15 +120,7 @@ def train(job: dict[str, Any], workload: HeldOutWorkload, model: nn.Module, buil
         if step == job["warmup"] + 1:
             dist.barrier()
             t0, paused0, tx0, sent0 = time.perf_counter(), paused, tx_bytes(), comm_stats.total().sent_bytes
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, job["lr"])
-        optimizer.zero_grad(set_to_none=True)
-        loss = workload.loss(wrapped(x), y)
-        loss.backward()
-        optimizer.step()
-        if after_step is not None:
-            after_step()
-        losses.append(loss.item())
+        losses.append(train_step(built, workload, (x, y), lr_at(step, steps, job["lr"])))
         if step % job["eval_every"] == 0 or step == steps:
             pause = time.perf_counter()
             evals.append((step, pause - start - paused, held_out_loss(model, workload, held_out)))

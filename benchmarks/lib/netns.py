@@ -78,6 +78,7 @@ class Hosts:
             raise ValueError(f"Hosts: count must be an int in 2..200; got {count!r}")
         tag = f"{PREFIX}{os.getpid()}"
         self.count, self.rate, self.burst, self.latency = count, rate, burst, latency
+        self.rates = [rate] * count  # each host's link; `set_rate` changes one
         self.switch = f"{tag}sw"
         self.namespaces = [f"{tag}h{k}" for k in range(count)]
         self.ifnames = [f"dk{os.getpid()}h{k}"[-15:] for k in range(count)]
@@ -103,10 +104,19 @@ class Hosts:
         sh("ip", "netns", "add", name)
         self._created.append(name)
 
-    def _shape(self, namespace: str, ifname: str) -> None:
-        sh("ip", "-n", namespace, "link", "set", ifname, "up")
-        tbf = ["rate", self.rate, "burst", self.burst, "latency", self.latency]
-        sh("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", *tbf)
+    def _shape(self, namespace: str, ifname: str, rate: str, verb: str = "add") -> None:
+        if verb == "add":
+            sh("ip", "-n", namespace, "link", "set", ifname, "up")
+        tbf = ["rate", rate, "burst", self.burst, "latency", self.latency]
+        sh("ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", ifname, "root", "tbf", *tbf)
+
+    def set_rate(self, k: int, rate: str) -> None:
+        """Reshapes host `k`'s link, both ways, to `rate` (e.g. a straggler: one host on a slower link)."""
+        if not 0 <= k < self.count:
+            raise ValueError(f"Hosts.set_rate: k must be in [0, {self.count}), got {k!r}")
+        self._shape(self.namespaces[k], self.ifnames[k], rate, "change")
+        self._shape(self.switch, f"port{k}", rate, "change")
+        self.rates[k] = rate
 
     def _open(self) -> None:
         self._namespace(self.switch)
@@ -119,8 +129,8 @@ class Hosts:
             sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
             sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", ifname)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-            self._shape(ns, ifname)  # what the host sends
-            self._shape(self.switch, port)  # what the host receives
+            self._shape(ns, ifname, self.rates[k])  # what the host sends
+            self._shape(self.switch, port, self.rates[k])  # what the host receives
 
     def close(self) -> None:
         """Deletes every namespace this object created; never raises; restores the signal handlers."""
@@ -140,7 +150,9 @@ class Hosts:
         return ["ip", "netns", "exec", self.namespaces[k]]
 
     def describe(self) -> str:
-        return f"{self.count} hosts, each link tbf {self.rate} (burst {self.burst}, latency {self.latency}) both ways"
+        text = f"{self.count} hosts, each link tbf {self.rate} (burst {self.burst}, latency {self.latency}) both ways"
+        others = [f"host {k} at {rate}" for k, rate in enumerate(self.rates) if rate != self.rate]
+        return text + (f" except {', '.join(others)}" if others else "")
 
 
 def run_job(commands: Sequence[Sequence[str]], env: Sequence[dict[str, str]], timeout: float, name: str) -> None:

@@ -11,6 +11,12 @@ before sending, and received into a CPU buffer that `wait()` copies to the devic
 as they are, in one batch (`torch.distributed.batch_isend_irecv`), as NCCL needs for sends and receives between
 the same ranks in both directions.
 
+On gloo every receive is posted before any send. gloo starts a send's data as soon as the peer has announced
+the matching receive, and the announcement of this rank's own receive travels on the same connection behind
+whatever was queued before it. So when two ranks exchange with each other and each posted its send first, the
+second announcement could wait behind a whole message and the two messages crossed one after the other: a round
+took twice the link time (measured on 4 hosts at 100 Mbit/s, 1.1 s against 0.57 s for 6.7 MB each way).
+
 A round that is never waited for (a model dropped while its gossip is in flight) must not take its pending
 transfers with it: gloo left the group's connections unusable when a pending send or receive was destroyed (the
 next exchange on the group hung). So every exchange stays referenced here until waited for, and the next
@@ -90,7 +96,7 @@ def exchange(
         ops = [dist.P2POp(dist.isend, t, global_rank(group, dst), group, tag) for t, dst in staged_sends]
         ops += [dist.P2POp(dist.irecv, t, global_rank(group, src), group, tag) for t, src in staged_recvs]
         works = dist.batch_isend_irecv(ops) if ops else []
-    else:
-        works = [dist.isend(t, global_rank(group, dst), group=group, tag=tag) for t, dst in staged_sends]
-        works += [dist.irecv(t, global_rank(group, src), group=group, tag=tag) for t, src in staged_recvs]
+    else:  # receives first: see the module doc
+        works = [dist.irecv(t, global_rank(group, src), group=group, tag=tag) for t, src in staged_recvs]
+        works += [dist.isend(t, global_rank(group, dst), group=group, tag=tag) for t, dst in staged_sends]
     return Exchange(label, works, copies, [t for t, _ in staged_sends])
