@@ -760,6 +760,7 @@ def _sgp_errors(rank, world):
     out = {label: _error(build) for label, build in cases.items()}
     model = sgp(slowmo_momentum=0.0)
     localsgd = SlowMoDDP(_mlp(), nprocs_per_node=1, slowmo_momentum=0.0)
+    out["base_properties"] = [(m.sgp, m.localsgd) for m in (model, localsgd)]
     out["checkpoint_of_localsgd"] = _error(lambda: model.load_slowmo_state_dict(localsgd.slowmo_state_dict()))
     state = dict(model.slowmo_state_dict(), sgp_buffer=torch.ones(5))
     out["checkpoint_of_another_model"] = _error(lambda: model.load_slowmo_state_dict(state))
@@ -855,6 +856,7 @@ def test_clear_errors_before_any_collective(four_process_checks):
             got_kind, message, collectives = errors[label]
             assert (got_kind, collectives) == (kind, []), (label, errors[label])
             assert text in message, (label, message)
+        assert errors["base_properties"] == [(True, False), (False, True)]  # (sgp, localsgd) of SGP, local SGD
         assert errors["synch_without_overlap"] == [
             "SlowMoDistributedDataParallel: synch_freq only takes effect with overlap=True"
         ]

@@ -253,12 +253,13 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 
     @property
     def localsgd(self) -> bool:
-        """Whether the base algorithm is local SGD (always: SGP is not implemented)."""
-        return True
+        """Whether the base algorithm is local SGD (parameter averaging between nodes)."""
+        return self.slowmo_base_algorithm == SlowMoBaseAlgorithm.LOCALSGD
 
     @property
     def sgp(self) -> bool:
-        return False
+        """Whether the base algorithm is SGP (gossip between node masters)."""
+        return self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP
 
     @property
     def slowmo_num_shards(self) -> int:
