@@ -139,6 +139,12 @@ def test_bench_passes_the_slow_link_flags_to_its_slowmo_run():
         bench.bench_config({"slowmo_fragments": 4})
 
 
+def test_slowmo_compression_names_are_the_library_ones():
+    from ddpkit.distributed.quantize import COMPRESSIONS
+
+    assert cfgmod.SLOWMO_COMPRESSIONS == COMPRESSIONS
+
+
 def test_sgp_graph_names_are_the_library_graphs():
     from ddpkit.distributed.gossip_graphs import GRAPHS
 

@@ -213,11 +213,14 @@ class OuterSync:
         s = self.settings
         if self.residual is not None:
             d.add_(self.residual[a:b])
-            self.residual[a:b] = d - dequantize(quantize(d, s.compression, s.block))
         if self.groups.num_nodes == 1:
             flight.mean = d  # nothing to average with
         elif self.groups.master is not None:  # travels in the background until `_arrived` waits for it
             flight.work = start_compressed_mean(d, self.groups.master, s.compression, s.block)
+        if self.residual is not None:  # what quantisation dropped: a master's messages say what they carry
+            work = flight.work
+            sent = work.sent_values() if work is not None else dequantize(quantize(d, s.compression, s.block))
+            self.residual[a:b] = d - sent
         self.in_flight[j] = flight
 
     def _arrived(self, flight: _InFlight) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ import ddpkit
 from ddpkit.distributed import comm
 from ddpkit.distributed.env import group_size
 from ddpkit.distributed.objects import gather_objects
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import SLOW_LINK_FLAGS, TrainConfig
 from ddpkit.train.strategies import optimizer_arguments, slowmo_node_size
 
 
@@ -78,8 +78,7 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str) -> dict[str, A
     }
     if cfg.strategy == "slowmo":
         names = ("slowmo_momentum", "slowmo_lr", "slowmo_frequency", "localsgd_frequency", "slowmo_base")
-        names += ("slowmo_nesterov", "slowmo_compression", "slowmo_compression_block", "slowmo_error_feedback")
-        names += ("slowmo_fragments", "slowmo_sync_delay", "slowmo_merge_alpha")
+        names += ("slowmo_nesterov", *SLOW_LINK_FLAGS)
         if cfg.slowmo_base == "sgp":
             names += ("graph", "peers_per_itr", "push_sum", "overlap", "synch_freq", "slowmo_sgp_average_params")
         settings["slowmo"] = {name: getattr(cfg, name) for name in names} | {"nprocs_per_node": slowmo_node_size(cfg)}
@@ -98,9 +97,9 @@ def last_epoch_train_loss(history: list[dict[str, Any]]) -> float:
 
 def _slow_links(sm: dict[str, Any]) -> str:
     """How SlowMo's nodes exchange pseudo-gradients, when they do (empty for the exact parameter average)."""
-    if sm.get("slowmo_compression", "none") == "none" and sm.get("slowmo_fragments", 1) == 1:
-        if not sm.get("slowmo_sync_delay"):
-            return ""
+    exact = sm.get("slowmo_compression", "none") == "none" and sm.get("slowmo_fragments", 1) == 1
+    if exact and not sm.get("slowmo_sync_delay"):
+        return ""
     text = f"; {sm['slowmo_compression']} pseudo-gradients in {sm['slowmo_fragments']} fragment(s)"
     if sm["slowmo_sync_delay"]:
         text += f", merged {sm['slowmo_sync_delay']} step(s) late (alpha {sm['slowmo_merge_alpha']:g})"

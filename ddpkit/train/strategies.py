@@ -13,7 +13,7 @@ from ddpkit.distributed import counting_allreduce_hook, group_rank, group_size
 from ddpkit.distributed.gossip_graphs import GRAPHS
 from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.config import SLOW_LINK_FLAGS, TrainConfig
 
 OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -72,8 +72,7 @@ def sgp_arguments(cfg: TrainConfig) -> dict[str, Any]:
 
 def slow_link_arguments(cfg: TrainConfig) -> dict[str, Any]:
     """SlowMo's arguments for slow links: compressed, fragmented, delayed pseudo-gradients (local SGD only)."""
-    names = ("compression", "compression_block", "error_feedback", "fragments", "sync_delay", "merge_alpha")
-    return {f"slowmo_{name}": getattr(cfg, f"slowmo_{name}") for name in names}
+    return {name: getattr(cfg, name) for name in SLOW_LINK_FLAGS}
 
 
 def _ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
