@@ -215,7 +215,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per strategy (a multiple of 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (a multiple of 3)")
     parser.add_argument("--link-latency-ms", type=float, default=0.5, help="latency per collective for --link-mbit")
-    parser.add_argument("--burst", default="64kb", help="tbf burst")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
-    parser.add_argument("--pg-timeout", type=float, default=300.0, help="ddpkit bench --timeout")
-    parser.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per bench command")
+    netns.add_link_arguments(parser, 1200.0, "bench command")

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.bench_slowmo_link import held_out_loss, lr_at, tx_bytes
 from benchmarks.lib import netns, plotting, workloads
 from benchmarks.lib.cli import Skip, UsageError, progress
+from benchmarks.lib.linkrank import held_out_loss, lr_at, tx_bytes
 from benchmarks.lib.results import ROOT
 
 QUESTION = "diloco: DDP, SlowMo, DiLoCo, streaming DiLoCo in fp32/bf16/int8/int4 over 100 and 10 Mbit/s (root)"
@@ -377,10 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=64, help="slowmo_compression_block")
     parser.add_argument("--error-feedback", action="store_true", help="slowmo_error_feedback for int8/int4")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data streams")
-    parser.add_argument("--burst", default="64kb", help="tbf burst")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
-    parser.add_argument("--run-timeout", type=float, default=1500.0, help="seconds per link rate")
-    parser.add_argument("--pg-timeout", type=float, default=300.0, help="seconds per collective")
+    netns.add_link_arguments(parser, 1500.0, "link rate")
 
 
 if __name__ == "__main__":  # a rank: python -m benchmarks.bench_diloco '<job as JSON>'

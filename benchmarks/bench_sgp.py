@@ -367,8 +367,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", default="100mbit", help="tbf rate of every link, both ways")
     parser.add_argument("--straggler-rate", default="20mbit", help="the straggler's link rate, both ways")
     parser.add_argument("--straggler-host", type=int, default=3, help="which host straggles")
-    parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds per configuration")
-    parser.add_argument("--pg-timeout", type=float, default=300.0, help="seconds per collective")
+    netns.add_link_arguments(parser, 900.0, "configuration", tbf=False)
     parser.add_argument("--variant", default="", help="writes results/sgp_<variant>.json instead of sgp.json")
 
 

@@ -290,11 +290,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="base lr of the cosine schedule")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data streams")
     parser.add_argument("--rate", default="100mbit", help="tbf rate of each link, both ways")
-    parser.add_argument("--burst", default="64kb", help="tbf burst")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces or shaping (losses only)")
-    parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds per configuration")
-    parser.add_argument("--pg-timeout", type=float, default=300.0, help="seconds per collective")
+    netns.add_link_arguments(parser, 900.0, "configuration")
 
 
 if __name__ == "__main__":  # a rank: python -m benchmarks.bench_slowmo_link '<job as JSON>'

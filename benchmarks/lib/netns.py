@@ -12,6 +12,7 @@ removed by `remove_stale` (called on entry). Needs root (CAP_SYS_ADMIN and CAP_N
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -68,6 +69,16 @@ def remove_stale() -> list[str]:
 
 def _raise_exit(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through the `with` block, which tears the hosts down
+
+
+def add_link_arguments(parser: argparse.ArgumentParser, run_timeout: float, per: str, tbf: bool = True) -> None:
+    """The options of a benchmark across namespace hosts: the links' tbf burst and latency (`tbf`), and its time
+    limits (`run_timeout` seconds per `per`, and per collective)."""
+    if tbf:
+        parser.add_argument("--burst", default="64kb", help="tbf burst")
+        parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
+    parser.add_argument("--run-timeout", type=float, default=run_timeout, help=f"seconds per {per}")
+    parser.add_argument("--pg-timeout", type=float, default=300.0, help="seconds per collective")
 
 
 class Hosts:
