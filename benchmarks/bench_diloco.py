@@ -43,6 +43,7 @@ from benchmarks.lib import netns, plotting, workloads
 from benchmarks.lib.cli import Skip, UsageError, progress
 from benchmarks.lib.linkrank import held_out_loss, lr_at, tx_bytes
 from benchmarks.lib.results import ROOT
+from ddpkit.distributed.launch import exit_without_teardown, leave
 
 QUESTION = "diloco: DDP, SlowMo, DiLoCo, streaming DiLoCo in fp32/bf16/int8/int4 over 100 and 10 Mbit/s (root)"
 QUICK = {"steps": 16, "warmup": 2, "eval_every": 8, "periods": "4,8", "rates": "100mbit", "compressions": "none,int4"}
@@ -189,7 +190,7 @@ def worker(job: dict[str, Any]) -> None:
         done.append(train_run(job, workload, name, compression))
         Path(job["out"]).write_text(json.dumps(done))
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # collects what still references the group (a DDP reducer) first
 
 
 # -- the driver: every run on the two hosts, at each link rate ----------------------------------------------------
@@ -382,3 +383,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 if __name__ == "__main__":  # a rank: python -m benchmarks.bench_diloco '<job as JSON>'
     worker(json.loads(sys.argv[1]))
+    exit_without_teardown()  # torch's teardown of a gloo job aborts now and then, after the results are written

@@ -34,6 +34,7 @@ from benchmarks.lib.cli import Skip, UsageError, progress
 from benchmarks.lib.linkrank import held_out_loss, lr_at, train_step, tx_bytes
 from benchmarks.lib.results import ROOT
 from benchmarks.lib.tables import markdown, num
+from ddpkit.distributed.launch import exit_without_teardown, leave
 
 QUESTION = "sgp: SGP and overlap SGP against DDP, local SGD and SlowMo on 4 hosts at 100 Mbit/s, and a straggler (root)"
 QUICK = {"steps": 12, "warmup": 3, "configs": "ddp,overlap_sgp3", "settings": "uniform,straggler"}
@@ -151,7 +152,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         built[0].average_parameters()
     done["held_out"] = held_out_loss(model, workload, held_out)
     done.update(parameters=sum(p.numel() for p in model.parameters()), workload=workload.describe())
-    dist.destroy_process_group()
+    leave()  # collects what still references the group (a DDP reducer) first
     return done
 
 
@@ -374,3 +375,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 if __name__ == "__main__":  # a rank: python -m benchmarks.bench_sgp '<job as JSON>'
     job = json.loads(sys.argv[1])
     Path(job["out"]).write_text(json.dumps(worker(job)))
+    exit_without_teardown()  # torch's teardown of a gloo job aborts now and then, after the result is written
