@@ -153,11 +153,19 @@ class _Nodes:
 
 
 def _simulate(world, cfg, steps):
-    nodes = _Nodes(world, cfg)
-    history = []
-    for step in range(steps):
-        nodes.train_step(step)
-        history.append(nodes.sync(step + 1))
+    """Runs with one intra-op thread, as every rank of `run_distributed` does: with more, a matrix product may sum
+    in another order (MKL also lowers its thread count when the machine is loaded), and a last-bit difference can
+    flip a quantiser's rounding, seen as a bf16 message 4e-6 off under load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        nodes = _Nodes(world, cfg)
+        history = []
+        for step in range(steps):
+            nodes.train_step(step)
+            history.append(nodes.sync(step + 1))
+    finally:
+        torch.set_num_threads(threads)
     return torch.stack(history), nodes  # [steps, nodes, P]
 
 

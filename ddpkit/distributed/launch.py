@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddpkit.distributed.rank_guard import say
+
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -195,7 +197,7 @@ def join(placement: Placement, backend: str, timeout: float, *, multi_node: bool
     def watchdog() -> None:
         if not joined.wait(timeout + JOIN_GRACE_SECONDS):
             reason = f"not every peer connected{where}"
-            print(f"ddpkit: {_join_failure(placement, timeout, reason)}", file=sys.stderr, flush=True)
+            say(f"ddpkit: {_join_failure(placement, timeout, reason)}")
             os._exit(1)  # the stuck call inside torch cannot be interrupted
 
     threading.Thread(target=watchdog, name="ddpkit-join-watchdog", daemon=True).start()
@@ -287,7 +289,7 @@ def spawn(worker: Callable[..., Any], nprocs: int, args: tuple) -> None:
     except Terminated as exc:
         _stop(processes)
         signum = signal.Signals[str(exc)]
-        print(f"ddpkit: {signum.name} received; stopped every local process", file=sys.stderr, flush=True)
+        say(f"ddpkit: {signum.name} received; stopped every local process")
         sys.exit(128 + int(signum))
     finally:
         for sig, handler in previous.items():
@@ -376,5 +378,5 @@ def report_and_exit(exc: BaseException) -> None:
     """Prints a one-line reason (the traceback only with DDPKIT_DEBUG=1) and exits non-zero."""
     if os.environ.get("DDPKIT_DEBUG"):
         raise exc
-    print(f"ddpkit: error: {exc}", file=sys.stderr, flush=True)
+    say(f"ddpkit: error: {exc}")
     sys.exit(1)

@@ -29,6 +29,13 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
+def say(line: str) -> None:
+    """Writes `line` and its newline to stderr in one write, so that lines of processes sharing the stream never
+    mix: print's separate write of the newline (unbuffered stderr) let the launcher's last line land in between."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
+
+
 def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
     """Makes this rank end, never linger, when it is told to stop or its launcher is gone.
 
@@ -55,7 +62,7 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
         try:
             cleanup()
         finally:
-            print(f"ddpkit: {label}: {why}; stopping", file=sys.stderr, flush=True)
+            say(f"ddpkit: {label}: {why}; stopping")
             os._exit(code)
 
     def watch() -> None:

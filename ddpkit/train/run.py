@@ -25,7 +25,7 @@ from ddpkit.distributed.launch import (
     rejoin_blocked_note,
 )
 from ddpkit.distributed.objects import broadcast_object
-from ddpkit.distributed.rank_guard import guard_rank
+from ddpkit.distributed.rank_guard import guard_rank, say
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train import checkpoint_files
 from ddpkit.train.agreement import check_job_agrees
@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     )
     note = rejoin_blocked_note()
     if note and placement.rank == 0:
-        print(f"ddpkit: note: {note}", file=sys.stderr, flush=True)
+        say(f"ddpkit: note: {note}")
     if cfg.resume or resume_elastic(cfg, placement):
         assert cfg.out is not None
         trainer.state = load_checkpoint(cfg.out, strategy, settings)
@@ -206,12 +206,12 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         return train(cfg, placement, backend)
     except LaunchError as exc:
-        print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
+        say(f"ddpkit: {exc}")
         sys.exit(1)
     except Exception as exc:
         if debug_mode():
             raise
-        print(f"ddpkit: rank {placement.rank} failed: {explain_failure(exc, cfg.timeout)}", file=sys.stderr, flush=True)
+        say(f"ddpkit: rank {placement.rank} failed: {explain_failure(exc, cfg.timeout)}")
         sys.exit(1)
     finally:
         shared_memory.remove_own_files()
