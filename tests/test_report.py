@@ -155,3 +155,31 @@ def test_seconds_since_process_start_counts_the_interpreter_start_and_imports() 
     assert done.returncode == 0, done.stderr
     age = float(done.stdout)
     assert 1.5 <= age <= elapsed + 0.05  # the sleep and torch's import, within the process's whole life
+
+
+def test_eval_every_is_checked_before_start() -> None:
+    from ddpkit.train.config import validate
+
+    with pytest.raises(ValueError, match=r"--eval-every must be an integer >= 0; got -1"):
+        validate(TrainConfig(eval_every=-1))
+    validate(TrainConfig(eval_every=0))  # epoch ends only
+
+
+def test_the_progress_bar_shows_no_accuracy_without_classes() -> None:
+    from types import SimpleNamespace
+
+    from ddpkit.train.callbacks import ProgressBar
+    from ddpkit.train.trainer import StepRecord, TrainerState
+
+    bar = ProgressBar(2, rank=0, world_size=2, label="ddp x2")
+    trainer = SimpleNamespace(state=TrainerState(), last=None)
+    bar.on_train_start(trainer)  # type: ignore[arg-type]
+    try:
+        trainer.last = StepRecord(0, 0, 0.5, correct=0, samples=8, seconds=0.01, sent_bytes=0.0, targets=0)
+        bar.after_step(trainer)  # type: ignore[arg-type]
+        assert bar.bar is not None and "loss=0.500" in bar.bar.postfix and "acc" not in bar.bar.postfix
+        trainer.last = StepRecord(0, 1, 0.4, correct=6, samples=8, seconds=0.01, sent_bytes=0.0, targets=8)
+        bar.after_step(trainer)  # type: ignore[arg-type]
+        assert "acc=0.75" in bar.bar.postfix
+    finally:
+        bar.on_train_end(trainer)  # type: ignore[arg-type]

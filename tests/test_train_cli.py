@@ -422,6 +422,10 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     with open(resumed / "steps.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == list(range(2 * per_epoch))  # the first epoch's rows were kept
+    # the held-out series goes on: the first run's evaluations (every 3 of its 45 steps, by default 1/15 of the
+    # run), then the same evaluations as the uninterrupted run's (every 6 of 90)
+    assert [p["step"] for p in a["heldout"] if p["step"] <= per_epoch] == list(range(3, per_epoch + 1, 3))
+    assert [p for p in a["heldout"] if p["step"] > per_epoch] == [p for p in b["heldout"] if p["step"] > per_epoch]
     # the checkpoints after epoch 2 (SlowMo: each rank's replica before the final averaging) are bit-identical too
     for file in ["rank0.pt", "rank1.pt"] if name in ("slowmo", "sgp", "diloco") else ["shared.pt"]:
         x = torch.load(latest_checkpoint(resumed) / file, weights_only=False)["model"]
