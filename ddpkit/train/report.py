@@ -53,7 +53,7 @@ def gather_digests(module: nn.Module) -> list[int]:
 
 def model_size(cfg: TrainConfig, parameters: int) -> str:
     """The model's shape as its flags give it (built-in models) and its parameter count, e.g. "2 layers, width 64,
-    2 heads, context 64; 109,312 parameters" for ``--model gpt``."""
+    2 heads, context 64; 120,576 parameters" for ``--model gpt``."""
     count = f"{parameters:,} parameters"
     if cfg.model == "mlp":
         return f"{cfg.depth} hidden layers of {cfg.hidden}; {count}"

@@ -162,11 +162,11 @@ def summarize(
     totals = recorder.totals()  # the whole run, across resumes
     training = totals["wall_seconds"] - totals["eval_seconds"]  # the loop without its held-out evaluations
     memory = gather_per_rank(peak_memory_mb())
-    digests = gather_digests(getattr(trainer.model, "module", trainer.model))
+    module = getattr(trainer.model, "module", trainer.model)
+    digests = gather_digests(module)
     accuracy, test_loss = trainer.evaluate(recorder.test_loader)
     history = trainer.state.history
     extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
-    module = getattr(trainer.model, "module", trainer.model)
     parameters = sum(p.numel() for p in module.parameters())
     return {
         "workload": f"{cfg.model} on {cfg.data}",
