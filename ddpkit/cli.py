@@ -147,6 +147,7 @@ BENCH_DEFAULTS |= {"data": "synthetic (text with --model gpt)", "link_latency_ms
 BENCH_DEFAULTS |= {"loss": "the model factory's loss, else cross_entropy"}
 BENCH_DEFAULTS |= {"link_mbit": "none: measured between --hosts, else between the local processes"}
 TRAIN_DEFAULTS |= {"loss": "the model factory's loss, else cross_entropy", "max_steps": "none: every epoch"}
+TRAIN_DEFAULTS |= {"eval_every": "about 15 evaluations per run: the run's steps / 15"}
 
 
 def _default_text(value: Any) -> str:
@@ -184,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     out.add_argument("--keep", type=int, metavar="K", help="checkpoints kept, the newest")
     out.add_argument("--checkpoint-every", type=int, metavar="N", help="also checkpoint every N steps")
+    out.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="held-out evaluation every N optimizer steps, besides each epoch's end (0: epoch ends only), for "
+        "metrics.png's held-out curve and metrics.json's heldout series",
+    )
     out.add_argument("--debug", action="store_true", help="tracebacks and torch's C++ stack traces on failure")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _show_defaults(train, TRAIN_DEFAULTS)

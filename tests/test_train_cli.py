@@ -422,6 +422,10 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     with open(resumed / "steps.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == list(range(2 * per_epoch))  # the first epoch's rows were kept
+    # the held-out series goes on: the first run's evaluations (every 3 of its 45 steps, by default 1/15 of the
+    # run), then the same evaluations as the uninterrupted run's (every 6 of 90)
+    assert [p["step"] for p in a["heldout"] if p["step"] <= per_epoch] == list(range(3, per_epoch + 1, 3))
+    assert [p for p in a["heldout"] if p["step"] > per_epoch] == [p for p in b["heldout"] if p["step"] > per_epoch]
     # the checkpoints after epoch 2 (SlowMo: each rank's replica before the final averaging) are bit-identical too
     for file in ["rank0.pt", "rank1.pt"] if name in ("slowmo", "sgp", "diloco") else ["shared.pt"]:
         x = torch.load(latest_checkpoint(resumed) / file, weights_only=False)["model"]
@@ -717,6 +721,76 @@ def test_invalid_commands_fail_before_any_process_starts(tmp_path, flags, needle
     assert needle.format(empty=tmp_path / "empty") in result.stderr, str(result)
     assert not seen, "a process was started"
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------- what the run reports
+
+
+def gpt_parameters(layers, width, context, vocab=256):
+    """A GPT's parameter count from its layers (independent of ddpkit's code): per block q, k, v and output
+    projections with biases (4 w^2 + 4 w), a 4x MLP with biases (8 w^2 + 5 w) and two LayerNorms (4 w); token and
+    position embeddings ((vocab + context) w, the output layer tied to the token embedding) and a final
+    LayerNorm (2 w)."""
+    block = (4 * width * width + 4 * width) + (8 * width * width + 5 * width) + 4 * width
+    return layers * block + (vocab + context) * width + 2 * width
+
+
+def wait_session_gone(proc, timeout=60):
+    """Waits until no process of `proc`'s session is left: the multiprocessing resource tracker outlives the
+    launcher for a moment, and writes its warnings to the same stderr when it ends."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"processes of {proc.name}'s session still run after {timeout} s")
+
+
+def test_a_short_gpt_run_reports_what_happened(tmp_path, procs):
+    """The README's custom-size GPT, with the progress bar, stopped by --max-steps in its first epoch: no warning
+    of leaked semaphores at exit, the model's shape and parameter count (not "default"), where --max-steps
+    stopped it (not "5 epoch(s)"), the command's wall time (not the training loop's), and a held-out curve of
+    about 15 evaluations (not a single point at the epoch's end)."""
+    assert gpt_parameters(6, 384, 128) == 10_795_008  # the README's figure for the default GPT
+    out = tmp_path / "out"
+    flags = ["--model", "gpt", "--data", "text", "--gpt-layers", "2", "--gpt-width", "64", "--gpt-heads", "2"]
+    flags += ["--context", "64", "--lr", "3e-3", "--batch-size", "8", "--max-steps", "30", "--timeout", "60"]
+    proc = procs([*DDPKIT, "train", *flags, "--out", out], "gpt")
+    result = proc.wait(300)
+    assert result.returncode == 0, str(result)
+    wait_session_gone(proc)
+    stderr = proc.err_path.read_text()  # with whatever the resource tracker wrote as it ended
+    assert "step/s" in stderr, f"no progress bar:\n{stderr}"
+    assert "leaked semaphore" not in stderr and "resource_tracker" not in stderr, stderr
+    parameters = gpt_parameters(2, 64, 64)
+    size = f"2 layers, width 64, 2 heads, context 64; {parameters:,} parameters"
+    assert summary_value(result.stdout, "model and data") == f"gpt ({size}) on text, seed 0"
+    metrics = json.loads((out / "metrics.json").read_text())
+    s = metrics["summary"]
+    assert (s["settings"]["model_size"], s["settings"]["parameters"]) == (size, parameters)
+    windows = math.ceil(math.ceil(text_windows(64) / 2) / 8)  # steps per epoch: 8 windows per step per rank
+    stopped = f"stopped by --max-steps at step 30, in epoch 1 of 5 ({windows} steps per epoch)"
+    assert summary_value(result.stdout, "length") == stopped
+    assert (s["epochs"], s["epochs_completed"], s["stopped_by_max_steps"], s["steps"]) == (5, 0, True, 30)
+    wall = float(summary_value(result.stdout, "wall time").split()[0])
+    assert f"{s['wall_seconds']:.1f}" == f"{wall:.1f}"
+    # from the command's start to the summary: all but what follows it (metrics files, exit) of the measured time
+    assert 0.5 * result.seconds < s["wall_seconds"] <= result.seconds + 0.1, (s, result.seconds)
+    assert s["training_seconds"] + s["evaluation_seconds"] < s["wall_seconds"]
+    assert summary_value(result.stdout, "training time").startswith(f"{s['training_seconds']:.1f} s (the training")
+    # held-out every 2 steps by default (30 steps / 15), the last one where the run stopped
+    assert [p["step"] for p in metrics["heldout"]] == list(range(2, 31, 2))
+    bits = [p["test_loss"] / math.log(2) for p in metrics["heldout"]]
+    assert bits[-1] == pytest.approx(s["heldout_bits_per_byte"], rel=1e-6) and bits[-1] < bits[0]
+
+
+def text_windows(context):
+    """The training windows of --data text at `context` bytes (ddpkit.train.text, read here in this process)."""
+    from ddpkit.train.text import text
+
+    return len(text(context)[0])
 
 
 # ------------------------------------------------------------------------------------------- bench

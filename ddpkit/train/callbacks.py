@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 import time
 from typing import Any
 
@@ -16,7 +18,13 @@ from ddpkit.train.trainer import Callback, StepRecord, Trainer
 
 
 class ProgressBar(Callback):
-    """One tqdm bar on rank 0: loss, accuracy, samples/s and MB this rank sent per step."""
+    """One tqdm bar on rank 0: loss, accuracy (when the targets are classes), samples/s and MB this rank sent per
+    step.
+
+    The bar is written by one thread of one process, so tqdm gets a thread lock. Its default lock adds a
+    multiprocessing lock, a named semaphore registered with the launcher's resource tracker; a rank ends without
+    the interpreter's teardown (`ddpkit.distributed.launch.exit_without_teardown`), so that semaphore was never
+    unregistered and every run ended with the tracker's "1 leaked semaphore objects" warning."""
 
     def __init__(self, total_steps: int, rank: int, world_size: int, label: str, enabled: bool = True) -> None:
         self.total_steps = total_steps
@@ -27,19 +35,18 @@ class ProgressBar(Callback):
 
     def on_train_start(self, trainer: Trainer) -> None:
         if self.enabled:
+            tqdm.set_lock(threading.RLock())  # before the first bar: tqdm then creates no multiprocessing lock
             self.bar = tqdm(total=self.total_steps, initial=trainer.state.step, desc=self.label, unit="step")
 
     def after_step(self, trainer: Trainer) -> None:
         if self.bar is None or trainer.last is None:
             return
         last = trainer.last
-        self.bar.set_postfix(
-            epoch=last.epoch,
-            loss=f"{last.loss:.3f}",
-            acc=f"{last.accuracy:.2f}",
-            samples_s=f"{last.samples * self.world_size / max(last.seconds, 1e-9):.0f}",
-            MB_sent=f"{last.sent_bytes / 1e6:.3f}",
-        )
+        shown = {"epoch": last.epoch, "loss": f"{last.loss:.3f}"}
+        if not math.isnan(last.accuracy):  # no classes (e.g. --loss mse): no accuracy to show
+            shown["acc"] = f"{last.accuracy:.2f}"
+        shown["samples_s"] = f"{last.samples * self.world_size / max(last.seconds, 1e-9):.0f}"
+        self.bar.set_postfix(shown, MB_sent=f"{last.sent_bytes / 1e6:.3f}")
         self.bar.update()
 
     def on_train_end(self, trainer: Trainer) -> None:
@@ -48,24 +55,34 @@ class ProgressBar(Callback):
 
 
 class MetricsRecorder(Callback):
-    """Keeps every step's record and, each epoch, the training loss/accuracy and this replica's test accuracy.
+    """Keeps every step's record; each epoch, the training loss/accuracy and this replica's held-out accuracy and
+    loss; and with `eval_every`, this replica's held-out accuracy and loss every `eval_every` optimizer steps as
+    well as at each epoch's end (`heldout_rows`: a curve even for a run shorter than an epoch; 0: epoch ends only).
 
     What a resumed run needs to report the whole run lives in ``trainer.state.carried`` (saved with checkpoints):
-    every earlier step's row (for steps.csv) and the totals over all ranks up to the checkpoint (`totals`)."""
+    every earlier step's row (for steps.csv), every earlier held-out evaluation and the totals over all ranks up
+    to the checkpoint (`totals`: ``wall_seconds`` is the time spent in `Trainer.fit`, ``eval_seconds`` the part of it
+    the held-out evaluations took)."""
 
-    def __init__(self, test_loader: DataLoader) -> None:
+    def __init__(self, test_loader: DataLoader, eval_every: int = 0) -> None:
         self.test_loader = test_loader
+        self.eval_every = eval_every
         self.steps: list[StepRecord] = []  # this run's
+        self.resumed = False  # whether this run went on from a checkpoint's steps
         self._epoch_steps: list[StepRecord] = []
         self._rows: list[dict[str, Any]] = []
-        self._base = {"samples": 0.0, "sent_bytes": 0.0, "wall_seconds": 0.0}
+        self._heldout: list[dict[str, Any]] = []
+        self._base = {"samples": 0.0, "sent_bytes": 0.0, "wall_seconds": 0.0, "eval_seconds": 0.0}
         self._start = time.perf_counter()
+        self._eval_seconds = 0.0  # this run's
 
     def on_train_start(self, trainer: Trainer) -> None:
         carried = trainer.state.carried
         self._rows = carried.setdefault("steps", [])
-        self._base = dict(carried.get("totals", self._base))
+        self._heldout = carried.setdefault("heldout", [])
+        self._base = {**self._base, **carried.get("totals", {})}  # (checkpoints before 0.1.0's eval_seconds lack it)
         self._epoch_steps = [StepRecord(**r) for r in self._rows if r["epoch"] == trainer.state.epoch]
+        self.resumed = trainer.state.step > 0
         self._start = time.perf_counter()
 
     def after_step(self, trainer: Trainer) -> None:
@@ -73,13 +90,33 @@ class MetricsRecorder(Callback):
         self.steps.append(trainer.last)
         self._epoch_steps.append(trainer.last)
         self._rows.append(dataclasses.asdict(trainer.last))
+        if self.eval_every and trainer.state.step % self.eval_every == 0:
+            self._evaluate(trainer, trainer.last.epoch)
+
+    def _evaluate(self, trainer: Trainer, epoch: int) -> tuple[float, float]:
+        """This replica's (held-out accuracy, loss) now, added to the held-out series; an evaluation at this step
+        already made (every `eval_every` steps) is reused rather than repeated at the epoch's end."""
+        if self._heldout and self._heldout[-1]["step"] == trainer.state.step:
+            point = self._heldout[-1]
+            return point["test_accuracy"], point["test_loss"]
+        start = time.perf_counter()
+        accuracy, test_loss = trainer.evaluate(self.test_loader)
+        self._eval_seconds += time.perf_counter() - start
+        self._heldout.append({"step": trainer.state.step, "epoch": epoch, "test_loss": test_loss,
+                              "test_accuracy": accuracy})  # fmt: skip
+        return accuracy, test_loss
+
+    def heldout_rows(self) -> list[dict[str, Any]]:
+        """Every held-out evaluation of the whole run (earlier runs included): step (optimizer steps taken),
+        epoch, test_loss, test_accuracy (NaN without class targets)."""
+        return list(self._heldout)
 
     def on_epoch_end(self, trainer: Trainer) -> None:
         records, self._epoch_steps = self._epoch_steps, []
         samples = sum(r.samples for r in records) or 1
         targets = sum(r.targets for r in records)
-        accuracy, test_loss = trainer.evaluate(self.test_loader)
         epoch = records[-1].epoch if records else trainer.state.epoch - 1  # a cut-short epoch keeps its number
+        accuracy, test_loss = self._evaluate(trainer, epoch)
         entry: dict[str, Any] = {
             "epoch": epoch,
             "steps": trainer.state.step,
@@ -97,15 +134,18 @@ class MetricsRecorder(Callback):
         history.append(entry)
 
     def totals(self) -> dict[str, float]:
-        """Samples trained, bytes sent (all ranks) and wall seconds of the whole run, earlier runs it resumed
-        included, up to now (a collective: small all-gathers)."""
+        """Samples trained, bytes sent (all ranks), seconds in `Trainer.fit` and, of those, in held-out evaluations
+        (the slowest rank's) of the whole run, earlier runs it resumed included, up to now (a collective: small
+        all-gathers)."""
         samples = gather_per_rank(sum(r.samples for r in self.steps))
         sent = gather_per_rank(sum(r.sent_bytes for r in self.steps))
         wall = gather_per_rank(time.perf_counter() - self._start)
+        evaluations = gather_per_rank(self._eval_seconds)
         return {
             "samples": self._base["samples"] + sum(samples),
             "sent_bytes": self._base["sent_bytes"] + sum(sent),
             "wall_seconds": self._base["wall_seconds"] + max(wall),
+            "eval_seconds": self._base["eval_seconds"] + max(evaluations),
         }
 
     def step_rows(self) -> list[dict[str, Any]]:

@@ -101,6 +101,8 @@ class TrainConfig:
     progress: bool = True
     keep: int = 2  # checkpoints kept (the newest)
     checkpoint_every: int | None = None  # also checkpoint every N optimizer steps (besides every epoch)
+    eval_every: int | None = None  # held-out evaluation every N optimizer steps and at each epoch's end; None:
+    # about 15 per run (ddpkit.train.run.default_eval_every); 0: at epoch ends only
     debug: bool = False  # tracebacks and torch's C++ stack traces (as DDPKIT_DEBUG=1)
 
     @property
@@ -223,6 +225,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("max_steps", "checkpoint_every", "nprocs_per_node_slowmo"):  # optional integers
         if getattr(cfg, name) is not None:
             check_int(name, getattr(cfg, name), 1)
+    if cfg.eval_every is not None:
+        check_int("eval_every", cfg.eval_every, 0)
     from ddpkit.train.workload import validate_workload  # imports the models: only once the flags are sound
 
     validate_workload(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 from ddpkit.distributed.launch import exit_without_teardown, free_port, from_torchrun, spawn
 from ddpkit.train.config import TrainConfig, validate
@@ -12,8 +13,22 @@ from ddpkit.train.run import process_main, run_placed
 DEFAULT_MULTINODE_PORT = 29500
 
 
+def seconds_since_process_start() -> float:
+    """How long this process has run, from the kernel's record of its start (Linux's /proc; 0 elsewhere): the
+    command's wall time then includes the interpreter's start and torch's import, seconds before any ddpkit code."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name (field 2) may hold spaces
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # fields[19]: starttime, field 22
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def launch_training(cfg: TrainConfig) -> None:
     """Runs the training job `cfg` describes; returns when every local process has finished."""
+    started = time.time() - seconds_since_process_start()  # the summary's wall time counts from here
     if cfg.debug:
         os.environ["DDPKIT_DEBUG"] = "1"  # the ranks inherit it
     placement = from_torchrun()
@@ -23,9 +38,9 @@ def launch_training(cfg: TrainConfig) -> None:
             cfg, nproc_per_node=local, nnodes=placement.world_size // local, node_rank=placement.rank // local
         )
         validate(cfg)
-        run_placed(cfg, placement)
+        run_placed(cfg, placement, started)
         exit_without_teardown()  # this process is torchrun's worker: done, and the group left
     port = cfg.master_port
     if port is None:
         port = free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
-    spawn(process_main, cfg.nproc_per_node, (cfg, port))
+    spawn(process_main, cfg.nproc_per_node, (cfg, port, started))

@@ -106,7 +106,19 @@ def smooth(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def _loss_panel(ax: Any, steps: list[dict[str, Any]], history: list[dict[str, Any]], bits: bool) -> None:
+def _epoch_ticks(ax: Any, history: list[dict[str, Any]], completed: int | None) -> None:
+    """Integer epoch ticks on a top axis, at the optimizer step each epoch ended; with `completed` (epochs
+    finished), none for the epoch --max-steps cut short."""
+    ended = [h for h in history if "steps" in h and (completed is None or h["epoch"] < completed)]
+    if ended:
+        top = ax.secondary_xaxis("top")
+        top.set_xticks([h["steps"] for h in ended], [str(h["epoch"] + 1) for h in ended])
+        top.set_xlabel("end of epoch", fontsize=8)
+
+
+def _loss_panel(
+    ax: Any, steps: list[dict[str, Any]], history: list[dict[str, Any]], bits: bool, completed: int | None
+) -> None:
     x = [s["step"] for s in steps]
     loss = [s["loss"] / (math.log(2) if bits else 1.0) for s in steps]
     weight = smoothing_weight(len(loss))
@@ -115,25 +127,43 @@ def _loss_panel(ax: Any, steps: list[dict[str, Any]], history: list[dict[str, An
     unit = "bits per byte" if bits else "loss"
     ax.set(xlabel="optimizer step", ylabel=f"training {unit}", title=f"training {unit}")
     ax.legend(fontsize=8)
-    ended = [h for h in history if "steps" in h]
-    if ended:  # integer epoch ticks on a top axis, at the step each epoch ended
-        top = ax.secondary_xaxis("top")
-        top.set_xticks([h["steps"] for h in ended], [str(h["epoch"] + 1) for h in ended])
-        top.set_xlabel("end of epoch", fontsize=8)
+    _epoch_ticks(ax, history, completed)
 
 
-def _heldout_panel(ax: Any, history: list[dict[str, Any]], bits: bool) -> None:
-    epochs = [h["epoch"] + 1 for h in history]
+def _has_number(values: list[Any]) -> bool:
+    return any(isinstance(v, int | float) and not math.isnan(v) for v in values)
+
+
+def _number(value: Any) -> float:
+    """A figure to plot: NaN for None (metrics.json's null: does not apply)."""
+    return math.nan if value is None else float(value)
+
+
+def _heldout_panel(
+    ax: Any, history: list[dict[str, Any]], heldout: list[dict[str, Any]] | None, bits: bool, completed: int | None
+) -> None:
+    """The held-out score at every evaluation (`heldout`; without it, at each epoch's end) against the optimizer
+    step: bits per byte for text, accuracy (with the training accuracy of each epoch) when the targets are
+    classes, else the loss."""
+    points = heldout or [{**h, "step": h["steps"]} for h in history if "steps" in h]
+    x = [p["step"] for p in points]
+    marker = "o" if len(points) <= 40 else None
     if bits:
-        ax.plot(epochs, [h["test_loss"] / math.log(2) for h in history], marker="o", label="held-out")
+        ax.plot(x, [_number(p["test_loss"]) / math.log(2) for p in points], marker=marker, label="held-out")
         ax.set(ylabel="bits per byte", title="held-out bits per byte")
-    else:
-        ax.plot(epochs, [h["train_accuracy"] for h in history], marker="o", label="train")
-        ax.plot(epochs, [h["test_accuracy"] for h in history], marker="o", label="held-out")
+    elif _has_number([p.get("test_accuracy") for p in points]):
+        ends = [h for h in history if "steps" in h]
+        train = [_number(h.get("train_accuracy")) for h in ends]
+        ax.plot([h["steps"] for h in ends], train, marker="s", ls="--", label="train (epoch's mean)")
+        ax.plot(x, [_number(p["test_accuracy"]) for p in points], marker=marker, label="held-out")
         ax.set(ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
-    ax.set_xlabel("epoch")
-    ax.set_xticks(epochs)
-    ax.legend(fontsize=8)
+    else:  # no classes (e.g. --loss mse): the loss is the score
+        ax.plot(x, [_number(p["test_loss"]) for p in points], marker=marker, label="held-out")
+        ax.set(ylabel="loss", title="held-out loss")
+    ax.set_xlabel("optimizer step")
+    if points:
+        ax.legend(fontsize=8)
+    _epoch_ticks(ax, history, completed)
 
 
 def _bytes_panel(ax: Any, steps: list[dict[str, Any]]) -> None:
@@ -155,14 +185,22 @@ def run_title(summary: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def plot_run(path: str, summary: dict[str, Any], history: list[dict[str, Any]], steps: list[dict[str, Any]]) -> None:
-    """metrics.png: the smoothed training loss with epoch ticks, held-out accuracy (or bits per byte) per epoch
-    and the bytes sent per step, under a title with the run's settings."""
+def plot_run(
+    path: str,
+    summary: dict[str, Any],
+    history: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+    heldout: list[dict[str, Any]] | None = None,
+) -> None:
+    """metrics.png: the smoothed training loss with epoch ticks, held-out accuracy (or bits per byte, or loss) at
+    every evaluation (`heldout`, else each epoch's end) and the bytes sent per step, under a title with the run's
+    settings."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     bits = "heldout_bits_per_byte" in summary
-    _loss_panel(axes[0], steps, history, bits)
-    _heldout_panel(axes[1], history, bits)
+    completed = summary.get("epochs_completed")
+    _loss_panel(axes[0], steps, history, bits, completed)
+    _heldout_panel(axes[1], history, heldout, bits, completed)
     _bytes_panel(axes[2], steps)
     fig.suptitle(run_title(summary), fontsize=11)
     fig.tight_layout()

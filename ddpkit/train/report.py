@@ -51,8 +51,20 @@ def gather_digests(module: nn.Module) -> list[int]:
     return [int(t.item()) for t in out]
 
 
-def run_settings(cfg: TrainConfig, world_size: int, backend: str) -> dict[str, Any]:
-    """What the run was: the resolved settings, where it ran (each rank's host: a collective) and the versions."""
+def model_size(cfg: TrainConfig, parameters: int) -> str:
+    """The model's shape as its flags give it (built-in models) and its parameter count, e.g. "2 layers, width 64,
+    2 heads, context 64; 120,576 parameters" for ``--model gpt``."""
+    count = f"{parameters:,} parameters"
+    if cfg.model == "mlp":
+        return f"{cfg.depth} hidden layers of {cfg.hidden}; {count}"
+    if cfg.model == "gpt":
+        return f"{cfg.gpt_layers} layers, width {cfg.gpt_width}, {cfg.gpt_heads} heads, context {cfg.context}; {count}"
+    return count  # the CNN's shape follows the data; a factory's is its own
+
+
+def run_settings(cfg: TrainConfig, world_size: int, backend: str, parameters: int) -> dict[str, Any]:
+    """What the run was: the resolved settings, where it ran (each rank's host: a collective) and the versions.
+    `parameters`: the model's parameter count."""
     hosts = gather_objects(socket.gethostname(), dst=-1)
     settings: dict[str, Any] = {
         "strategy": cfg.strategy,
@@ -66,7 +78,8 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str) -> dict[str, A
         "adascale": cfg.adascale,
         "slowmo": None,
         "model": cfg.model,
-        "model_size": f"{cfg.depth} hidden layers of {cfg.hidden}" if cfg.model == "mlp" else "default",
+        "model_size": model_size(cfg, parameters),
+        "parameters": parameters,
         "data": cfg.data,
         "epochs": cfg.epochs,
         "seed": cfg.seed,
@@ -135,12 +148,10 @@ def _settings_rows(settings: dict[str, Any], summary: dict[str, Any]) -> list[tu
             )
         )
     hosts = sorted(set(settings["hosts"]))
+    size = f" ({settings['model_size']})" if settings.get("model_size") else ""
     rows += [
-        (
-            "model and data",
-            f"{settings['model']} ({settings.get('model_size', 'default')}) on {settings['data']}, "
-            f"{settings['epochs']} epoch(s), seed {settings['seed']}",
-        ),
+        ("model and data", f"{settings['model']}{size} on {settings['data']}, seed {settings['seed']}"),
+        ("length", run_length(summary)),
         ("hosts", f"{len(hosts)}: {', '.join(hosts)}"),
         ("versions", f"torch {settings['torch_version']}, ddpkit {settings['ddpkit_version']}"),
     ]
@@ -151,16 +162,56 @@ def _list(values: list[float]) -> str:
     return ", ".join(f"{v:.3f}" for v in values)
 
 
+def run_length(summary: dict[str, Any]) -> str:
+    """How far the run went: every epoch --epochs asked for, or where --max-steps stopped it (1-based epochs)."""
+    steps, epochs = summary["steps"], summary["epochs"]
+    if summary.get("epochs_completed", epochs) >= epochs:
+        return f"{epochs} epoch(s), {steps} steps"
+    per_epoch = f"{summary['steps_per_epoch']} steps per epoch" if summary.get("steps_per_epoch") else ""
+    last = summary["last_epoch"] + 1
+    where = f"at the end of epoch {last}" if summary["epochs_completed"] == last else f"in epoch {last}"
+    return f"stopped by --max-steps at step {steps}, {where} of {epochs}" + (f" ({per_epoch})" if per_epoch else "")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not math.isnan(value)
+
+
+def _heldout_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Held-out accuracy when the targets are classes, else the held-out loss; bits per byte for --data text."""
+    rows = []
+    if _is_number(summary.get("test_accuracy")):
+        rows.append(("test accuracy", f"{summary['test_accuracy']:.4f}"))
+    else:
+        rows.append(("held-out loss", f"{summary['test_loss']:.4f} (no accuracy: the targets are not class indices)"))
+    if "heldout_bits_per_byte" in summary:
+        rows.append(("held-out bits per byte", f"{summary['heldout_bits_per_byte']:.4f}"))
+    return rows
+
+
+def _time_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """This command's wall time and, apart, the training loop's (which a resumed run adds up across its runs)."""
+    wall = ("wall time", f"{summary['wall_seconds']:.1f} s (this command, from its start to this summary)")
+    if "training_seconds" not in summary:
+        return [wall, ("samples/s", f"{summary['samples_per_second']:.0f}")]
+    across = ", across resumed runs" if summary.get("resumed") else ""
+    evaluations = f"; held-out evaluations another {summary.get('evaluation_seconds', 0.0):.1f} s"
+    return [
+        wall,
+        ("training time", f"{summary['training_seconds']:.1f} s (the training loop{across}{evaluations})"),
+        ("samples/s", f"{summary['samples_per_second']:.0f} (over the training time)"),
+    ]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The table printed at the end of `ddpkit train`."""
     memory = ", ".join(f"{m:.0f}" for m in summary["peak_memory_mb"])
     rows = [
         ("strategy", f"{summary['strategy']} on {summary['world_size']} process(es), {summary['backend']}"),
         *(_settings_rows(summary["settings"], summary) if "settings" in summary else []),
-        ("test accuracy", f"{summary['test_accuracy']:.4f}"),
+        *_heldout_rows(summary),
         ("final train loss", f"{summary['train_loss']:.4f} (the last epoch's mean over every rank's samples)"),
-        ("wall time", f"{summary['wall_seconds']:.1f} s"),
-        ("samples/s", f"{summary['samples_per_second']:.0f}"),
+        *_time_rows(summary),
         ("sent per step", f"{summary['sent_bytes_per_step'] / 1e6:.4f} MB (mean over ranks, modelled wire bytes)"),
         ("sent in total", f"{summary['sent_bytes_total'] / 1e6:.2f} MB (all ranks)"),
         (
@@ -175,25 +226,48 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def write_metrics(out: str, summary: dict[str, Any], history: list[dict[str, Any]], steps: list[dict]) -> list[str]:
-    """metrics.json (summary + per-epoch history), steps.csv (per step, rank 0) and metrics.png; returns paths."""
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN float replaced by None: JSON has no NaN (Python's json writes a bare ``NaN`` other
+    readers refuse), and NaN here means "does not apply", e.g. the accuracy of a regression."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_metrics(
+    out: str,
+    summary: dict[str, Any],
+    history: list[dict[str, Any]],
+    steps: list[dict],
+    heldout: list[dict[str, Any]] | None = None,
+) -> list[str]:
+    """metrics.json (summary, per-epoch history and the held-out evaluations during training), steps.csv (per
+    step, rank 0) and metrics.png; returns their paths. NaN is written as null."""
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, name) for name in ("metrics.json", "steps.csv", "metrics.png")]
     with open(paths[0], "w") as f:
-        json.dump({"summary": summary, "epochs": history}, f, indent=2)
+        json.dump(json_safe({"summary": summary, "epochs": history, "heldout": heldout or []}), f, indent=2)
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(steps[0]) if steps else ["step"])
         writer.writeheader()
         writer.writerows(steps)
-    plot_metrics(paths[2], history, steps, summary)
+    plot_metrics(paths[2], history, steps, summary, heldout)
     return paths
 
 
 def plot_metrics(
-    path: str, history: list[dict[str, Any]], steps: list[dict], summary: dict[str, Any] | None = None
+    path: str,
+    history: list[dict[str, Any]],
+    steps: list[dict],
+    summary: dict[str, Any] | None = None,
+    heldout: list[dict[str, Any]] | None = None,
 ) -> None:
-    """metrics.png: smoothed training loss with epoch ticks, held-out accuracy (or bits per byte) per epoch and
-    bytes sent per step, titled with the run's settings (`ddpkit.train.plots.plot_run`)."""
+    """metrics.png: smoothed training loss with epoch ticks, held-out accuracy (or bits per byte, or loss) at
+    every evaluation and bytes sent per step, titled with the run's settings (`ddpkit.train.plots.plot_run`)."""
     from ddpkit.train.plots import plot_run
 
-    plot_run(path, summary or {}, history, steps)
+    plot_run(path, summary or {}, history, steps, heldout)

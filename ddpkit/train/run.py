@@ -7,6 +7,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -59,17 +60,27 @@ def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.d
     return device
 
 
-def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any]:
-    """Trains on this rank (the process group is joined) and returns the run's summary."""
+def default_eval_every(total_steps: int) -> int:
+    """Optimizer steps between held-out evaluations when --eval-every is not given: about 15 in a run of
+    `total_steps`, so that metrics.png draws a curve even for a run shorter than one epoch."""
+    return max(1, round(total_steps / 15))
+
+
+def train(cfg: TrainConfig, placement: Placement, backend: str, started: float | None = None) -> dict[str, Any]:
+    """Trains on this rank (the process group is joined) and returns the run's summary. `started`: when the
+    command began (``time.time()``), for the summary's wall time; None: now."""
+    started = time.time() if started is None else started
     device = rank_device(cfg, placement, backend)
     work = build_workload(cfg, device)
     check_job_agrees(cfg, backend, work)  # every rank, before the wrappers' first collective
     strategy = build_strategy(cfg, work.module, device)
     sampler = ResumableSampler(work.train, placement.world_size, placement.rank, seed=cfg.seed)
     loader = DataLoader(work.train, batch_size=cfg.batch_size, sampler=sampler)
-    recorder = MetricsRecorder(DataLoader(work.heldout, batch_size=64 if cfg.data == "text" else 512))
     total_steps = cfg.epochs * math.ceil(len(loader) / cfg.grad_accum)
     total_steps = min(total_steps, cfg.max_steps or total_steps)
+    every = cfg.eval_every if cfg.eval_every is not None else default_eval_every(total_steps)
+    heldout = DataLoader(work.heldout, batch_size=64 if cfg.data == "text" else 512)
+    recorder = MetricsRecorder(heldout, eval_every=every)
     label = f"{cfg.strategy} x{placement.world_size}"
     callbacks = [
         ProgressBar(total_steps, placement.rank, placement.world_size, label, cfg.progress),
@@ -101,15 +112,12 @@ def train(cfg: TrainConfig, placement: Placement, backend: str) -> dict[str, Any
     trainer.fit(cfg.epochs, cfg.max_steps)
     if isinstance(strategy.model, SlowMoDistributedDataParallel):
         strategy.model.average_parameters()  # one model at the end, whatever step the run stopped at
-    summary = summarize(cfg, placement, backend, trainer, recorder)
+    summary = summarize(cfg, placement, backend, trainer, recorder, started)
     if placement.rank == 0:
         print(format_summary(summary), flush=True)
-        if "heldout_bits_per_byte" in summary:
-            print(f"held-out bits per byte  {summary['heldout_bits_per_byte']:.4f}", flush=True)
-        elif math.isnan(summary["test_accuracy"]):  # no classes (e.g. --loss mse): the loss says how it went
-            print(f"held-out loss     {summary['test_loss']:.4f}", flush=True)
         if cfg.out:
-            for path in write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows()):
+            history, steps = trainer.state.history, recorder.step_rows()
+            for path in write_metrics(cfg.out, summary, history, steps, recorder.heldout_rows()):
                 print(f"wrote {path}")
     return summary
 
@@ -139,18 +147,27 @@ def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
 
 
 def summarize(
-    cfg: TrainConfig, placement: Placement, backend: str, trainer: Trainer, recorder: MetricsRecorder
+    cfg: TrainConfig,
+    placement: Placement,
+    backend: str,
+    trainer: Trainer,
+    recorder: MetricsRecorder,
+    started: float,
 ) -> dict[str, Any]:
-    """The run's figures, gathered over ranks (a collective)."""
+    """The run's figures, gathered over ranks (a collective). `started`: when the command began (``time.time()``
+    on rank 0's machine: its wall time is rank 0's)."""
     steps = recorder.steps
     sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
     shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
     totals = recorder.totals()  # the whole run, across resumes
+    training = totals["wall_seconds"] - totals["eval_seconds"]  # the loop without its held-out evaluations
     memory = gather_per_rank(peak_memory_mb())
-    digests = gather_digests(getattr(trainer.model, "module", trainer.model))
+    module = getattr(trainer.model, "module", trainer.model)
+    digests = gather_digests(module)
     accuracy, test_loss = trainer.evaluate(recorder.test_loader)
     history = trainer.state.history
     extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
+    parameters = sum(p.numel() for p in module.parameters())
     return {
         "workload": f"{cfg.model} on {cfg.data}",
         "title": title_settings(cfg, placement.world_size),
@@ -159,27 +176,34 @@ def summarize(
         "backend": backend,
         "device": str(next(trainer.model.parameters()).device.type),
         "epochs": cfg.epochs,
+        "epochs_completed": trainer.state.epoch,
+        "last_epoch": history[-1]["epoch"] if history else 0,
+        "steps_per_epoch": math.ceil(len(trainer.train_loader) / cfg.grad_accum),
+        "stopped_by_max_steps": trainer.state.epoch < cfg.epochs,
         "steps": trainer.state.step,
         "test_accuracy": accuracy,
         "test_loss": test_loss,
         "train_loss": last_epoch_train_loss(history),
-        "wall_seconds": totals["wall_seconds"],
-        "samples_per_second": totals["samples"] / max(totals["wall_seconds"], 1e-9),
+        "wall_seconds": time.time() - started,
+        "training_seconds": training,
+        "evaluation_seconds": totals["eval_seconds"],
+        "resumed": recorder.resumed,
+        "samples_per_second": totals["samples"] / max(training, 1e-9),
         "sent_bytes_per_step": statistics.fmean(sent_per_step),
         "sent_bytes_total": totals["sent_bytes"],
         "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
         "peak_memory_mb": memory,
         "replicas_equal": len(set(digests)) == 1,
         "parameter_digests": digests,
-        "settings": run_settings(cfg, placement.world_size, backend),
+        "settings": run_settings(cfg, placement.world_size, backend, parameters),
         "fp16_skipped_steps": sum(h.get("fp16_skipped_steps", 0) for h in history) if cfg.amp == "fp16" else None,
         "adascale_gain_per_epoch": [h.get("adascale_gain", math.nan) for h in history] if cfg.adascale else None,
         **extra,
     }
 
 
-def process_main(local_rank: int, cfg: TrainConfig, master_port: int) -> None:
-    """Entry point of each process `ddpkit train` spawns on this machine."""
+def process_main(local_rank: int, cfg: TrainConfig, master_port: int, started: float | None = None) -> None:
+    """Entry point of each process `ddpkit train` spawns on this machine (`started`: when the command began)."""
     placement = Placement(
         rank=cfg.node_rank * cfg.nproc_per_node + local_rank,
         world_size=cfg.world_size,
@@ -187,12 +211,13 @@ def process_main(local_rank: int, cfg: TrainConfig, master_port: int) -> None:
         master_addr=cfg.master_addr,
         master_port=master_port,
     )
-    run_placed(cfg, placement)
+    run_placed(cfg, placement, started)
     exit_without_teardown()  # done and the group left: torch's teardown at exit may abort (see its docstring)
 
 
-def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
-    """Joins, trains and leaves; any failure ends this process with a message naming the rank.
+def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = None) -> dict[str, Any]:
+    """Joins, trains and leaves; any failure ends this process with a message naming the rank. `started`: when
+    the command began (``time.time()``), for the summary's wall time; None: now.
 
     A crash inside torch's C++ (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to stderr, so the
     report says where the process was. SIGTERM, SIGHUP or the launcher's death end the rank at once
@@ -204,7 +229,7 @@ def run_placed(cfg: TrainConfig, placement: Placement) -> dict[str, Any]:
     backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     try:
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
-        return train(cfg, placement, backend)
+        return train(cfg, placement, backend, started)
     except LaunchError as exc:
         say(f"ddpkit: {exc}")
         sys.exit(1)
