@@ -170,27 +170,27 @@ COMMANDS: dict[str, str] = {
     'pip install torch==2.13.0 -e ".[dev]" && ddpkit train --out runs/digits': "test_quick_start_trains",
     'pip install torch==2.13.0 -e ".[dev]" && python -m pytest': "CI: .ci/run installs and runs exactly this",
     "ddpkit train --strategy ddp|oss|sharded|slowmo --optimizer sgd|adam|adamw --epochs 5 --batch-size 32": (
-        "test_train_lines"
+        "test_train_line"
     ),
-    "ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 4": "test_train_lines",
-    "ddpkit train --amp bf16": "test_train_lines",
-    "ddpkit train --data mnist --data-dir ~/mnist --model cnn": "test_train_lines",
-    "ddpkit train --data synthetic --synthetic-samples 100000 --synthetic-features 1024": "test_train_lines",
-    "ddpkit train --config run.toml --lr 0.01": "test_train_lines",
+    "ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 4": "test_train_line",
+    "ddpkit train --amp bf16": "test_train_line",
+    "ddpkit train --data mnist --data-dir ~/mnist --model cnn": "test_train_line",
+    "ddpkit train --data synthetic --synthetic-samples 100000 --synthetic-features 1024": "test_train_line",
+    "ddpkit train --config run.toml --lr 0.01": "test_train_line",
     "torchrun --nproc-per-node 4 -m ddpkit train": "test_torchrun_lines",
-    "ddpkit train --world-size 2 --rank 0 --host 10.0.0.1": "test_train_lines",
-    "ddpkit train --world-size 2 --rank 1 --host 10.0.0.1": "test_train_lines",
-    "ddpkit train --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1": "test_train_lines",
-    "ddpkit bench --nproc-per-node 2 --json bench.json": "test_bench_lines",
-    "ddpkit train --model mypkg.work:model --data mypkg.work:data --max-steps 500": "test_train_lines",
-    "ddpkit bench --model mypkg.work:model --data mypkg.work:data --link-mbit 1000": "test_bench_lines",
-    "ddpkit train --model gpt --data text --max-steps 2000": "test_train_lines",
+    "ddpkit train --world-size 2 --rank 0 --host 10.0.0.1": "test_train_line",
+    "ddpkit train --world-size 2 --rank 1 --host 10.0.0.1": "test_train_line",
+    "ddpkit train --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.0.0.1": "test_train_line",
+    "ddpkit bench --nproc-per-node 2 --json bench.json": "test_bench_compares_every_strategy",
+    "ddpkit train --model mypkg.work:model --data mypkg.work:data --max-steps 500": "test_train_line",
+    "ddpkit bench --model mypkg.work:model --data mypkg.work:data --link-mbit 1000": "test_bench_line",
+    "ddpkit train --model gpt --data text --max-steps 2000": "test_train_line",
     "ddpkit train --model gpt --data text --gpt-layers 2 --gpt-width 64 --gpt-heads 2 --context 64 --lr 3e-3": (
-        "test_train_lines"
+        "test_train_line"
     ),
-    "ddpkit bench --model gpt --nproc-per-node 2": "test_bench_lines",
+    "ddpkit bench --model gpt --nproc-per-node 2": "test_bench_line",
     "ddpkit bench --model mypkg.work:model --data mypkg.work:data --link-mbit 1000 --link-latency-ms 0.2": (
-        "test_bench_lines"
+        "test_bench_line"
     ),
     "ddpkit bench --hosts 10.0.0.1,10.0.0.2 --node-rank 0 --model gpt": "test_bench_on_two_hosts",
     "ddpkit train --strategy slowmo --model gpt --data text --optimizer adamw --max-steps 2000 "
@@ -205,7 +205,7 @@ COMMANDS: dict[str, str] = {
 }
 
 SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block -> its test
-    "def data():": "test_train_lines (written to mypkg/work.py and trained on)",
+    "def data():": "test_train_line (written to mypkg/work.py and trained on)",
     "model = DDP(MyModel())": "test_oss_snippet_and_its_checkpoint",
     "optimizer.consolidate_state_dict(recipient_rank=0)": "test_oss_snippet_and_its_checkpoint",
     "model = ShardedDataParallel(model, optimizer)": "test_sharded_data_parallel_snippet",
@@ -219,7 +219,7 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
 }
 
 OTHER_BLOCKS: dict[tuple[str, str], str] = {  # (language, first line) -> its test
-    ("toml", "# run.toml: ddpkit train --config run.toml"): "test_train_lines (the --config run.toml line)",
+    ("toml", "# run.toml: ddpkit train --config run.toml"): "test_train_line (the --config run.toml line)",
     ("", "ddpkit/distributed/   the only code that calls torch.distributed: env.py (ranks, groups, checks),"): (
         "test_layout_names_files_that_exist"
     ),
@@ -293,6 +293,11 @@ def reader_namespace(rank: int, count: int = 4) -> dict[str, Any]:
     loader = batches(rank, count)
     x, y = loader[-1]
     return {"MyModel": MyModel, "loader": loader, "loss_fn": nn.functional.cross_entropy, "x": x, "y": y}
+
+
+def on_ranks(fn: Any, *args: Any) -> list[Any]:
+    """`fn(rank, world_size, *args)` on the 2 pooled gloo ranks, with room for a loaded machine."""
+    return run_distributed(fn, WORLD, *args, timeout=TIMEOUT)
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -390,7 +395,7 @@ def assert_same_state(a: Any, b: Any) -> None:
 
 def test_oss_snippet_and_its_checkpoint(tmp_path):
     code = snippet("model = DDP(MyModel())"), snippet("optimizer.consolidate_state_dict(recipient_rank=0)")
-    results = run_distributed(_oss_and_checkpoint, WORLD, *code, str(tmp_path))
+    results = on_ranks(_oss_and_checkpoint, *code, str(tmp_path))
     assert [r["calls"] for r in results] == [["gloo"]] * WORLD
     assert_trained_alike(results)
     saved = results[0]["saved"]
@@ -410,7 +415,7 @@ def _sharded_data_parallel(rank: int, world_size: int, code: str, folder: str) -
 
 def test_sharded_data_parallel_snippet(tmp_path):
     code = snippet("model = ShardedDataParallel(model, optimizer)")
-    results = run_distributed(_sharded_data_parallel, WORLD, code, str(tmp_path))
+    results = on_ranks(_sharded_data_parallel, code, str(tmp_path))
     assert_trained_alike(results)
     assert all(r["accumulated"] > 0 for r in results), "no_sync() left the local gradients in place"
 
@@ -429,7 +434,7 @@ def _sharded_grad_scaler(rank: int, world_size: int, code: str, folder: str) -> 
 
 
 def test_sharded_grad_scaler_snippet(tmp_path):
-    results = run_distributed(_sharded_grad_scaler, WORLD, snippet("scaler = ShardedGradScaler()"), str(tmp_path))
+    results = on_ranks(_sharded_grad_scaler, snippet("scaler = ShardedGradScaler()"), str(tmp_path))
     assert_trained_alike(results)
     assert len({r["scale"] for r in results}) == 1 and results[0]["scale"] > 0
 
@@ -447,7 +452,7 @@ def _adascale(rank: int, world_size: int, code: str, folder: str) -> dict[str, A
 
 def test_adascale_snippet(tmp_path):
     code = substituted(snippet("optimizer = AdaScale("))
-    results = run_distributed(_adascale, WORLD, code, str(tmp_path))
+    results = on_ranks(_adascale, code, str(tmp_path))
     assert_trained_alike(results)
     assert all(r["progress"] >= 3 for r in results), "the loop ran to its (substituted) scale-invariant budget"
 
@@ -482,7 +487,7 @@ def slowmo_loop() -> str:
 def test_slowmo_snippets(tmp_path, anchor, with_loop, count):
     code = substituted(snippet(anchor))
     loop = slowmo_loop() if with_loop else ""
-    assert_trained_alike(run_distributed(_slowmo, WORLD, code, loop, count, str(tmp_path)))
+    assert_trained_alike(on_ranks(_slowmo, code, loop, count, str(tmp_path)))
 
 
 def _torchbearer(rank: int, world_size: int, code: str, folder: str) -> dict[str, Any]:
@@ -502,7 +507,7 @@ def _torchbearer(rank: int, world_size: int, code: str, folder: str) -> dict[str
 def test_torchbearer_snippet(tmp_path):
     pytest.importorskip("torchbearer")
     code = snippet("distributed_callbacks(model)")
-    assert_trained_alike(run_distributed(_torchbearer, WORLD, code, str(tmp_path)))
+    assert_trained_alike(on_ranks(_torchbearer, code, str(tmp_path)))
 
 
 def _comm_stats(rank: int, world_size: int, code: str, folder: str) -> dict[str, Any]:
@@ -516,7 +521,7 @@ def _comm_stats(rank: int, world_size: int, code: str, folder: str) -> dict[str,
 
 
 def test_comm_stats_snippet(tmp_path):
-    results = run_distributed(_comm_stats, WORLD, snippet("counting_allreduce_hook)"), str(tmp_path))
+    results = on_ranks(_comm_stats, snippet("counting_allreduce_hook)"), str(tmp_path))
     gradient_bytes = 4 * sum(p.numel() for p in MyModel().parameters())
     # one all-reduce of every gradient: a rank sends 2 (N-1)/N of it, at N = 2 all of it once
     assert all(r["sent"] == gradient_bytes for r in results), (results, gradient_bytes)
@@ -663,38 +668,51 @@ TWO_MACHINES = {
 }
 
 
-def train_lines(tmp_path: Path) -> list[tuple[str, list[Any]]]:
-    """Each README `ddpkit train` line the pooled ranks run: (the line, the config of each rank)."""
-    values = {"port": str(free_port()), "mnist": str(tmp_path / "mnist")}
-    lines = []
+def train_lines() -> list[tuple[str, ...]]:
+    """Each README `ddpkit train` line the pooled ranks run, as the line of each rank (one line: both ranks';
+    alternatives `a|b` expanded, one line per combination)."""
+    lines: list[tuple[str, ...]] = []
     for text, runner in COMMANDS.items():
-        if runner != "test_train_lines" or text in TWO_MACHINES.values():
+        if runner != "test_train_line" or text in TWO_MACHINES.values():
             continue
-        if text in TWO_MACHINES:  # rank 0's line and rank 1's
-            other = TWO_MACHINES[text]
-            ranks = [command(text), command(other)] if other else [text.replace("--node-rank 1", "--node-rank 0"), text]
-            lines.append((text, [train_config(t, **values) for t in ranks]))
+        if text in TWO_MACHINES:  # rank 0's line, then rank 1's
+            other = TWO_MACHINES[text] or text.replace("--node-rank 1", "--node-rank 0")
+            lines.append((text, other) if "--rank 0" in text else (other, text))
             continue
-        lines += [(variant, [train_config(variant, **values)] * WORLD) for variant in expand_alternatives(text)]
+        lines += [(variant,) * WORLD for variant in expand_alternatives(text)]
     return lines
 
 
+def toml_settings() -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(next(b for b in blocks(README) if b.lang == "toml").text)
+
+
 @pytest.mark.slow
-def test_train_lines(tmp_path, monkeypatch):
-    """Every flag-level `ddpkit train` line of the README: 2 steps each, on 2 ranks, replicas equal at the end."""
+@pytest.mark.parametrize("ranks", train_lines(), ids=lambda ranks: ranks[0])
+def test_train_line(tmp_path, monkeypatch, ranks):
+    """A flag-level `ddpkit train` line of the README: 2 steps on 2 ranks, the replicas equal at the end."""
     monkeypatch.chdir(tmp_path)  # run.toml and relative --out paths, as in the reader's folder
     monkeypatch.syspath_prepend(str(tmp_path))  # mypkg, for the checks before the start
     write_mypkg(tmp_path)
     write_mnist(tmp_path / "mnist")
     write_run_toml(tmp_path)
-    for label, configs in train_lines(tmp_path):
-        results = run_distributed(_train, WORLD, configs, str(tmp_path), timeout=TIMEOUT)
-        summary = results[0]["summary"]
-        assert summary["replicas_equal"] and summary["steps"] == 2, (label, summary)
-        assert torch.isfinite(torch.tensor(summary["train_loss"])), (label, summary)
-        if "--config run.toml" in label:  # the file's settings, the flag's learning rate
-            assert (configs[0].strategy, configs[0].model, configs[0].lr) == ("slowmo", "cnn", 0.01)
-            assert (tmp_path / configs[0].out / "metrics.json").exists(), results[0]["printed"]
+    values = {"port": str(free_port()), "mnist": str(tmp_path / "mnist")}
+    configs = [train_config(text, **values) for text in ranks]
+    results = on_ranks(_train, configs, str(tmp_path))
+    summary = results[0]["summary"]
+    assert summary["replicas_equal"] and summary["steps"] == 2, summary
+    assert torch.isfinite(torch.tensor(summary["train_loss"])), summary
+    assert "--model gpt" not in ranks[0] or "heldout_bits_per_byte" in summary
+    if "--config run.toml" in ranks[0]:  # the file's settings, and the flag's learning rate over the file's
+        fields = {f.name for f in dataclasses.fields(configs[0])}
+        given = {k.replace("-", "_"): v for k, v in toml_settings().items() if k != "lr"}
+        given = {k: v for k, v in given.items() if k in fields}
+        assert {k: getattr(configs[0], k) for k in given} == given
+        assert configs[0].lr == 0.01 and (tmp_path / configs[0].out / "metrics.json").exists(), results[0]["printed"]
 
 
 @pytest.mark.slow
@@ -730,19 +748,22 @@ def test_slow_link_training_on_two_machines(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_lines(tmp_path):
-    write_mypkg(tmp_path)
-    first = command("ddpkit bench --nproc-per-node 2 --json bench.json")
-    out = run_command(argv(first, "bench"), tmp_path)
+def test_bench_compares_every_strategy(tmp_path):
+    text = command("ddpkit bench --nproc-per-node 2 --json bench.json")
+    out = run_command(argv(text, "bench"), tmp_path)
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert [r["strategy"] for r in rows] == ["ddp", "oss", "sharded", "slowmo", "sgp"], out
     assert "recommendation" in out and (tmp_path / "bench.png").exists(), out
-    for text, runner in COMMANDS.items():
-        if runner == "test_bench_lines" and text != first:
-            out = run_command(argv(command(text), "bench", "bench-more"), tmp_path)
-            assert re.search(r"^slowmo\s", out, re.M) and "recommendation" in out, out
-            if "--link-mbit 1000" in text:
-                assert "1000 Mbit/s" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", [c for c, runner in COMMANDS.items() if runner == "test_bench_line"])
+def test_bench_line(tmp_path, line):
+    write_mypkg(tmp_path)
+    out = run_command(argv(command(line), "bench", "bench-more"), tmp_path)
+    assert re.search(r"^slowmo\s", out, re.M) and "recommendation" in out, out
+    if "--link-mbit 1000" in line:
+        assert re.search(r"predicted for 1,?000 Mbit/s", out), out
 
 
 @pytest.mark.slow
@@ -770,38 +791,40 @@ def test_gpu_lines(tmp_path, line):
 # benchmarks/README.md
 
 
-def benchmark_modules() -> dict[str, Any]:
+def benchmarks_package() -> Any:
+    """The repository's `benchmarks` package (``python -m benchmarks`` runs from the root, which pytest's
+    sys.path need not hold)."""
     sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks.__main__ import registry
+        import benchmarks.__main__
+        import benchmarks.lib.cli  # imported while the root is on sys.path
     finally:
         sys.path.remove(str(ROOT))
-    return registry()
+    return benchmarks
 
 
 def test_every_benchmark_help(capsys):
-    from benchmarks.__main__ import main
-
+    package = benchmarks_package()
     command("python -m benchmarks NAME --help", BENCH_README)
-    for name in benchmark_modules():
+    for name in package.__main__.registry():
         with pytest.raises(SystemExit) as done:
-            main([name, "--help"])
+            package.__main__.main([name, "--help"])
         assert done.value.code == 0
         assert f"python -m benchmarks {name}" in capsys.readouterr().out
 
 
 def test_benchmark_commands_parse():
     """Every full-size command of benchmarks/README.md names a benchmark and options its parser accepts."""
-    from benchmarks.lib.cli import build_parser
-
-    modules = benchmark_modules()
+    package = benchmarks_package()
+    modules = package.__main__.registry()
     parsed = 0
     for text in readme_commands(BENCH_README):
         if text in BENCH_COMMANDS:
             continue
         words = shlex.split(text.removeprefix("sudo "))
         assert words[:3] == ["python", "-m", "benchmarks"] and words[3] in modules, text
-        build_parser(words[3], modules[words[3]], quick="--quick" in words).parse_args(words[4:])
+        parser = package.lib.cli.build_parser(words[3], modules[words[3]], quick="--quick" in words)
+        parser.parse_args(words[4:])
         parsed += 1
     assert parsed >= 10
     script = ROOT / command("benchmarks/gpu_check.sh OUTDIR", BENCH_README).split()[0]
