@@ -61,7 +61,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in (*TORCHRUN_VARIABLES, "LOCAL_WORLD_SIZE", "DDPKIT_DEBUG")}
+    dropped = (*TORCHRUN_VARIABLES, "LOCAL_WORLD_SIZE", "DDPKIT_DEBUG", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -498,6 +499,10 @@ def test_world_size_rank_host_two_commands_on_tiny_mnist(tmp_path, procs):
     assert "sharded x2" not in one.stderr
     assert not list((tmp_path / "out1").glob("checkpoint/*/*"))  # equal replicas: rank 0 writes the checkpoint
     assert not (tmp_path / "out1" / "metrics.json").exists()
+    # the two commands found each other on this machine and split its cores (each took all of them before: 4x slower
+    # on 2 cores than with one thread each)
+    settings = json.loads((tmp_path / "out0" / "metrics.json").read_text())["summary"]["settings"]
+    assert settings["threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def test_torchbearer_example_at_two_processes(tmp_path, procs):

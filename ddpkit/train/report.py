@@ -86,6 +86,7 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str, parameters: in
         "world_size": world_size,
         "backend": backend,
         "hosts": hosts,
+        "threads_per_rank": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "ddpkit_version": ddpkit.__version__,
     }

@@ -27,6 +27,7 @@ from ddpkit.distributed.launch import (
 )
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import guard_rank, say
+from ddpkit.distributed.threads import share_cores, share_cores_with_peers
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train import checkpoint_files
 from ddpkit.train.agreement import check_job_agrees
@@ -225,10 +226,11 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
     guard_rank(f"rank {placement.rank}", shared_memory.remove_own_files)
     shared_memory.sweep_stale(min_age=0)  # what a killed job on this host left, whatever this job's strategy
     faulthandler.enable()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.nproc_per_node, 1)))
+    share_cores(cfg.nproc_per_node)  # until the job's layout is known
     backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     try:
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
+        share_cores_with_peers()  # ranks started apart may share this machine's cores
         return train(cfg, placement, backend, started)
     except LaunchError as exc:
         say(f"ddpkit: {exc}")
