@@ -187,6 +187,15 @@ def test_install_resolves_fairscale_imports_to_ddpkit():
         assert fairscale.optim.OSS is OSS and fairscale.__version__ == "0.4.13"
         with pytest.raises(ModuleNotFoundError, match=r"fairscale\.nn\.misc is not provided by ddpkit"):
             _import("from fairscale.nn.misc import FlattenParamsWrapper")
+        # a name the alias lacks, imported from a module that exists: what is provided and what to use instead
+        with pytest.raises(ImportError) as refused:
+            _import("from fairscale.nn import FullyShardedDataParallel")
+        message = str(refused.value)
+        assert "fairscale.nn.FullyShardedDataParallel is not provided by ddpkit" in message
+        assert "torch.distributed.fsdp.fully_shard" in message
+        assert "fairscale.nn provides ShardedDataParallel" in message
+        assert all(name in message for module in compat.ALIASES.values() for name in module)
+        assert not hasattr(fairscale.nn, "__wrapped__")  # probes of private names stay AttributeErrors
         with compat.installed():  # nested: leaving the inner block keeps the outer installation
             pass
         assert compat.is_installed() and _import("from fairscale.optim import OSS") is OSS

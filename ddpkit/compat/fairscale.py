@@ -29,7 +29,7 @@ from typing import Any
 from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, AdaScale, AdaScaleWrapper, ShardedGradScaler
 
-__all__ = ["ALIASES", "install", "installed", "is_installed", "uninstall"]
+__all__ = ["ALIASES", "INSTEAD", "NotProvided", "install", "installed", "is_installed", "uninstall"]
 
 _SLOWMO = {"SlowMoDistributedDataParallel": SlowMoDistributedDataParallel, "SlowMoBaseAlgorithm": SlowMoBaseAlgorithm}
 
@@ -52,6 +52,46 @@ ALIASES: dict[str, dict[str, Any]] = {
 
 _PACKAGES = {name.rsplit(".", 1)[0] for name in ALIASES if "." in name}
 _VERSION = "0.4.13"  # the fairscale release whose public API these names follow
+
+
+INSTEAD: dict[str, str] = {
+    "FullyShardedDataParallel": "torch.distributed.fsdp.fully_shard (FSDP2), or ddpkit.nn.ShardedDataParallel",
+    "FSDP": "torch.distributed.fsdp.fully_shard (FSDP2), or ddpkit.nn.ShardedDataParallel",
+    "Pipe": "torch.distributed.pipelining",
+    "checkpoint_wrapper": "torch.utils.checkpoint.checkpoint (or torch's checkpoint_wrapper)",
+    "auto_wrap": "torch.distributed.fsdp.fully_shard applied per block",
+    "enable_wrap": "torch.distributed.fsdp.fully_shard applied per block",
+    "wrap": "torch.distributed.fsdp.fully_shard applied per block",
+}
+"""fairscale names ddpkit does not provide, with what to use instead (named in the import error)."""
+
+
+class NotProvided(ImportError):
+    """A fairscale name ddpkit does not provide, imported while the aliases are installed."""
+
+
+def _not_provided(module: str, name: str) -> NotProvided:
+    instead = f"; use {INSTEAD[name]} instead" if name in INSTEAD else ""
+    provided = ", ".join(sorted(ALIASES[module])) or "no names of its own"
+    everything = "; ".join(f"{m}: {', '.join(sorted(ALIASES[m]))}" for m in sorted(ALIASES) if ALIASES[m])
+    return NotProvided(
+        f"{module}.{name} is not provided by ddpkit.compat.fairscale{instead}. {module} provides {provided}; "
+        f"every alias: {everything}. Call ddpkit.compat.fairscale.uninstall() to use the real fairscale",
+        name=module,
+    )
+
+
+def _refuse_unprovided(module: str) -> Any:
+    """A module ``__getattr__`` (PEP 562) for names the alias lacks: ``from fairscale.nn import X`` raises
+    `NotProvided` with the list above, where Python's own error would say only 'cannot import name'. Private and
+    dunder names stay AttributeErrors, so ``hasattr`` probes of tools behave as on any module."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        raise _not_provided(module, name)
+
+    return __getattr__
 
 
 class _Shadow:
@@ -86,6 +126,7 @@ def _build_modules() -> dict[str, types.ModuleType]:
         module.__dict__.update(ALIASES[name])
         module.__all__ = sorted(ALIASES[name])  # type: ignore[attr-defined]
         module.__ddpkit_alias__ = True  # type: ignore[attr-defined]
+        module.__getattr__ = _refuse_unprovided(name)  # type: ignore[method-assign]
         if name in _PACKAGES or name == "fairscale":
             module.__path__ = []  # a package: submodules are looked up in sys.modules only
         if "." in name:
