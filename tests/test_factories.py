@@ -45,6 +45,10 @@ def plain_model() -> nn.Module:
     return nn.Linear(4, 1)
 
 
+def three_classes_model() -> nn.Module:
+    return nn.Linear(4, 3)
+
+
 def returns_a_number() -> int:
     return 3
 
@@ -143,6 +147,16 @@ def no_process(monkeypatch):
         (["--model", "gpt", "--data", "text", "--gpt-width", "30", "--gpt-heads", "4"], "divisible by --gpt-heads"),
         (["--model", "gpt", "--data", "text", "--context", "0"], "--context must be an integer >= 1"),
         (["--max-steps", "0"], "--max-steps must be an integer >= 1"),
+        (  # a 4-input model on 8x8 images: refused here, it was a shape error on every rank after spawning
+            ["--model", SPEC + "plain_model", "--data", "digits"],
+            "--model test_factories:plain_model does not fit --data digits: the model's forward failed on two "
+            "training items (inputs [2, 1, 8, 8] float32, targets [2] int64): RuntimeError",
+        ),
+        (  # the forward works, the loss cannot compare 3 class scores with one float target
+            ["--model", SPEC + "three_classes_model", "--data", SPEC + "regression_data"],
+            "does not fit --data test_factories:regression_data: the loss failed on two training items (inputs "
+            "[2, 4] float32, targets [2, 1] float32, model output [2, 3] float32)",
+        ),
     ],
 )
 def test_bad_workloads_fail_before_any_process(on_path, no_process, capsys, argv, needle):

@@ -74,10 +74,44 @@ def validate_workload(cfg: TrainConfig) -> None:
     _check_names(cfg)
     _check_pairing(cfg)
     _check_gpt_flags(cfg)
-    if factories.is_spec(cfg.model):
-        factories.build_model(cfg.model)
-    if factories.is_spec(cfg.data):
-        factories.build_data(cfg.data)
+    if factories.is_spec(cfg.model) or factories.is_spec(cfg.data):
+        check_model_fits_data(build_workload(cfg, torch.device("cpu")), cfg)
+
+
+def _shapes(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_shapes(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def check_model_fits_data(work: Workload, cfg: TrainConfig) -> None:
+    """One forward and loss of two training items through the model, in eval mode without gradients, in this
+    process: a model that does not take the data's inputs, or whose output the loss cannot compare with the
+    targets, fails here naming --model and --data and the shapes, instead of on every rank after spawning."""
+    from torch.utils.data import default_collate
+
+    inputs, targets = default_collate([work.train[i] for i in range(min(2, len(work.train)))])
+    was_training = work.module.training
+    work.module.eval()
+    stage = "the model's forward"
+    try:
+        with torch.no_grad():
+            output = work.module(inputs)
+            stage = "the loss"
+            work.loss_fn(output, targets)
+    except Exception as exc:
+        got = f"inputs {_shapes(inputs)}, targets {_shapes(targets)}"
+        if stage == "the loss":
+            got += f", model output {_shapes(output)}"
+        raise ValueError(
+            f"--model {cfg.model} does not fit --data {cfg.data}: {stage} failed on two training items ({got}): "
+            f"{type(exc).__name__}: {exc}. Make the model's input layer match the data's items, or the data the "
+            "model (and --loss, or the model factory's loss, match the targets)"
+        ) from exc
+    finally:
+        work.module.train(was_training)
 
 
 def _classification_data(cfg: TrainConfig) -> Data:
