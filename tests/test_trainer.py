@@ -118,6 +118,36 @@ def test_grad_accum_equals_one_big_batch():
     assert record.loss == pytest.approx(expected, rel=1e-5)
 
 
+def test_an_epochs_short_accumulation_is_measured_by_adascale_without_a_warning():
+    """24 samples in batches of 4 accumulated by 4: the epoch's second update has 2 batches. AdaScale is told so
+    for that update (it warned and kept its estimates before) and set back to 4; the result is what a hand-written
+    loop does with AdaScale's public set_num_gradients_to_accumulate."""
+    import warnings
+
+    from ddpkit.optim import AdaScale
+
+    data = _dataset(n=24)
+    x, y = data.tensors
+    model, by_hand = _model(), _model()
+    optimizer = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=4)
+    reference = AdaScale(torch.optim.SGD(by_hand.parameters(), lr=0.1), num_gradients_to_accumulate=4)
+    trainer = Trainer(model, optimizer, DataLoader(data, batch_size=4), grad_accum=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        trainer.fit(epochs=1)
+    assert trainer.state.step == 2 and optimizer.num_gradients_to_accumulate == 4
+    for start, count in ((0, 4), (16, 2)):
+        reference.set_num_gradients_to_accumulate(count, update_smoothing=False)
+        for i in range(start, start + 4 * count, 4):
+            (nn.functional.cross_entropy(by_hand(x[i : i + 4]), y[i : i + 4]) / count).backward()
+        reference.step()
+        reference.zero_grad()
+    assert optimizer.estimates() == pytest.approx(reference.estimates(), rel=1e-6)
+    assert optimizer.scale_invariant_steps == pytest.approx(reference.scale_invariant_steps, rel=1e-6)
+    for a, b in zip(model.parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_fit_resumes_from_a_restored_state_exactly():
     data = _dataset(n=32)
 
@@ -405,7 +435,16 @@ def test_parameter_digest_sees_a_single_bit():
         w = model[0].weight.view(-1)
         w[3] = torch.nextafter(w[3], torch.tensor(float("inf")))
     assert parameter_digest(model) != before
-    assert 0 <= before < 2**63
+    # a SHA-256 in hex, computed here from its definition: shape, dtype and bytes of each parameter in order
+    import hashlib
+
+    reference = hashlib.sha256()
+    for p in _model().parameters():
+        reference.update(f"{tuple(p.shape)}|{p.dtype}|".encode() + p.detach().numpy().tobytes())
+    assert before == reference.hexdigest() and len(before) == 64
+    reshaped = _model()
+    reshaped[0].weight = nn.Parameter(reshaped[0].weight.detach().reshape(-1, 2))
+    assert parameter_digest(reshaped) != before  # the same bytes in another shape are another model
 
 
 def test_summary_table_and_metrics_files(tmp_path):

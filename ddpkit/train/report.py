@@ -23,12 +23,14 @@ from ddpkit.train.config import SLOW_LINK_FLAGS, TrainConfig
 from ddpkit.train.strategies import optimizer_arguments, slowmo_node_size
 
 
-def parameter_digest(module: nn.Module) -> int:
-    """A 63-bit digest (SHA-256) of every parameter's bytes: equal digests mean bit-identical replicas."""
+def parameter_digest(module: nn.Module) -> str:
+    """The SHA-256, in hex, of every parameter's shape, dtype and bytes in ``module.parameters()`` order: equal
+    digests mean bit-identical parameters (across ranks: replicas; across runs: the same model)."""
     h = hashlib.sha256()
     for p in module.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return int.from_bytes(h.digest()[:8], "big") >> 1
+        h.update(f"{tuple(p.shape)}|{p.dtype}|".encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def peak_memory_mb() -> float:
@@ -44,11 +46,11 @@ def gather_per_rank(value: float) -> list[float]:
     return [t.item() for t in out]
 
 
-def gather_digests(module: nn.Module) -> list[int]:
-    world = group_size()
-    out = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    comm.all_gather(out, torch.tensor([parameter_digest(module)], dtype=torch.int64))
-    return [int(t.item()) for t in out]
+def gather_digests(module: nn.Module) -> list[str]:
+    """Every rank's `parameter_digest`, in rank order (a collective)."""
+    digests = gather_objects(parameter_digest(module), dst=-1)
+    assert digests is not None
+    return digests
 
 
 def model_size(cfg: TrainConfig, parameters: int) -> str:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit.distributed import comm_stats
 from ddpkit.nn import SlowMoDistributedDataParallel
+from ddpkit.optim import AdaScale
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -157,7 +158,7 @@ class Trainer:
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepRecord:
         start = time.perf_counter()
         loss_sum, correct, samples, targets = 0.0, 0, 0, 0
-        with comm_stats.measure() as sent:
+        with comm_stats.measure() as sent, self._short_update(len(batches)):
             for i, (x, y) in enumerate(batches):
                 x, y = x.to(self.device), y.to(self.device)
                 sync = i == len(batches) - 1
@@ -178,6 +179,22 @@ class Trainer:
         return StepRecord(
             self.state.epoch, self.state.step, loss_mean, correct, samples, seconds, sent.sent_bytes(), shared, targets
         )
+
+    @contextlib.contextmanager
+    def _short_update(self, micro_batches: int) -> Iterator[None]:
+        """An epoch's last accumulation may have fewer than `grad_accum` batches: AdaScale is told that this update
+        has `micro_batches` backward passes, so it measures them as such (else it warns and steps with its old
+        estimates), and is set back afterwards. A single process with one batch left has no spread to measure:
+        AdaScale then steps with the current gain, as it says."""
+        optimizer = self.optimizer
+        short = isinstance(optimizer, AdaScale) and micro_batches < optimizer.num_gradients_to_accumulate
+        if not short or optimizer.world_size * micro_batches < 2:
+            yield
+            return
+        full = optimizer.num_gradients_to_accumulate
+        optimizer.set_num_gradients_to_accumulate(micro_batches, update_smoothing=False)
+        yield  # a failed update ends training: nothing to set back then
+        optimizer.set_num_gradients_to_accumulate(full, update_smoothing=False)
 
     def _maybe_no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         if sync or not hasattr(self.model, "no_sync"):
