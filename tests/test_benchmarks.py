@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,12 +50,74 @@ def test_listing_names_every_benchmark_with_its_question():
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
+def _toy_benchmark(runs: list):
+    """A benchmark module of the smallest shape `benchmarks.lib.cli` accepts: one option, a smoke size."""
+
+    def add_arguments(parser):
+        parser.add_argument("--steps", type=int, default=10)
+
+    def plot(report, out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "toy.png").write_bytes(b"png")
+
+    return SimpleNamespace(
+        QUESTION="does a toy run write where it should?",
+        QUICK={"steps": 1},
+        add_arguments=add_arguments,
+        run=lambda args: runs.append(args.steps) or {"steps": args.steps},
+        table=lambda report: f"steps {report['figures']['steps']}",
+        plot=plot,
+    )
+
+
+def test_only_a_run_at_the_defaults_or_with_record_changes_the_record(tmp_path, monkeypatch, capsys):
+    """--quick and other options write into the scratch folder; the defaults, or --record, into the record;
+    --out wins; --record with --quick is refused before anything runs."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.lib import cli, results
+
+    folders = {name: tmp_path / name for name in ("results", "figures", "scratch")}
+    monkeypatch.setattr(results, "RESULTS", folders["results"])
+    monkeypatch.setattr(results, "FIGURES", folders["figures"])
+    monkeypatch.setattr(results, "SCRATCH", folders["scratch"])
+    runs: list = []
+    toy = _toy_benchmark(runs)
+
+    def written():
+        found = {name: sorted(p.name for p in folder.glob("*")) for name, folder in folders.items()}
+        found = {name: names for name, names in found.items() if names}
+        for folder in folders.values():
+            for path in folder.glob("*"):
+                path.unlink()
+        return found
+
+    assert cli.main("toy", toy, ["--quick"]) == 0
+    assert written() == {"scratch": ["toy.json", "toy.png"]} and runs == [1]
+    assert "not the record (--steps, --quick differ from the defaults)" in capsys.readouterr().out
+    assert cli.main("toy", toy, ["--steps", "3"]) == 0
+    assert written() == {"scratch": ["toy.json", "toy.png"]}
+    assert cli.main("toy", toy, []) == 0
+    assert written() == {"results": ["toy.json"], "figures": ["toy.png"]}
+    assert cli.main("toy", toy, ["--steps", "3", "--record"]) == 0
+    assert written() == {"results": ["toy.json"], "figures": ["toy.png"]}
+    assert cli.main("toy", toy, ["--quick", "--out", str(folders["scratch"] / "mine")]) == 0
+    assert json.loads((folders["scratch"] / "mine" / "toy.json").read_text())["config"]["steps"] == 1
+    with pytest.raises(SystemExit) as refused:
+        cli.main("toy", toy, ["--quick", "--record"])
+    assert refused.value.code == 2 and "--record: a --quick run is a smoke test" in capsys.readouterr().err
+    assert runs == [1, 3, 10, 3, 1]
+
+
+QUICK_ALL_SECONDS = 1500  # every benchmark at smoke size: 3-5 minutes idle, far longer under a load of 10
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(QUICK_ALL_SECONDS + 120)  # beyond the suite's 300 s, which this test always needed
 def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     began = time.time()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=QUICK_ALL_SECONDS,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     skipped_link = netns_unavailable()

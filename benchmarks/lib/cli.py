@@ -1,6 +1,10 @@
 """The command line every benchmark shares: its own options with their defaults, ``--quick``, ``--out``,
 ``--plot-only``; a run writes the result file, prints the table and draws the plot from the file.
 
+A run at the benchmark's defaults writes the record (``benchmarks/results``, ``benchmarks/figures``); a
+``--quick`` run, or one with other options, writes to the git-ignored ``benchmarks/scratch`` unless ``--record``
+(or ``--out``) says otherwise.
+
 A benchmark module defines ``QUESTION`` (one line: what it answers), ``QUICK`` (option values for the smoke size),
 ``add_arguments(parser)``, ``run(args) -> figures``, ``table(report) -> str`` and ``plot(report, out_dir)``;
 optionally ``result_name(args)`` where variants of one benchmark keep separate result files.
@@ -60,6 +64,12 @@ def build_parser(name: str, module: ModuleType, quick: bool) -> argparse.Argumen
         help="write NAME.json and the plots here (default: benchmarks/results, benchmarks/figures)",
     )
     parser.add_argument("--plot-only", action="store_true", help="redraw the table and plots from the result file")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="write to the record (benchmarks/results, benchmarks/figures) although options differ from the "
+        "defaults; a run at the defaults does so by itself, a --quick run never",
+    )
     if quick:
         parser.set_defaults(**module.QUICK)
     return parser
@@ -70,16 +80,48 @@ def _quick_text(values: dict[str, Any]) -> str:
     return ", ".join(flag if value is True else f"{flag} {value}" for flag, value in flags.items())
 
 
+NOT_SETTINGS = ("out", "plot_only", "record")
+"""Options that say where a run writes, not what it measures."""
+
+
+def changed_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The options of `args` that differ from the benchmark's own defaults (``--quick`` counts as one)."""
+    defaults = vars(parser.parse_args([]))
+    return [
+        f"--{key.replace('_', '-')}"
+        for key, value in vars(args).items()
+        if key not in NOT_SETTINGS and value != defaults.get(key)
+    ]
+
+
+def destination(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, Path, list[str]]:
+    """Where a run writes its result file and its figures, and why not the record (the options that differ from
+    the defaults; empty for the record). ``--out`` wins; then the record, for a run at the defaults or with
+    ``--record``; else the git-ignored ``benchmarks/scratch``, so that a smoke-size or exploratory run never
+    replaces the published figures by accident."""
+    if args.record and args.quick:
+        raise UsageError("--record: a --quick run is a smoke test, never the record")
+    if args.out:
+        return Path(args.out), Path(args.out), []
+    changed = changed_options(args, parser)
+    if args.record or not changed:
+        return results.RESULTS, results.FIGURES, []
+    return results.SCRATCH, results.SCRATCH, changed
+
+
 def main(name: str, module: ModuleType, argv: list[str]) -> int:
     """Runs benchmark `name` (``python -m benchmarks NAME ...``); returns the exit status."""
     parser = build_parser(name, module, quick="--quick" in argv)
     args = parser.parse_args(argv)
-    figures_dir = Path(args.out) if args.out else results.FIGURES
+    try:
+        results_dir, figures_dir, changed = destination(args, build_parser(name, module, quick=False))
+    except UsageError as exc:
+        parser.error(str(exc))
     result = module.result_name(args) if hasattr(module, "result_name") else name  # variants keep their own file
     if args.plot_only:
-        report = results.load(result, args.out)
+        report = results.load(result, results_dir)
     else:
-        recorder = results.Recorder(result, _config(args), args.out)
+        recorder = results.Recorder(result, _config(args), results_dir)
         try:
             figures = module.run(args)
         except UsageError as exc:
@@ -89,11 +131,17 @@ def main(name: str, module: ModuleType, argv: list[str]) -> int:
             return 0
         recorder.config = _config(args)  # as the run completed it (e.g. defaults that depend on other options)
         recorder.write(figures, command=results.command_line([name, *argv]))
-        report = results.load(result, args.out)
+        report = results.load(result, results_dir)
     print(module.table(report), flush=True)
     module.plot(report, figures_dir)
+    if changed and not args.plot_only:
+        print(
+            f"not the record ({', '.join(changed)} differ from the defaults): wrote {results_dir}; "
+            "benchmarks/results is unchanged (--record replaces it)",
+            flush=True,
+        )
     return 0
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k not in ("out", "plot_only")}
+    return {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}

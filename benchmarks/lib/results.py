@@ -25,6 +25,7 @@ from benchmarks.lib.memory import total_memory_gb
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 FIGURES = ROOT / "benchmarks" / "figures"
+SCRATCH = ROOT / "benchmarks" / "scratch"  # git-ignored: --quick runs and runs at other settings
 REQUIRED = ("benchmark", "command", "date", "commit", "torch", "machine", "config", "figures")
 
 
