@@ -105,9 +105,9 @@ def compare(local: dict[str, Any], there: dict[str, Any], rate: str, latency_ms:
         predicted = predict_seconds(local, here, target) * 1e3
         rows.append({
             "rate": rate, "strategy": local["strategy"], "link": how, "link_mbit": target.mbit,
-            "link_latency_ms": target.latency * 1e3, "measured_ms": there["step_ms_mean"],
-            "predicted_ms": predicted, "error": predicted / there["step_ms_mean"] - 1,
-            "local_ms": local["step_ms_mean"], "wire_mb": local["wire_bytes_per_step"] / 1e6,
+            "link_latency_ms": target.latency * 1e3, "measured_ms": there["step_ms"],
+            "predicted_ms": predicted, "error": predicted / there["step_ms"] - 1,
+            "local_ms": local["step_ms"], "wire_mb": local["wire_bytes_per_step"] / 1e6,
             "messages": local["messages_per_step"],
         })  # fmt: skip
     return rows

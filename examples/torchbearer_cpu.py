@@ -14,6 +14,7 @@ prints a checksum of every rank's parameters, which must all be equal.
 from __future__ import annotations
 
 import argparse
+import json
 from datetime import timedelta
 
 import torch
@@ -85,7 +86,7 @@ def train_and_report(args: argparse.Namespace) -> None:
     digests = gather_digests(model)
     if args.rank == 0:
         print(f"test accuracy: {float(next(v for k, v in accuracy.items() if 'acc' in k)):.3f}")
-        print(f"parameter checksums per rank: {digests}")
+        print(f"parameter checksums per rank: {json.dumps(digests)}")
         print(f"replicas equal: {len(set(digests)) == 1}")
 
 

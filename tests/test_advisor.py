@@ -4,6 +4,8 @@ bench's per-strategy figures (wire bytes, messages) counted at 2 ranks against w
 from __future__ import annotations
 
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +23,8 @@ HERE = Path(__file__).resolve().parent
 FAST = Link(1e9, 1e-4, "test")
 
 
-def _result(name, step_ms, wire, messages, memory, link=FAST):
-    figures = {"step_ms_mean": step_ms, "wire_bytes_per_step": wire, "messages_per_step": messages}
+def _result(name, step_ms, wire, messages, memory, link=FAST, **more):
+    figures = {"step_ms": step_ms, "wire_bytes_per_step": wire, "messages_per_step": messages, **more}
     link_fields = {"bandwidth": link.bandwidth, "latency": link.latency, "source": link.source}
     return {"strategy": name, **figures, "peak_memory_mb": memory, "link": link_fields}
 
@@ -49,6 +51,10 @@ def test_prediction_formula():
     assert predict_seconds(r, here, here) == pytest.approx(0.030)  # the link it was measured on: as measured
     tiny = _result("ddp", step_ms=0.1, wire=2.5e6, messages=4, memory=100, link=here)
     assert predict_seconds(tiny, here, there) == pytest.approx(0.2 + 0.004)  # compute never below zero
+    # ... nor below the bare model's measured step: the link model took more than the whole 0.1 ms step
+    floored = _result("ddp", step_ms=0.1, wire=2.5e6, messages=4, memory=100, link=here, local_compute_ms=0.08)
+    assert predict_seconds(floored, here, there) == pytest.approx(0.08e-3 + 0.2 + 0.004)
+    assert predict_seconds(floored, here, here) >= 0.08e-3
 
 
 def test_recommendation_picks_fastest_then_least_memory_and_says_why():
@@ -71,6 +77,13 @@ def test_recommendation_picks_fastest_then_least_memory_and_says_why():
     assert fast.strategy == "sharded" and "compute-bound" in fast.reason and "slowmo (local SGD" in fast.reason
     near = advise([_result("ddp", 20.0, 0, 0, 1000), _result("sharded", 20.5, 0, 0, 600)], None)
     assert near.strategy == "sharded"  # within 5% of the fastest: the smaller memory wins
+    assert near.reason.startswith("no clear winner: ddp, sharded within 5% of the fastest step time")
+    assert "no clear winner" not in here.reason  # sharded 15 ms, slowmo 19 ms: 27% apart
+    # noisy windows widen the margin: half-IQRs of 6% and 9% make 15%; 22 ms is within it, 23.5 ms is not
+    noisy = [_result("ddp", 20.0, 0, 0, 1000, step_spread=0.06), _result("oss", 22.0, 0, 0, 800, step_spread=0.09)]
+    assert advise(noisy, None).strategy == "oss" and "within 15%" in advise(noisy, None).reason
+    noisy[1]["step_ms"] = 23.5
+    assert advise(noisy, None).strategy == "ddp" and "no clear winner" not in advise(noisy, None).reason
     text = advisor.format_advice(results, link_from_mbit(100, 0.5))
     assert "predicted for 100 Mbit/s" in text and text.splitlines()[-1].startswith("recommendation: slowmo")
 
@@ -117,7 +130,9 @@ def test_bench_figures_count_what_each_strategy_sends():
     assert by["oss"]["wire_bytes_per_step"] > by["ddp"]["wire_bytes_per_step"]  # + the parameter broadcast
     for r in results[0]:
         assert r["messages_per_step"] > 0 and r["shared_memory_bytes_per_step"] == 0
-        assert r["step_ms_mean"] > 0 and r["timed_steps"] == 3 and r["warmup_steps"] == 3
+        assert r["step_ms"] > 0 and r["timed_steps"] == 3 and r["warmup_steps"] == 3
+        assert r["step_ms"] == statistics.median(r["step_ms_windows"]) and len(r["step_ms_windows"]) == 1
+        assert 0 < r["local_compute_ms"] and "median over windows of 3" in r["step_statistic"]
         link = Link(**r["link"])
         assert link.bandwidth > 1e6 and link.latency < 0.1  # loopback: far faster than 8 Mbit/s
     advice = advise(results[0], link_from_mbit(10, 1.0))
@@ -145,6 +160,14 @@ def test_bench_command_with_factories_and_a_link(tmp_path):
     assert all(r["timed_steps"] + r["warmup_steps"] <= 6 and r["parameters"] == 5 for r in results)
     assert results[0]["workload"] == "test_factories:regression_model on test_factories:regression_data"
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+    # one statistic everywhere: the table prints each JSON step_ms, the recommendation is advise() on the JSON,
+    # and no prediction falls below the bare model's measured step
+    for r in results:
+        assert re.search(rf"^{r['strategy']}\s+{r['step_ms']:.1f}\s", done.stdout, re.M), done.stdout
+    advice = advise(results, link_from_mbit(100))
+    assert f"recommendation: {advice.reason}" in done.stdout
+    assert all(advice.seconds[r["strategy"]] * 1e3 >= r["local_compute_ms"] for r in results)
+    assert "step ms: median over windows of 3 consecutive steps" in done.stdout
 
 
 def test_plots(tmp_path):

@@ -152,6 +152,18 @@ def test_timed_steps_drop_the_warmup_and_keep_return_values():
         timing.timed_steps(lambda: None, steps=0)
 
 
+def test_the_bench_step_time_is_the_median_of_window_means():
+    times = [1.0, 1.0, 4.0, 1.0, 1.0, 4.0, 9.0, 9.0, 9.0, 2.0, 2.0, 5.0, 7.0]  # 4 windows of 3, one step left over
+    windows = timing.window_means(times, 3)
+    assert windows == pytest.approx([2.0, 2.0, 9.0, 3.0])
+    assert timing.step_time(windows) == pytest.approx(2.5)  # (2 + 3) / 2: the slow spell (9) does not count
+    # quartiles of 2, 2, 3, 9 (inclusive): 2 and 4.5; half the range over the median 2.5
+    assert timing.relative_spread(windows) == pytest.approx((4.5 - 2.0) / 2 / 2.5)
+    assert timing.relative_spread([3.0]) == 0.0
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        timing.window_means(times, 0)
+
+
 def test_rounds_interleave_and_summarise():
     assert list(timing.interleaved(["a", "b"], 2)) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
     summary = timing.RoundSummary.of([3.0, 1.0, 2.0])

@@ -1,9 +1,12 @@
 """Which strategy for this model on this network: measure the link, predict each strategy's step time, recommend.
 
-`ddpkit bench` times every strategy for a few steps on the user's model and records, per strategy, the mean step
-time ``t_step`` (mean, not median, so SlowMo's averaging steps count in proportion), the bytes one rank puts on
-the wire per step ``W`` (`ddpkit.distributed.stats` models them per collective; the maximum over ranks) and the
-collectives per step ``M`` that go through the network stack (everything but shared-memory hand-overs).
+`ddpkit bench` times every strategy for a few steps on the user's model and records, per strategy, the step time
+``t_step`` (`ddpkit.train.timing.step_time`: the median over windows of 3 steps of their mean, so SlowMo's
+averaging steps count in proportion and a slow spell of the machine does not; the one statistic of the table, the
+plot, the prediction and the recommendation), the step of the bare model ``t_local`` (forward, backward and the
+torch optimizer on one rank, no wrapper, no communication), the bytes one rank puts on the wire per step ``W``
+(`ddpkit.distributed.stats` models them per collective; the maximum over ranks) and the collectives per step ``M``
+that go through the network stack (everything but shared-memory hand-overs).
 
 **The link** is described by a bandwidth ``B`` (bytes/s each way) and a per-collective latency ``L``. It is
 measured with a gloo all-reduce of two sizes ``s0 < s1`` on the job's process group (`measure_link`): with ``w(s)``
@@ -14,10 +17,12 @@ the wire bytes of an all-reduce of s bytes, the median times give ``B = (w(s1) -
 **The prediction** for a link (B, L), from a run measured on a link (B0, L0)::
 
     t_comm(B, L)    = W / B + M * L
-    t_compute       = max(t_step - t_comm(B0, L0), 0)        # what the measured step spent not communicating
+    t_compute       = max(t_step - t_comm(B0, L0), t_local)  # what the measured step spent not communicating
     t_predicted     = t_compute + t_comm(B, L)
 
-Communication is assumed not to overlap computation (DDP overlaps its all-reduce with backward, so on a link
+The floor ``t_local`` keeps a prediction from falling below what the model itself costs where the link model
+overestimates the measured link's share (a tiny model, whose collectives are all latency). Communication is
+assumed not to overlap computation (DDP overlaps its all-reduce with backward, so on a link
 where the two are comparable the prediction errs high by at most the backward time). SlowMo's inter-node traffic
 happens every ``localsgd_frequency`` steps, so its ``W`` and ``M``, averaged over the timed steps (a multiple of
 that frequency), are its averaging traffic divided by the frequency. To predict a multi-host job from a run on one
@@ -27,9 +32,13 @@ rank's bytes keep both directions of its link busy, as a ring all-reduce does; S
 broadcasts use one direction at a time for each bucket, so its prediction errs low (17-29% measured on two hosts,
 `benchmarks/README.md`, advisor section).
 
-**The recommendation** is the strategy with the lowest predicted (or, without a link, measured) step time; among
-those within 5% of it, the one with the least peak memory per rank. The reason names its ratios to DDP, whether
-DDP is communication-bound on the link and what SlowMo predicts.
+**The recommendation** is the strategy with the lowest predicted (or, without a link, measured) step time. The
+strategies within the margin of it count as equally fast: the margin is the larger of 5% and the noise of the two
+fastest (each one's `ddpkit.train.timing.relative_spread` of its windows, added). Of those, the ones with the
+least peak memory per rank (within 5%: memory is measured too) count as lightest, and the first of them in the
+bench's order (ddp, oss, sharded, slowmo, sgp) is recommended. When the runner-up is within the margin the advice
+says so ("no clear winner: ... within N%"), so two runs of the same bench do not seem to contradict each other.
+The reason names its ratios to DDP, whether DDP is communication-bound on the link and what SlowMo predicts.
 """
 
 from __future__ import annotations
@@ -118,7 +127,8 @@ def measure_link(source: str, repeats: int = 5) -> Link:
 def predict_seconds(result: dict[str, Any], measured_on: Link, target: Link) -> float:
     """`result`'s step time on `target`, from its step measured on `measured_on` (see the module doc)."""
     wire, messages = result["wire_bytes_per_step"], result["messages_per_step"]
-    compute = max(result["step_ms_mean"] / 1e3 - measured_on.comm_seconds(wire, messages), 0.0)
+    floor = result.get("local_compute_ms", 0.0) / 1e3
+    compute = max(result["step_ms"] / 1e3 - measured_on.comm_seconds(wire, messages), floor)
     return compute + target.comm_seconds(wire, messages)
 
 
@@ -131,10 +141,23 @@ class Advice:
     seconds: dict[str, float]
 
 
-def _pick(results: list[dict[str, Any]], seconds: dict[str, float]) -> str:
+def margin(results: list[dict[str, Any]], seconds: dict[str, float]) -> float:
+    """The relative difference under which two step times count as equal: 5%, or the noise of the two fastest
+    strategies (their window spreads added) where that is larger."""
+    fastest = sorted(results, key=lambda r: seconds[r["strategy"]])[:2]
+    return max(NEAR_BEST - 1, sum(r.get("step_spread", 0.0) for r in fastest))
+
+
+def _pick(results: list[dict[str, Any]], seconds: dict[str, float], within: float) -> tuple[str, list[str]]:
+    """The recommended strategy, and every strategy within `within` of the fastest (fastest first). Of those, the
+    ones whose peak memory is within `NEAR_BEST` of the least count as lightest, and the first of them in the
+    order of `results` (ddp first) is chosen: noise in time or memory does not change the choice."""
     best = min(seconds.values())
-    near = [r for r in results if seconds[r["strategy"]] <= best * NEAR_BEST]
-    return min(near, key=lambda r: (r["peak_memory_mb"], seconds[r["strategy"]]))["strategy"]
+    near = [r for r in results if seconds[r["strategy"]] <= best * (1 + within)]
+    lightest = min(r["peak_memory_mb"] for r in near)
+    choice = next(r for r in near if r["peak_memory_mb"] <= lightest * NEAR_BEST)["strategy"]
+    near.sort(key=lambda r: seconds[r["strategy"]])
+    return choice, [r["strategy"] for r in near]
 
 
 def _reasons(
@@ -167,11 +190,16 @@ def advise(results: list[dict[str, Any]], target: Link | None) -> Advice:
     """Recommends a strategy from the bench's `results` (each with the link it was measured on) for `target`
     (None: for the machines the bench ran on, from the measured step times)."""
     if target is None:
-        seconds = {r["strategy"]: r["step_ms_mean"] / 1e3 for r in results}
+        seconds = {r["strategy"]: r["step_ms"] / 1e3 for r in results}
     else:
         seconds = {r["strategy"]: predict_seconds(r, Link(**r["link"]), target) for r in results}
-    choice = _pick(results, seconds)
+    within = margin(results, seconds)
+    choice, near = _pick(results, seconds, within)
     reasons = _reasons({r["strategy"]: r for r in results}, seconds, choice, target)
+    if len(near) > 1:
+        reasons.insert(0, f"no clear winner: {', '.join(near)} within {within:.0%} of the fastest step time (the "
+                          "margin: 5% or the noise between windows, whichever is larger); of those with the least "
+                          "peak memory (within 5%), the first in the list")  # fmt: skip
     return Advice(choice, "; ".join(reasons), seconds)
 
 

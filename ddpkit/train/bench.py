@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -24,15 +25,16 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.distributed import comm, comm_stats
 from ddpkit.distributed.launch import Placement, exit_without_teardown, free_port, join, leave, pick_backend, spawn
+from ddpkit.distributed.objects import gather_objects
 from ddpkit.optim import OSS
 from ddpkit.train import advisor
 from ddpkit.train.config import SLOW_LINK_FLAGS, STRATEGIES, TrainConfig, validate
 from ddpkit.train.report import gather_per_rank, peak_memory_mb
-from ddpkit.train.strategies import build_strategy
+from ddpkit.train.strategies import OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
 from ddpkit.train.timing import optimizer_state_bytes as state_bytes
-from ddpkit.train.timing import timed_steps
+from ddpkit.train.timing import relative_spread, step_time, timed_steps, window_means
 from ddpkit.train.trainer import Trainer
-from ddpkit.train.workload import build_workload
+from ddpkit.train.workload import Workload, build_workload
 
 FEATURES, CLASSES = 1024, 10
 BENCH_STRATEGIES = (*STRATEGIES, "sgp")  # sgp: --strategy slowmo --slowmo-base sgp, with its other settings
@@ -60,11 +62,38 @@ def _first_batch(dataset: Any, cfg: TrainConfig, placement: Placement) -> tuple[
     return next(iter(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler)))
 
 
+PERIOD = 3  # SlowMo's averaging period in the bench: steps are timed in windows of this many
+
+
+def _local_compute_ms(work: Workload, cfg: TrainConfig, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """This rank's step without any wrapper or communication: forward, backward and the torch optimizer on a copy
+    of the model, median of a few steps after one warm-up. A floor for what any strategy's step can cost."""
+    plain = copy.deepcopy(work.module)
+    optimizer = OPTIMIZER_CLASSES[cfg.optimizer](plain.parameters(), **optimizer_arguments(cfg))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        work.loss_fn(plain(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    seconds, _ = timed_steps(step, steps=2 * PERIOD, warmup=1)
+    return statistics.median(seconds) * 1e3
+
+
+def _slowest_windows_ms(times: list[float]) -> list[float]:
+    """Each window's mean step in ms, the slowest rank's (the job goes at its pace; a collective of the group)."""
+    mine = window_means(times, PERIOD) or [statistics.fmean(times)]
+    every = gather_objects([w * 1e3 for w in mine], dst=-1)
+    assert every is not None
+    return [max(rank[k] for rank in every) for k in range(len(mine))]
+
+
 def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) -> dict[str, Any]:
     link = advisor.measure_link("measured between hosts" if cfg.nnodes > 1 else "measured between local processes")
     work = build_workload(cfg, torch.device("cpu"))
-    strategy = build_strategy(cfg, work.module, torch.device("cpu"))
     batches = [_first_batch(work.train, cfg, placement)]
+    compute_ms = max(gather_per_rank(_local_compute_ms(work, cfg, batches[0])))
+    strategy = build_strategy(cfg, work.module, torch.device("cpu"))
     trainer = Trainer(strategy.model, strategy.optimizer, batches, work.loss_fn)  # type: ignore[arg-type]
 
     def step() -> tuple[float, int, int]:
@@ -75,6 +104,8 @@ def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) ->
 
     times, values = timed_steps(step, steps, warmup)
     sent, messages, shared = ([v[i] for v in values] for i in range(3))
+    windows = _slowest_windows_ms(times)
+    step_ms = step_time(windows)
     return {
         "strategy": strategy_label(cfg),
         "workload": work.name,
@@ -82,9 +113,12 @@ def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) ->
         "timed_steps": steps,
         "warmup_steps": warmup,
         "parameters": sum(p.numel() for p in work.module.parameters()),
-        "step_ms_median": max(gather_per_rank(statistics.median(times) * 1e3)),
-        "step_ms_mean": max(gather_per_rank(statistics.fmean(times) * 1e3)),
-        "samples_per_second": cfg.batch_size * placement.world_size / max(gather_per_rank(statistics.median(times))),
+        "step_ms": step_ms,
+        "step_statistic": STEP_STATISTIC,
+        "step_ms_windows": windows,
+        "step_spread": relative_spread(windows),
+        "local_compute_ms": compute_ms,
+        "samples_per_second": cfg.batch_size * placement.world_size / (step_ms / 1e3),
         "sent_bytes_per_step": statistics.fmean(gather_per_rank(statistics.fmean(sent))),
         "wire_bytes_per_step": max(gather_per_rank(statistics.fmean(sent))),
         "messages_per_step": max(gather_per_rank(statistics.fmean(messages))),
@@ -93,6 +127,11 @@ def _measure(cfg: TrainConfig, steps: int, warmup: int, placement: Placement) ->
         "peak_memory_mb": max(gather_per_rank(peak_memory_mb())),
         "link": dataclasses.asdict(link),
     }
+
+
+STEP_STATISTIC = (
+    f"median over windows of {PERIOD} consecutive steps of their mean step time (the slowest rank's), warm-up excluded"
+)
 
 
 def _bench_process(local_rank: int, cfg: TrainConfig, port: int, steps: int, warmup: int, out: str) -> None:
@@ -124,7 +163,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
     rows = [head]
     for r in results:
         rows.append(
-            f"{r['strategy']:<9}{r['step_ms_median']:>9.1f}{r['step_ms_median'] / base['step_ms_median']:>7.2f}"
+            f"{r['strategy']:<9}{r['step_ms']:>9.1f}{r['step_ms'] / base['step_ms']:>7.2f}"
             f"{r['samples_per_second']:>11.0f}{r['sent_bytes_per_step'] / 1e6:>14.2f}"
             f"{r['sent_bytes_per_step'] / max(base['sent_bytes_per_step'], 1):>7.2f}"
             f"{r['optimizer_state_bytes_per_rank'] / 1e6:>16.1f}"
@@ -216,7 +255,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         target = advisor.link_from_mbit(given["link_mbit"], given.get("link_latency_ms", 0.5))
     elif "link_latency_ms" in given:
         raise ValueError("--link-latency-ms goes with --link-mbit")
-    steps, warmup = step_budget(given.get("steps", 20), given.get("warmup", 3), given.get("max_steps"), 3)
+    steps, warmup = step_budget(given.get("steps", 20), given.get("warmup", 3), given.get("max_steps"), PERIOD)
     results = []
     # predicting a multi-host job from one host: count what the strategies would send over sockets
     sockets = target is not None and cfg.nnodes == 1
@@ -244,6 +283,7 @@ def _report(
     print(f"{results[0]['workload']}: {results[0]['parameters'] / 1e6:.1f}M parameters, batch {cfg.batch_size} "
           f"per process, {cfg.optimizer}, {steps} timed steps on {cfg.world_size} processes")  # fmt: skip
     print(format_table(results))
+    print(f"step ms: {STEP_STATISTIC}")
     print(advisor.format_advice(results, target))
     plot_path = given.get("plot", "bench.png")
     plot_bench(results, plot_path, target)

@@ -54,9 +54,9 @@ def _traffic(ax: Any, results: list[dict[str, Any]]) -> None:
 
 def _step_times(ax: Any, results: list[dict[str, Any]], target: Link | None) -> None:
     names = [r["strategy"] for r in results]
-    measured = [r["step_ms_mean"] for r in results]
+    measured = [r["step_ms"] for r in results]
     if target is None:
-        _bars(ax, names, measured, "mean step time (ms), measured")
+        _bars(ax, names, measured, "step time (ms), measured: median of 3-step windows")
         return
     predicted = advise(results, target).seconds
     positions = range(len(names))
@@ -64,7 +64,7 @@ def _step_times(ax: Any, results: list[dict[str, Any]], target: Link | None) -> 
     ax.bar([p + 0.2 for p in positions], [predicted[n] * 1e3 for n in names], width=0.4, color="tab:red",
            label=f"predicted, {target.mbit:,.0f} Mbit/s")  # fmt: skip
     ax.set_xticks(list(positions), names)
-    ax.set_title("mean step time (ms)", fontsize=10)
+    ax.set_title("step time (ms): median of 3-step windows", fontsize=10)
     ax.margins(y=0.25)
     ax.legend(fontsize=7, loc="upper left")
 

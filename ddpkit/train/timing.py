@@ -114,6 +114,31 @@ class RoundSummary:
         return {"best": self.best, "median": self.median, "rounds": list(self.rounds)}
 
 
+def window_means(seconds: Sequence[float], window: int) -> list[float]:
+    """The mean of each run of `window` consecutive steps (a trailing shorter run is dropped): a strategy whose
+    steps differ periodically (SlowMo averages every few steps) gets windows that each hold one period."""
+    if window < 1:
+        raise ValueError(f"window_means: window must be >= 1; got {window}")
+    whole = len(seconds) - len(seconds) % window
+    return [statistics.fmean(seconds[i : i + window]) for i in range(0, whole, window)]
+
+
+def step_time(windows: Sequence[float]) -> float:
+    """THE step time of `ddpkit bench` (table, plot, prediction, recommendation alike): the median of the window
+    means, robust to a slow spell of the machine while periodic steps count in proportion."""
+    if not windows:
+        raise ValueError("step_time: no windows")
+    return statistics.median(windows)
+
+
+def relative_spread(windows: Sequence[float]) -> float:
+    """How much the window means scatter: half their interquartile range over their median (0 for one window)."""
+    if len(windows) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(windows, n=4, method="inclusive")
+    return (high - low) / 2 / statistics.median(windows)
+
+
 def ratio(value: float | None, base: float | None) -> float | None:
     """``value / base``, or None where either is missing or the base is 0."""
     if value is None or base is None or base == 0:
