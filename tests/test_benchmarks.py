@@ -93,9 +93,10 @@ def test_only_a_run_at_the_defaults_or_with_record_changes_the_record(tmp_path, 
 
     assert cli.main("toy", toy, ["--quick"]) == 0
     assert written() == {"scratch": ["toy.json", "toy.png"]} and runs == [1]
-    assert "not the record (--steps, --quick differ from the defaults)" in capsys.readouterr().out
+    assert "not the record (--quick: not the defaults)" in capsys.readouterr().out
     assert cli.main("toy", toy, ["--steps", "3"]) == 0
     assert written() == {"scratch": ["toy.json", "toy.png"]}
+    assert "not the record (--steps: not the defaults)" in capsys.readouterr().out
     assert cli.main("toy", toy, []) == 0
     assert written() == {"results": ["toy.json"], "figures": ["toy.png"]}
     assert cli.main("toy", toy, ["--steps", "3", "--record"]) == 0

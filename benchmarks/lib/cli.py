@@ -85,7 +85,9 @@ NOT_SETTINGS = ("out", "plot_only", "record")
 
 
 def changed_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
-    """The options of `args` that differ from the benchmark's own defaults (``--quick`` counts as one)."""
+    """The options of `args` that differ from the benchmark's own defaults (a --quick run: just ``--quick``)."""
+    if args.quick:
+        return ["--quick"]
     defaults = vars(parser.parse_args([]))
     return [
         f"--{key.replace('_', '-')}"
@@ -136,7 +138,7 @@ def main(name: str, module: ModuleType, argv: list[str]) -> int:
     module.plot(report, figures_dir)
     if changed and not args.plot_only:
         print(
-            f"not the record ({', '.join(changed)} differ from the defaults): wrote {results_dir}; "
+            f"not the record ({', '.join(changed)}: not the defaults): wrote {results_dir}; "
             "benchmarks/results is unchanged (--record replaces it)",
             flush=True,
         )
