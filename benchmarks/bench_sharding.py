@@ -100,6 +100,27 @@ def _oss_sdp_sockets(model: nn.Module) -> Setup:
     return _oss_sdp(model)
 
 
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one, as its users wrap them: the elements of the model's ModuleLists (the
+    GPT's blocks; its embeddings and the head tied to them stay with the root), or, without any, the root's
+    children that hold parameters (the MLP's layers). The root is wrapped last, with whatever is left."""
+    units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return units or [c for c in model.children() if any(True for _ in c.parameters())]
+
+
+def _fsdp2(model: nn.Module, reshard_after_forward: bool) -> Setup:
+    """torch's FSDP2 (`fully_shard`): every parameter split over the ranks, gathered for forward and backward,
+    gradients reduce-scattered; ``reshard_after_forward=False`` keeps the gathered parameters from forward to
+    backward (ZeRO-2's memory), True gathers them again in backward (ZeRO-3)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in _fsdp_units(model):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    return Setup(model, optimizer, optimizer)
+
+
 def _no_comm(model: nn.Module) -> Setup:
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
     return Setup(model, optimizer, optimizer)
@@ -115,6 +136,8 @@ STRATEGIES: dict[str, tuple[str, Any]] = {  # key: (label, build); extras after 
     "oss_sdp_unfused": ("extra: ddpkit OSS(Adam, fused=False) + SDP", lambda m: _oss_sdp(m, fused=False)),
     "oss_sdp_rbs0": ("extra: ddpkit SDP(reduce_buffer_size=0)", lambda m: _oss_sdp(m, {"reduce_buffer_size": 0})),
     "oss_sdp_sockets": ("extra: ddpkit OSS + SDP, no shared memory", _oss_sdp_sockets),
+    "fsdp2": ("torch FSDP2 fully_shard(reshard_after_forward=False) + Adam", lambda m: _fsdp2(m, False)),
+    "fsdp2_reshard": ("torch FSDP2 fully_shard(reshard_after_forward=True) + Adam", lambda m: _fsdp2(m, True)),
     "no_comm": ("reference: no communication, Adam(fused)", _no_comm),
 }
 REFERENCE = {"no_comm"}  # not data parallel: a floor for the step time; its parameters differ from DDP's
@@ -171,7 +194,7 @@ def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload,
         _step(setup, workload, batch, timer)
     steps = cfg["steps"]
     sent = (comm_stats.total().sent_bytes + python_stats.total().sent_bytes) / steps  # before the checks below
-    params = torch.cat([p.detach().reshape(-1) for p in setup.model.parameters()])
+    params = torch.cat([_whole(p).reshape(-1) for p in setup.model.parameters()])
     high, low = params.clone(), params.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
@@ -186,6 +209,12 @@ def run_rank(rank: int, world_size: int, key: str, workload: workloads.Workload,
         "rank_divergence": float((high - low).abs().max()),
         "params": params if rank == 0 else None,
     }
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as one tensor on every rank: FSDP2's sharded DTensors are gathered (a collective)."""
+    full = getattr(param, "full_tensor", None)
+    return (full() if full is not None else param).detach()
 
 
 def measure(key: str, world_size: int, workload: workloads.Workload, cfg: dict[str, Any]) -> dict[str, Any]:

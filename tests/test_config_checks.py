@@ -327,8 +327,8 @@ def test_the_readme_toml_example_is_valid(tmp_path, monkeypatch):
     assert (cfg.strategy, cfg.optimizer, cfg.lr, cfg.batch_size, cfg.localsgd_frequency) == (
         "slowmo",
         "sgd",
-        0.05,
-        64,
+        0.1,
+        32,
         4,
     )
     assert cfg.epochs == 2 and cfg.progress is False and cfg.model == "cnn"

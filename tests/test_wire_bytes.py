@@ -43,9 +43,11 @@ def test_sharded_sends_exactly_ddp_bytes_on_the_wire(namespace, world):
         assert result[name]["counted"] == pytest.approx(ideal), result  # CommStats, summed over ranks
         assert result[name]["wire"] >= ideal, result  # nothing escapes the count
     # ours: the kernel's count adds only TCP/IP headers and the fencing barriers, a few percent at most. (torch
-    # DDP's own traffic is not bounded above here: under load it was seen 9% above its all-reduce, once.)
+    # DDP's own traffic is not bounded above here: under load it was seen 9% above its all-reduce, once.) Against
+    # DDP's measured wire the same allowance: idle, sharded is 0.999x DDP's, but a loaded run once put sharded's
+    # kernel count 2.4% above its exact CommStats count (TCP retransmissions) while DDP's stayed at 0.4%.
     assert result["sharded"]["wire"] <= ideal * 1.05, (result["sharded"]["wire"] / ideal, result)
-    assert result["sharded"]["wire"] <= result["ddp"]["wire"] * 1.01, result
+    assert result["sharded"]["wire"] <= result["ddp"]["wire"] * 1.05, result
     # On one host (the default) parameters and gradients go through shared memory: on the wire only 1-byte
     # signals (a "full" and an "added" per gradient bucket and sender) and the barriers, with their TCP headers.
     shm = result["sharded_shm"]

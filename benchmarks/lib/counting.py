@@ -1,8 +1,9 @@
 """Counting the bytes of collectives that torch or fairscale call from Python, in ddpkit's wire model.
 
 ddpkit's own collectives count themselves in `ddpkit.distributed.comm_stats`, and DDP's C++ all-reduce is counted
-through `counting_allreduce_hook`; torch's ZeroRedundancyOptimizer, PostLocalSGD and fairscale call
-``torch.distributed.broadcast/reduce/all_reduce/all_gather`` from Python, which `install_counting_shim` wraps so
+through `counting_allreduce_hook`; torch's ZeroRedundancyOptimizer, PostLocalSGD, FSDP2 and fairscale call
+``torch.distributed.broadcast/reduce/all_reduce/all_gather`` (FSDP2: ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``) from Python, which `install_counting_shim` wraps so
 that those calls are recorded too. Calls made by ddpkit's `comm` module are skipped: nothing is counted twice.
 """
 
@@ -17,7 +18,11 @@ import torch.distributed as dist
 
 from ddpkit.distributed.stats import CommStats, wire_bytes
 
-SHIMMED = ("broadcast", "reduce", "all_reduce", "all_gather")
+SHIMMED = ("broadcast", "reduce", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+RECORDED_AS = {  # torch's name -> (ddpkit's kind, the argument whose bytes are the payload in ddpkit's model)
+    "all_gather_into_tensor": ("all_gather", "input_tensor"),  # FSDP2's parameter gathers: what each rank gives
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),  # FSDP2's gradient reduce-scatters: the whole input
+}
 DDPKIT_COMM = "ddpkit.distributed.comm"
 
 
@@ -35,10 +40,11 @@ def _counting(kind: str, original: Callable[..., Any], stats: CommStats) -> Call
     def shim(*args: Any, **kwargs: Any) -> Any:
         if sys._getframe(1).f_globals.get("__name__") != DDPKIT_COMM:  # ddpkit counts its own
             bound = signature.bind(*args, **kwargs)
-            tensor = bound.arguments["tensor"]
+            recorded, argument = RECORDED_AS.get(kind, (kind, "tensor"))
+            tensor = bound.arguments[argument]
             payload = tensor.numel() * tensor.element_size()
             size = dist.get_world_size(bound.arguments.get("group"))
-            stats.record(kind, "python", payload, wire_bytes(kind, payload, size))
+            stats.record(recorded, "python", payload, wire_bytes(recorded, payload, size))
         return original(*args, **kwargs)
 
     shim._bench_shim = True  # type: ignore[attr-defined]

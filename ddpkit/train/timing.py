@@ -78,13 +78,10 @@ class PhaseTimer:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in `optimizer.state` (for a sharded optimizer, pass its local ``optim``)."""
-    return sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if torch.is_tensor(value)
-    )
+    """Bytes this rank holds in `optimizer.state` (for a sharded optimizer, pass its local ``optim``; a DTensor,
+    as FSDP2's state is, counts its local shard)."""
+    local = [getattr(v, "to_local", lambda v=v: v)() for s in optimizer.state.values() for v in s.values()]
+    return sum(value.numel() * value.element_size() for value in local if torch.is_tensor(value))
 
 
 def interleaved(keys: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
