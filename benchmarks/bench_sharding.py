@@ -35,7 +35,7 @@ from ddpkit.train.timing import PhaseTimer, RoundSummary, interleaved, optimizer
 
 QUESTION = "sharding: step time, memory and bytes of OSS + ShardedDataParallel against DDP, torch ZeRO, fairscale"
 FIVE = "ddp,zero,fairscale,oss_ddp,oss_sdp"  # the strategies the goal names
-QUICK = {"steps": 3, "warmup": 1, "rounds": 1, "batch": 8, "strategies": FIVE, "reuse_processes": True}
+QUICK = {"steps": 3, "warmup": 1, "rounds": 1, "batch": 8, "strategies": FIVE + ",fsdp2", "reuse_processes": True}
 LR = 1e-3
 PYTHON_STATS = CommStats()  # collectives that torch's ZeRO and fairscale call from Python, per rank process
 GOAL_VS_DDP, GOAL_VS_FAIRSCALE = 0.60, 0.90

@@ -138,6 +138,8 @@ def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     rows = {r["key"]: r for r in sharding["by_world_size"]["2"]}
     assert rows["ddp"]["step_vs_ddp"] == 1.0 and rows["oss_sdp"]["state_mb"] < rows["ddp"]["state_mb"]
     assert all(r["matches_ddp"] for r in rows.values()), "every strategy computed DDP's parameters"
+    # FSDP2 (reshard_after_forward=False) sends an all-gather and a reduce-scatter: DDP's all-reduce, byte for byte
+    assert rows["fsdp2"]["bytes_vs_ddp"] == pytest.approx(1.0) and rows["fsdp2"]["state_mb"] < rows["ddp"]["state_mb"]
     redraw = subprocess.run(
         [sys.executable, "-m", "benchmarks", "sharding", "--plot-only", "--out", str(tmp_path)],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,

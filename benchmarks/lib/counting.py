@@ -2,8 +2,8 @@
 
 ddpkit's own collectives count themselves in `ddpkit.distributed.comm_stats`, and DDP's C++ all-reduce is counted
 through `counting_allreduce_hook`; torch's ZeroRedundancyOptimizer, PostLocalSGD, FSDP2 and fairscale call
-``torch.distributed.broadcast/reduce/all_reduce/all_gather`` (FSDP2: ``all_gather_into_tensor`` and
-``reduce_scatter_tensor``) from Python, which `install_counting_shim` wraps so
+``torch.distributed.broadcast/reduce/all_reduce/all_gather`` (FSDP2: ``all_gather_single`` and
+``reduce_scatter_single``, ``*_tensor`` in other torch releases) from Python, which `install_counting_shim` wraps so
 that those calls are recorded too. Calls made by ddpkit's `comm` module are skipped: nothing is counted twice.
 """
 
@@ -18,18 +18,22 @@ import torch.distributed as dist
 
 from ddpkit.distributed.stats import CommStats, wire_bytes
 
-SHIMMED = ("broadcast", "reduce", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
 RECORDED_AS = {  # torch's name -> (ddpkit's kind, the argument whose bytes are the payload in ddpkit's model)
-    "all_gather_into_tensor": ("all_gather", "input_tensor"),  # FSDP2's parameter gathers: what each rank gives
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),  # FSDP2's gradient reduce-scatters: the whole input
+    "all_gather_into_tensor": ("all_gather", "input_tensor"),  # parameter gathers: what each rank gives
+    "all_gather_single": ("all_gather", "input_tensor"),  # FSDP2's name for it in torch 2.13
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),  # gradient reduce-scatters: the whole input
+    "reduce_scatter_single": ("reduce_scatter", "input"),  # FSDP2's name for it in torch 2.13
 }
+SHIMMED = ("broadcast", "reduce", "all_reduce", "all_gather", *RECORDED_AS)
 DDPKIT_COMM = "ddpkit.distributed.comm"
 
 
 def install_counting_shim(stats: CommStats, kinds: tuple[str, ...] = SHIMMED) -> None:
     """Wraps torch.distributed's Python collectives `kinds` so calls made outside ddpkit are recorded in `stats`."""
     for kind in kinds:
-        original = getattr(dist, kind)
+        original = getattr(dist, kind, None)
+        if original is None:  # a name this torch does not have
+            continue
         if not getattr(original, "_bench_shim", False):
             setattr(dist, kind, _counting(kind, original, stats))
 
