@@ -55,6 +55,9 @@ def test_prediction_formula():
     floored = _result("ddp", step_ms=0.1, wire=2.5e6, messages=4, memory=100, link=here, local_compute_ms=0.08)
     assert predict_seconds(floored, here, there) == pytest.approx(0.08e-3 + 0.2 + 0.004)
     assert predict_seconds(floored, here, here) >= 0.08e-3
+    # a floor timed above the whole step (a cold process, a loaded moment) is capped at the step
+    cold = _result("ddp", step_ms=0.1, wire=2.5e6, messages=4, memory=100, link=here, local_compute_ms=9.0)
+    assert predict_seconds(cold, here, there) == pytest.approx(0.1e-3 + 0.2 + 0.004)
 
 
 def test_recommendation_picks_fastest_then_least_memory_and_says_why():

@@ -127,7 +127,8 @@ def measure_link(source: str, repeats: int = 5) -> Link:
 def predict_seconds(result: dict[str, Any], measured_on: Link, target: Link) -> float:
     """`result`'s step time on `target`, from its step measured on `measured_on` (see the module doc)."""
     wire, messages = result["wire_bytes_per_step"], result["messages_per_step"]
-    floor = result.get("local_compute_ms", 0.0) / 1e3
+    # the bare model's step, never above the measured step itself (a cold or loaded moment can time it high)
+    floor = min(result.get("local_compute_ms", 0.0), result["step_ms"]) / 1e3
     compute = max(result["step_ms"] / 1e3 - measured_on.comm_seconds(wire, messages), floor)
     return compute + target.comm_seconds(wire, messages)
 
