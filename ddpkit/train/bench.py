@@ -67,7 +67,7 @@ PERIOD = 3  # SlowMo's averaging period in the bench: steps are timed in windows
 
 def _local_compute_ms(work: Workload, cfg: TrainConfig, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     """This rank's step without any wrapper or communication: forward, backward and the torch optimizer on a copy
-    of the model, median of a few steps after one warm-up. A floor for what any strategy's step can cost."""
+    of the model, median of a few steps after a warm-up. A floor for what any strategy's step can cost."""
     plain = copy.deepcopy(work.module)
     optimizer = OPTIMIZER_CLASSES[cfg.optimizer](plain.parameters(), **optimizer_arguments(cfg))
 
@@ -76,7 +76,7 @@ def _local_compute_ms(work: Workload, cfg: TrainConfig, batch: tuple[torch.Tenso
         work.loss_fn(plain(batch[0]), batch[1]).backward()
         optimizer.step()
 
-    seconds, _ = timed_steps(step, steps=2 * PERIOD, warmup=1)
+    seconds, _ = timed_steps(step, steps=2 * PERIOD, warmup=PERIOD)  # a cold first step times high
     return statistics.median(seconds) * 1e3
 
 
