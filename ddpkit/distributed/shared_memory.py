@@ -76,14 +76,18 @@ def enabled_by_environment() -> bool:
     return value == "1"
 
 
-def host_identity() -> str:
-    """A string equal for exactly the processes that can share ``/dev/shm`` and count as one host."""
-    parts = [socket.gethostname()]
+def boot_id() -> str:
+    """The running kernel's boot id: equal for exactly the processes of one boot of one machine."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
+            return f.read().strip()
     except OSError:
-        parts.append("no-boot-id")
+        return "no-boot-id"
+
+
+def host_identity() -> str:
+    """A string equal for exactly the processes that can share ``/dev/shm`` and count as one host."""
+    parts = [socket.gethostname(), boot_id()]
     for namespace in ("net", "mnt", "pid"):
         try:
             parts.append(os.readlink(f"/proc/self/ns/{namespace}"))

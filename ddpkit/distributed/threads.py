@@ -21,6 +21,7 @@ import torch
 
 from ddpkit.distributed.env import ProcessGroup
 from ddpkit.distributed.objects import gather_objects
+from ddpkit.distributed.shared_memory import boot_id
 
 OMP_VARIABLE = "OMP_NUM_THREADS"
 
@@ -35,11 +36,7 @@ def usable_cores() -> int:
 
 def machine_identity() -> str:
     """Equal for exactly the processes that compete for the same cores: one kernel, the same CPU set."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
+    boot = boot_id()
     try:
         cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     except (AttributeError, OSError):
