@@ -102,6 +102,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._grad_sync_enabled = True
         self._sync_this_backward = True
         self._callback_queued = False
+        self._receives_posted = False
         self._next_bucket = 0
         self._warned_unused = False
         self._hooks: list[Any] = []
@@ -184,6 +185,7 @@ class ShardedDataParallel(ModuleWrapper):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+            self._post_receives()
         bucket = self._bucket_of[param]
         bucket.pending -= 1
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
@@ -207,6 +209,23 @@ class ShardedDataParallel(ModuleWrapper):
 
         return hook
 
+    def _post_receives(self) -> None:
+        """Over sockets (gloo, CPU), posts the receiving side of every bucket's reduce now, at the first gradient.
+
+        Each owner's ready notices then leave before its own outgoing buckets, which would otherwise queue ahead
+        of them on the connection and hold the data coming the other way (see `comm.post_reduce` and the module
+        doc). Every rank posts in the bucket order, so the tags match; the shared-memory path needs none of this.
+        """
+        if self._receives_posted:
+            return
+        self._receives_posted = True
+        if self._mailboxes is not None:
+            return
+        for bucket in self._buckets:
+            if comm.can_post_reduce(bucket.params[0].device, self.process_group):
+                numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
+                bucket.posted = comm.post_reduce(numel, dtype, bucket.owner, self.process_group)
+
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
 
@@ -220,6 +239,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._reduce_all()
 
     def _reduce_all(self) -> None:
+        self._post_receives()  # after no_sync(), `reduce()` comes without a gradient hook
         for bucket in self._buckets[self._next_bucket :]:
             self._launch(bucket)
         unused_here = []
@@ -231,6 +251,7 @@ class ShardedDataParallel(ModuleWrapper):
                     self._holding_average[p] = (id(p.grad), p.grad._version)
             bucket.reset()
         self._next_bucket = 0
+        self._receives_posted = False
         if unused_here and not self.find_unused_parameters and not self._warned_unused:
             self._warned_unused = True
             warnings.warn(

@@ -123,8 +123,8 @@ class ParamBroadcaster:
         for message in self.messages:
             if message.owner == self.rank:
                 message.stage()
-        works = [comm.broadcast(m.wire, m.owner, self.group, async_op=True) for m in self.messages if not m.shared]
-        comm.wait_all(works)
+        # Receives first (`comm.broadcast_many`): over sockets, owners' messages then flow both ways at once.
+        comm.wait_all(comm.broadcast_many([(m.wire, m.owner) for m in self.messages if not m.shared], self.group))
         any_shared = any(m.shared for m in self.messages)
         if any_shared:
             comm.barrier(self.group)  # every owner's segment holds its new values
