@@ -16,6 +16,10 @@ Because parameters share storage, ``torch.save`` of *some* parameters (e.g. one 
 the whole buffer they are views of; save ``{k: v.clone() ...}`` for a part of the model (a whole model's
 ``state_dict()`` is no larger than usual).
 
+Over sockets every rank posts its receives before its sends (`comm.broadcast_many`): a receive posted after this
+rank's own outgoing message queued its ready notice behind that message, so the owners' messages crossed the link
+one after the other instead of both ways at once.
+
 On one host (see `ddpkit.distributed.shared_memory`), a CPU message is not sent at all: the owner's buffer (its
 fp16 copy with `broadcast_fp16`) is a shared-memory segment, so the owner's optimizer step writes it in place; after
 a barrier every other rank copies it into its own parameters' buffer, and a second barrier tells the owner it may
