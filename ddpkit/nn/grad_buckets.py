@@ -31,6 +31,7 @@ class GradBucket:
     in_place: bool = False
     divide_on_owner: bool = False
     key: str = ""  # names this bucket's message, the same every step (shared-memory mailboxes are kept by it)
+    posted: comm.PostedReduce | None = None  # this step's reduce with its receiving side posted early, if any
 
     @property
     def numel(self) -> int:
@@ -43,9 +44,19 @@ class GradBucket:
         self.used_here = []
         self.in_place = False
         self.divide_on_owner = False
+        self.posted = None
+
+    def message_spec(self, reduce_fp16: bool, count_users: bool) -> tuple[int, torch.dtype]:
+        """The element count and dtype `launch` will reduce: known before any gradient exists, so the owner can
+        post its receives early (`comm.post_reduce`)."""
+        dtype = self.params[0].dtype
+        if reduce_fp16 and dtype == torch.float32:
+            dtype = torch.float16
+        return self.numel + (len(self.params) if count_users else 0), dtype
 
     def launch(self, world_size: int, reduce: Reduce, reduce_fp16: bool, count_users: bool) -> None:
-        """Starts the async reduce of this bucket's (pre-divided) gradients to the owner."""
+        """Starts the async reduce of this bucket's (pre-divided) gradients to the owner: through `posted` when
+        the reduce was posted ahead, else through `reduce`."""
         self.used_here = [p.grad is not None for p in self.params]
         direct = (
             len(self.params) == 1
@@ -71,7 +82,7 @@ class GradBucket:
             if reduce_fp16 and message.dtype == torch.float32:
                 message = message.half()
         self.message = message
-        self.work = reduce(message, self.owner, self.key)
+        self.work = self.posted.start(message) if self.posted is not None else reduce(message, self.owner, self.key)
 
     def finish(self, is_owner: bool, world_size: int, count_users: bool) -> list[torch.nn.Parameter]:
         """Waits for the reduce; the owner takes the averaged gradients, others drop theirs.

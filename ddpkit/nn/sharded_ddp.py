@@ -1,4 +1,34 @@
-"""ShardedDataParallel: gradient sharding (ZeRO stage 2) on top of OSS."""
+"""ShardedDataParallel: gradient sharding (ZeRO stage 2) on top of OSS.
+
+Where the time goes (issue 22; `benchmarks/profile_sharded.py` on the byte GPT, 3.3M parameters in 52 tensors and
+26 buckets whose owner changes 17 times along the launch order; 2 ranks, one thread each, Adam, ms per step,
+medians of 3 interleaved rounds; load average 0.5-1.1 on 2 cores):
+
+* On one host compute dominates: DDP 245, OSS + DDP 244, ShardedDataParallel 250 (shared memory) and 251
+  (sockets): forward ~75 and backward ~165 for all. ShardedDataParallel's extra backward time is its Python:
+  52 gradient hooks and 26 launches 11 ms (about 0.2 ms per tensor), of which the mailbox copies and 1-byte
+  signals 7 ms (17 buckets sent), the senders' wait for acknowledgements 5 ms, the owners' adds 1.5 ms. The
+  step: DDP's Adam over the whole model 6.2 ms; OSS's Adam over its half 2 ms plus the shared-memory broadcast
+  2.9 ms (its two barriers 2.3 ms). So on this model sharding saves at most the 3-4 ms of optimizer step.
+* Under a load of 16-29 from other jobs (same script, 2 rounds), ShardedDataParallel's backward spent 305 of
+  811 ms waiting at its end, 285 of them in senders waiting for the owner's acknowledgement, which the owner sends
+  only when its own (slower) backward ends: the per-bucket handshake turns the ranks' skew under contention into
+  waiting (DDP 852 ms per step, OSS + DDP 1099, ShardedDataParallel 1136, over sockets 1521; forward alone
+  varied 318-509 ms between strategies in that run, so these are rough).
+* Across hosts (gloo sockets) the cause was the order of receives: a point-to-point message is a rendezvous
+  whose ready notice queues on the receiver's connection behind its own outgoing data. Owners posted each
+  receive when their own backward reached that bucket, by then streaming their earlier buckets the other way,
+  so the link carried one direction at a time; OSS's broadcast posted sends before receives in the same way.
+  Now every owner posts all its receives at the first gradient of backward (`comm.post_reduce`) and the
+  broadcast posts its receives before its sends (`comm.broadcast_many`); the sum order (the owner's own
+  gradient, then the others' in rank order) and the bytes are unchanged. Two namespace hosts x 1 rank, the
+  advisor's workload (GPT 3.3M, batch 8, 6 steps), old and new code interleaved over 2 rounds, load 0.7-2.6:
+  at 100 Mbit/s DDP 1,341 ms; ShardedDataParallel 1,913 / 1,908 before (1.43x), 1,242 / 1,253 after (0.93x);
+  OSS + DDP 2,134 / 2,063 before, 1,919 / 1,883 after (1.42x: it sends 1.5x DDP's bytes, an all-reduce and a
+  broadcast). At 1 Gbit/s DDP 388 ms; ShardedDataParallel 433 / 401 before, 390 / 373 after (0.98x); OSS + DDP
+  467 / 472 before, 453 / 451 after (1.17x). Same wire bytes per step before and after (13.03 MB for DDP and
+  ShardedDataParallel, 19.59 MB for OSS + DDP).
+"""
 
 from __future__ import annotations
 
@@ -38,7 +68,9 @@ class ShardedDataParallel(ModuleWrapper):
     broadcast from rank 0.
     Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
-    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). With `broadcast_buffers`, module buffers are
+    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets each owner posts the receives of
+    all its buckets at the first gradient of backward, so both directions of a link carry data at once (see the
+    module doc). With `broadcast_buffers`, module buffers are
     broadcast from rank 0 before each forward (not inside `no_sync()`). On gloo, reduce + broadcast is faster than
     reduce_scatter + all_gather; on NCCL both map to the same ring kernels. When every rank runs on one host (gloo,
     CPU), the reduce goes through shared memory instead (`ddpkit.distributed.mailboxes`: each sender copies its
@@ -102,6 +134,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._grad_sync_enabled = True
         self._sync_this_backward = True
         self._callback_queued = False
+        self._receives_posted = False
         self._next_bucket = 0
         self._warned_unused = False
         self._hooks: list[Any] = []
@@ -184,6 +217,7 @@ class ShardedDataParallel(ModuleWrapper):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+            self._post_receives()
         bucket = self._bucket_of[param]
         bucket.pending -= 1
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
@@ -207,6 +241,23 @@ class ShardedDataParallel(ModuleWrapper):
 
         return hook
 
+    def _post_receives(self) -> None:
+        """Over sockets (gloo, CPU), posts the receiving side of every bucket's reduce now, at the first gradient.
+
+        Each owner's ready notices then leave before its own outgoing buckets, which would otherwise queue ahead
+        of them on the connection and hold the data coming the other way (see `comm.post_reduce` and the module
+        doc). Every rank posts in the bucket order, so the tags match; the shared-memory path needs none of this.
+        """
+        if self._receives_posted:
+            return
+        self._receives_posted = True
+        if self._mailboxes is not None:
+            return
+        for bucket in self._buckets:
+            if comm.can_post_reduce(bucket.params[0].device, self.process_group):
+                numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
+                bucket.posted = comm.post_reduce(numel, dtype, bucket.owner, self.process_group)
+
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
 
@@ -220,6 +271,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._reduce_all()
 
     def _reduce_all(self) -> None:
+        self._post_receives()  # after no_sync(), `reduce()` comes without a gradient hook
         for bucket in self._buckets[self._next_bucket :]:
             self._launch(bucket)
         unused_here = []
@@ -231,6 +283,7 @@ class ShardedDataParallel(ModuleWrapper):
                     self._holding_average[p] = (id(p.grad), p.grad._version)
             bucket.reset()
         self._next_bucket = 0
+        self._receives_posted = False
         if unused_here and not self.find_unused_parameters and not self._warned_unused:
             self._warned_unused = True
             warnings.warn(

@@ -16,6 +16,10 @@ Because parameters share storage, ``torch.save`` of *some* parameters (e.g. one 
 the whole buffer they are views of; save ``{k: v.clone() ...}`` for a part of the model (a whole model's
 ``state_dict()`` is no larger than usual).
 
+Over sockets every rank posts its receives before its sends (`comm.broadcast_many`): a receive posted after this
+rank's own outgoing message queued its ready notice behind that message, so the owners' messages crossed the link
+one after the other instead of both ways at once.
+
 On one host (see `ddpkit.distributed.shared_memory`), a CPU message is not sent at all: the owner's buffer (its
 fp16 copy with `broadcast_fp16`) is a shared-memory segment, so the owner's optimizer step writes it in place; after
 a barrier every other rank copies it into its own parameters' buffer, and a second barrier tells the owner it may
@@ -123,8 +127,8 @@ class ParamBroadcaster:
         for message in self.messages:
             if message.owner == self.rank:
                 message.stage()
-        works = [comm.broadcast(m.wire, m.owner, self.group, async_op=True) for m in self.messages if not m.shared]
-        comm.wait_all(works)
+        # Receives first (`comm.broadcast_many`): over sockets, owners' messages then flow both ways at once.
+        comm.wait_all(comm.broadcast_many([(m.wire, m.owner) for m in self.messages if not m.shared], self.group))
         any_shared = any(m.shared for m in self.messages)
         if any_shared:
             comm.barrier(self.group)  # every owner's segment holds its new values
