@@ -20,6 +20,11 @@ class GradBucket:
 
     With `count_users`, one extra element per parameter carries 1 from each rank that produced its gradient, so
     the owner learns which parameters were unused on every rank.
+
+    A bucket with a `span` carries elements ``[start, end)`` of its one parameter's flattened gradient: one piece
+    of a parameter that OSS cut over the ranks. Every rank keeps that parameter's gradient tensor; after the
+    reduce the owner's slice holds the average and the other ranks' copy of the slice is zeroed, so each rank's
+    gradient is the average on the slice it owns and zero elsewhere.
     """
 
     owner: int
@@ -32,10 +37,25 @@ class GradBucket:
     divide_on_owner: bool = False
     key: str = ""  # names this bucket's message, the same every step (shared-memory mailboxes are kept by it)
     posted: comm.PostedReduce | None = None  # this step's reduce with its receiving side posted early, if any
+    span: tuple[int, int] | None = None  # a piece of the one parameter's flattened gradient
 
     @property
     def numel(self) -> int:
+        if self.span is not None:
+            return self.span[1] - self.span[0]
         return sum(p.numel() for p in self.params)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients this bucket sends (zeros for a parameter without one), a slice for a piece."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.span is not None:
+            grads = [grads[0].reshape(-1)[self.span[0] : self.span[1]]]
+        return grads
+
+    def _shapes(self) -> list[torch.Size]:
+        if self.span is not None:
+            return [torch.Size([self.numel])]
+        return [p.shape for p in self.params]
 
     def reset(self) -> None:
         self.pending = len(self.params)
@@ -66,10 +86,10 @@ class GradBucket:
             and not count_users
         )
         self.in_place = direct
-        if direct:  # one large gradient: reduce it in place, no copy
-            message = self.params[0].grad.view(-1)
+        if direct:  # one large gradient (or a piece of one): reduce it in place, no copy
+            message = self._grads()[0].view(-1)
         else:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            grads = self._grads()
             if count_users:
                 grads.append(torch.tensor(self.used_here, dtype=grads[0].dtype, device=grads[0].device))
             message = flatten(grads)
@@ -95,13 +115,16 @@ class GradBucket:
         unused: list[torch.nn.Parameter] = []
         if not is_owner:
             for p in self.params:
-                p.grad = None
+                if self.span is None:
+                    p.grad = None
+                elif p.grad is not None:
+                    _piece_of_grad(p, self.span).zero_()
             return unused
         if self.divide_on_owner:
             self.message.div_(world_size)
         if self.in_place:
             return unused  # the owner's gradient already holds the average
-        shapes = [p.shape for p in self.params]
+        shapes = self._shapes()
         if count_users:
             shapes.append(torch.Size([len(self.params)]))
         parts = views(self.message, shapes)
@@ -110,11 +133,23 @@ class GradBucket:
             if users is not None and float(users[i]) < 0.5:
                 unused.append(p)
                 continue
-            if p.grad is None:
+            if self.span is not None:
+                _piece_of_grad(p, self.span).copy_(averaged)
+            elif p.grad is None:
                 p.grad = averaged.to(p.dtype).clone()
             else:
                 p.grad.copy_(averaged)
         return unused
+
+
+def _piece_of_grad(param: torch.nn.Parameter, span: tuple[int, int]) -> torch.Tensor:
+    """A writable view of elements ``[start, end)`` of `param`'s flattened gradient (made zero and contiguous
+    first where needed)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    elif not param.grad.is_contiguous():
+        param.grad = param.grad.contiguous()
+    return param.grad.view(-1)[span[0] : span[1]]
 
 
 ALONE_NUMEL = 2**18
@@ -122,8 +157,15 @@ ALONE_NUMEL = 2**18
 per-message latency, which is negligible at that size, while copying into a bucket costs a pass over the data."""
 
 
+Spans = dict[torch.nn.Parameter, list[tuple[int, int, int]]]
+"""Per parameter cut into pieces: (owner, start, end) of each piece."""
+
+
 def build_buckets(
-    params: list[torch.nn.Parameter], owner_of: dict[torch.nn.Parameter, int], max_numel: int
+    params: list[torch.nn.Parameter],
+    owner_of: dict[torch.nn.Parameter, int],
+    max_numel: int,
+    pieces: Spans | None = None,
 ) -> list[GradBucket]:
     """Packs `params` (in the order their gradients are expected) into buckets of at most `max_numel` elements.
 
@@ -131,12 +173,18 @@ def build_buckets(
     as soon as backward has passed them and its reduce overlaps the rest of backward (a bucket gathering one
     owner's parameters from the whole model would only be ready at the end). Parameters of at least
     ``min(max_numel, ALONE_NUMEL)`` elements (all of them when `max_numel` is 0) travel alone, reduced in place.
+    A parameter in `pieces` travels as one bucket per piece, each to that piece's owner, in place.
     The list order is the launch order on every rank.
     """
+    pieces = pieces or {}
     buckets: list[GradBucket] = []
     current: GradBucket | None = None
     current_key: tuple[int, str, torch.dtype] | None = None
     for p in params:
+        if p in pieces:
+            buckets += [GradBucket(owner, [p], span=(start, end)) for owner, start, end in pieces[p]]
+            current, current_key = None, None
+            continue
         key = (owner_of[p], p.device.type, p.dtype)
         alone = max_numel == 0 or p.numel() >= min(max_numel, ALONE_NUMEL)
         if alone or key != current_key or current is None or current.numel + p.numel() > max_numel:

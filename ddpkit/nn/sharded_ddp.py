@@ -140,7 +140,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._hooks: list[Any] = []
         self._holding_average: dict[nn.Parameter, tuple[int, int]] = {}
         self._buckets: list[GradBucket] = []
-        self._bucket_of: dict[nn.Parameter, GradBucket] = {}
+        self._bucket_of: dict[nn.Parameter, list[GradBucket]] = {}  # several for a parameter cut into pieces
         if sync_models_at_startup:
             self._broadcast_from_rank0([p.detach() for p in module.parameters()])
             self._broadcast_from_rank0(list(module.buffers()))
@@ -156,18 +156,23 @@ class ShardedDataParallel(ModuleWrapper):
             optimizer.refresh_trainable()
         for hook in self._hooks:
             hook.remove()
-        owner_of = {}
+        owner_of, pieces = {}, {}
         for optimizer in self.sharded_optimizers:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.requires_grad:
                         owner_of[p] = optimizer.owner_of(p)
+                        if optimizer.pieces_of(p):
+                            pieces[p] = [(piece.owner, piece.start, piece.end) for piece in optimizer.pieces_of(p)]
         module_params = [p for p in self.module.parameters() if p.requires_grad]
         _warn_unoptimized(self.module, owner_of)
         expected_order = [p for p in reversed(module_params) if p in owner_of]  # backward visits layers in reverse
-        self._buckets = build_buckets(expected_order, owner_of, self.reduce_buffer_size)
+        self._buckets = build_buckets(expected_order, owner_of, self.reduce_buffer_size, pieces)
         self._bucket_generation += 1
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._bucket_of = {}
+        for bucket in self._buckets:
+            for p in bucket.params:
+                self._bucket_of.setdefault(p, []).append(bucket)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
         self._hooks += [p.register_hook(self._keep_average_hook(p)) for p in self._bucket_of]
         self._trainable_signature = self._signature()
@@ -218,8 +223,8 @@ class ShardedDataParallel(ModuleWrapper):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
             self._post_receives()
-        bucket = self._bucket_of[param]
-        bucket.pending -= 1
+        for bucket in self._bucket_of[param]:
+            bucket.pending -= 1
         while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
             self._launch(self._buckets[self._next_bucket])
             self._next_bucket += 1
@@ -237,6 +242,8 @@ class ShardedDataParallel(ModuleWrapper):
             held = param.grad
             if mark is None or held is None or mark != (id(held), held._version) or self.world_size == 1:
                 return None
+            # A split parameter's held gradient is the average on this rank's piece and zero elsewhere, so the
+            # same correction applies piece by piece.
             return grad + (self.world_size - 1) * held
 
         return hook
@@ -278,6 +285,7 @@ class ShardedDataParallel(ModuleWrapper):
         for bucket in self._buckets:
             unused_here += [p for p, used in zip(bucket.params, bucket.used_here, strict=True) if not used]
             bucket.finish(bucket.owner == self.rank, self.world_size, self.find_unused_parameters)
+        for bucket in self._buckets:  # once every piece of a split gradient is final
             for p in bucket.params:
                 if bucket.owner == self.rank and p.grad is not None:
                     self._holding_average[p] = (id(p.grad), p.grad._version)

@@ -322,12 +322,12 @@ class AdaScale(WrappedOptimizer):
                 "scale_grad_by_num_grads_to_accum() after the last backward and before step()"
             )
 
-    def _counts_average(self, p: torch.Tensor) -> bool:
-        """Whether this rank adds `p`'s averaged gradient to the norm (its owner does under OSS)."""
+    def _counted_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The averaged gradients this rank adds to the norm: all of them, or under OSS its own share (every
+        element counted by one rank)."""
         if not self._shards_gradients:
-            return True
-        owner = self._optimizer.owner_of(p)  # type: ignore[attr-defined]
-        return (owner if owner is not None else 0) == self._rank
+            return [p.grad for p in params]
+        return self._optimizer.owned_grads(params)  # type: ignore[attr-defined]
 
     def _reduce_norms(self) -> tuple[list[float], list[float]]:
         """Per group: ``sum_i ||g_i||^2`` over all micro-gradients and ``||mean_i g_i||^2`` (one all-reduce)."""
@@ -337,7 +337,7 @@ class AdaScale(WrappedOptimizer):
         self._meter.totals_into(norms)
         for i, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.requires_grad and p.grad is not None]
-            grads = [p.grad for p in params if self._counts_average(p)]
+            grads = self._counted_grads(params)
             if grads:  # summed where the gradients are, then moved once (a CUDA-to-host copy synchronises)
                 norms[n_groups + i] += torch.stack([square_norm(g).to(grads[0].device) for g in grads]).sum().to(device)
         if self._world_size > 1:

@@ -16,8 +16,9 @@ from ddpkit.distributed import comm, shared_memory
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size, require_initialized
 from ddpkit.distributed.objects import broadcast_object, gather_objects
-from ddpkit.optim.param_messages import ParamBroadcaster
-from ddpkit.optim.partition import assign_owners
+from ddpkit.optim.param_messages import ParamBroadcaster, Plan
+from ddpkit.optim.param_pieces import MIN_SPLIT_NUMEL, SPLITTABLE, ParamPiece, can_split, cut_state, join_states
+from ddpkit.optim.partition import assign_owners, choose_splits, even_spans
 from ddpkit.optim.state_dict import (
     check_compatible,
     clone_state,
@@ -27,6 +28,7 @@ from ddpkit.optim.state_dict import (
 )
 
 _PLACEMENT_KEYS = ("fused", "foreach")
+_BALANCE_TOLERANCE = 0.1  # split_params=None cuts large parameters until the largest shard is within 10% of 1/N
 
 
 class OSS(Optimizer):
@@ -53,9 +55,18 @@ class OSS(Optimizer):
     machine). ``DDPKIT_SHARED_MEMORY=0`` keeps the broadcast.
     `clip_grad_norm` adds one all-reduce of one number; `consolidate_state_dict` gathers the shards' state.
 
+    Large parameters (beyond fairscale): with `split_params` (by default where it pays: an element-wise torch
+    optimizer, and whole-parameter ownership more than 10% off a perfect balance), parameters of at least
+    `ddpkit.optim.param_pieces.MIN_SPLIT_NUMEL` elements, largest first, are cut into one contiguous piece per
+    rank until the balance is reached (`ddpkit.optim.param_pieces`); each rank optimizes its piece and sends it in
+    a message of its own. `owner_of` is None for such a parameter (`pieces_of` lists its pieces), the local
+    optimizer's `state` is keyed by the piece tensors, and checkpoints keep torch's whole-parameter format. Only
+    parameters trainable at construction (or in a group added later) are considered; ``split_params=False``
+    keeps fairscale's one owner per parameter, ``True`` cuts every parameter of at least that size.
+
     Memory: optimizer state for about 1/N of the parameters per rank (within the largest parameter's share
-    of a perfect split); the broadcast needs no memory of its own (with `broadcast_fp16`: a persistent fp16
-    copy of the parameters).
+    of a perfect split, or 10% of it where parameters are split); the broadcast needs no memory of its own
+    (with `broadcast_fp16`: a persistent fp16 copy of the parameters).
 
     Speed: unless the user chose an implementation (`fused=` or `foreach=` in the arguments or groups), OSS asks
     optimizers that have one for their fused kernel (torch's Adam, AdamW, SGD, ...) on devices that support it:
@@ -78,6 +89,7 @@ class OSS(Optimizer):
         broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
+        split_params: bool | None = None,
         **defaults: Any,
     ) -> None:
         require_initialized("OSS")
@@ -85,6 +97,10 @@ class OSS(Optimizer):
             raise TypeError(
                 f"OSS: optim must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), got {optim!r}"
             )
+        _check_split_params(split_params, optim)
+        self._optim_class = optim
+        self.split_params = split_params
+        self._pieces: dict[torch.Tensor, list[ParamPiece]] = {}
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         self._ready = False
         self.group = group if group is not None else dist.group.WORLD
@@ -114,34 +130,82 @@ class OSS(Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _assign_new_trainable(self) -> list[torch.Tensor]:
-        """Gives an owner to trainable parameters that have none yet; returns those this rank now owns."""
-        new = [p for p in self._all_params() if p.requires_grad and p not in self._owner]
-        owners = assign_owners([p.numel() * p.element_size() for p in new], self._loads)
-        self._owner.update(zip(new, owners, strict=True))
-        return [p for p, owner in zip(new, owners, strict=True) if owner == self.rank]
+    def _assign_new_trainable(self) -> set[torch.Tensor]:
+        """Gives owners to trainable parameters that have none yet (cutting large ones into pieces, see
+        `split_params`); returns the tensors this rank now optimizes (parameters and pieces)."""
+        new = [p for p in self._all_params() if p.requires_grad and p not in self._owner and p not in self._pieces]
+        sizes = [p.numel() * p.element_size() for p in new]
+        split = self._choose_splits(new, sizes)
+        for index in sorted(split):
+            param = new[index]
+            spans = even_spans(param.numel(), self.world_size)
+            self._pieces[param] = [ParamPiece.cut(param, a, b, rank) for rank, (a, b) in enumerate(spans)]
+            for rank, (a, b) in enumerate(spans):
+                self._loads[rank] += (b - a) * param.element_size()
+        whole = [p for i, p in enumerate(new) if i not in split]
+        owners = assign_owners([sizes[i] for i in range(len(new)) if i not in split], self._loads)
+        self._owner.update(zip(whole, owners, strict=True))
+        mine = {p for p, owner in zip(whole, owners, strict=True) if owner == self.rank}
+        return mine | {self._pieces[new[i]][self.rank].tensor for i in split}
+
+    def _choose_splits(self, params: list[torch.Tensor], sizes: list[int]) -> set[int]:
+        if self.world_size == 1 or self.split_params is False:
+            return set()
+        candidates = [p.numel() >= MIN_SPLIT_NUMEL and can_split(self._optim_class, p) for p in params]
+        if self.split_params:
+            return {i for i, candidate in enumerate(candidates) if candidate}
+        return choose_splits(sizes, candidates, self.world_size, _BALANCE_TOLERANCE)
 
     def _local_groups(self) -> list[dict[str, Any]]:
         return [self._local_group(group) for group in self.param_groups]
 
     def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
-        owned = [p for p in group["params"] if self._owner.get(p) == self.rank]
-        return {**group_hyperparameters(group), "params": owned}
+        return {**group_hyperparameters(group), "params": self._optimized_by(self.rank, group["params"])}
 
-    def partition_parameters(self) -> list[list[dict[str, Any]]]:
-        """Per rank, the param groups (hyper-parameters and the parameters it owns) that rank optimizes."""
-        out: list[list[dict[str, Any]]] = []
-        for rank in range(self.world_size):
-            groups = []
-            for group in self.param_groups:
-                owned = [p for p in group["params"] if self._owner.get(p) == rank]
-                groups.append({**group_hyperparameters(group), "params": owned})
-            out.append(groups)
+    def _optimized_by(self, rank: int, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors `rank`'s local optimizer holds for `params`: those it owns, and its pieces of split ones."""
+        out = []
+        for p in params:
+            if p in self._pieces:
+                out.append(self._pieces[p][rank].tensor)
+            elif self._owner.get(p) == rank:
+                out.append(p)
         return out
 
+    def partition_parameters(self) -> list[list[dict[str, Any]]]:
+        """Per rank, the param groups (hyper-parameters and the parameters it owns) that rank optimizes; for a
+        parameter cut into pieces, that rank's piece (see `pieces_of`)."""
+        return [
+            [
+                {**group_hyperparameters(group), "params": self._optimized_by(rank, group["params"])}
+                for group in self.param_groups
+            ]
+            for rank in range(self.world_size)
+        ]
+
     def owner_of(self, param: torch.Tensor) -> int | None:
-        """The rank that optimizes `param` (None for a parameter that has never been trainable)."""
+        """The rank that optimizes `param`; None for a parameter that has never been trainable, or one cut into
+        pieces over the ranks (see `pieces_of`)."""
         return self._owner.get(param)
+
+    def pieces_of(self, param: torch.Tensor) -> list[ParamPiece]:
+        """The pieces of a parameter cut over the ranks (piece k: rank k's elements ``[start, end)`` of the
+        flattened parameter); an empty list for a parameter that is optimized whole."""
+        return list(self._pieces.get(param, []))
+
+    def owned_grads(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients (or gradient slices, for split parameters) of `params` that this rank accounts for, so
+        that every element is counted by exactly one rank: its owner's, or rank 0's for a parameter without one
+        (a frozen parameter that still holds a gradient)."""
+        out = []
+        for p in params:
+            if p.grad is None:
+                continue
+            if p in self._pieces:
+                out.append(self._pieces[p][self.rank].grad_slice())
+            elif self._owner.get(p, 0) == self.rank:
+                out.append(p.grad)
+        return out
 
     def refresh_trainable(self) -> None:
         """Takes `requires_grad` changes into account: newly trainable parameters get an owner.
@@ -150,11 +214,11 @@ class OSS(Optimizer):
         broadcast. `step()` calls this itself when it sees a trainable parameter without an owner.
         """
         _check_one_device_type(self._all_params())
-        newly_owned = set(self._assign_new_trainable())
+        newly_owned = self._assign_new_trainable()
         if not newly_owned:
             return
         for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
-            local["params"].extend(p for p in group["params"] if p in newly_owned)
+            local["params"].extend(t for t in self._optimized_by(self.rank, group["params"]) if t in newly_owned)
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------------------------------
 
@@ -184,7 +248,7 @@ class OSS(Optimizer):
 
     def _own_new_trainable(self) -> None:
         """Refreshes ownership when a parameter became trainable since (no collective: all ranks see the same)."""
-        if any(p.requires_grad and p not in self._owner for p in self._all_params()):
+        if any(p.requires_grad and p not in self._owner and p not in self._pieces for p in self._all_params()):
             self.refresh_trainable()
 
     @torch.no_grad()
@@ -192,16 +256,25 @@ class OSS(Optimizer):
         """Updates this rank's shard with the local optimizer, then receives every other shard from its owner."""
         self._own_new_trainable()
         self._push_hyperparameters()
+        self._refresh_pieces()
         self._match_fused_layouts()
         with _unfused_where_state_is_mixed(self.optim):
             if closure is not None:
                 with torch.enable_grad():
                     loss = self.optim.step(closure, **kwargs)
+                self._refresh_pieces()  # the closure computed new gradients
             else:
                 loss = self.optim.step(**kwargs)
         self._pull_hyperparameters()
         self._broadcast_params()
+        for pieces in self._pieces.values():
+            pieces[self.rank].tensor.grad = None  # hold no reference to a gradient the user may free
         return loss
+
+    def _refresh_pieces(self) -> None:
+        for pieces in self._pieces.values():
+            for piece in pieces:
+                piece.refresh()
 
     def _match_fused_layouts(self) -> None:
         """Gives gradients and state the memory layout of their parameter where the local optimizer is fused.
@@ -235,13 +308,19 @@ class OSS(Optimizer):
         if self.world_size > 1:
             self._broadcaster.broadcast(self._broadcast_plan())
 
-    def _broadcast_plan(self) -> list[tuple[int, list[torch.Tensor]]]:
-        """(owner, parameters) per message: trainable parameters by owner, device and dtype, in a fixed order."""
+    def _broadcast_plan(self) -> Plan:
+        """(owner, tensors, in place) per message, in a fixed order: trainable whole parameters by owner, device
+        and dtype; then each piece of a trainable split parameter alone, sent from the parameter's own storage."""
         messages: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+        pieces = []
         for p in self._all_params():
-            if p.requires_grad:
+            if not p.requires_grad:
+                continue
+            if p in self._pieces:
+                pieces += [(piece.owner, [piece.tensor], True) for piece in self._pieces[p]]
+            else:
                 messages.setdefault((self._owner[p], p.device, p.dtype), []).append(p)
-        return [(key[0], params) for key, params in messages.items()]
+        return [(key[0], params, False) for key, params in messages.items()] + pieces
 
     # -- gradient clipping -------------------------------------------------------------------------------------------
 
@@ -263,9 +342,7 @@ class OSS(Optimizer):
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
         self._own_new_trainable()
-        # Each gradient is counted by exactly one rank: its owner, or rank 0 for a parameter without one (a frozen
-        # parameter that still holds a gradient).
-        counted = [p.grad for p in params if self._owner.get(p, 0) == self.rank]
+        counted = self.owned_grads(params)  # every element by exactly one rank
         total = _local_norm_term(counted, norm_type, comm_device(self.group))
         if norm_type == float("inf"):
             comm.all_reduce(total, self.group, op=dist.ReduceOp.MAX)
@@ -294,16 +371,30 @@ class OSS(Optimizer):
                 f"[0, {self.world_size}), got {recipient_rank!r}"
             )
         index = {p: i for i, p in enumerate(self._all_params())}
+        index.update({pieces[self.rank].tensor: index[p] for p, pieces in self._pieces.items()})
         shard = {index[p]: clone_state(s, torch.device("cpu")) for p, s in self.optim.state.items() if s}
         shards = self._collect(shard, recipient_rank)
         self._consolidated = None
         if shards is not None:
-            merged = {i: s for part in shards for i, s in part.items()}
+            merged = self._join_pieces(shards, index)
             groups = indexed_param_groups(self.param_groups)
             for group, auto in zip(groups, self._auto_placement, strict=True):
                 if auto:  # record the user's choice (none), as the wrapped optimizer would, not OSS's own
                     group["fused"] = None
             self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": groups}
+
+    def _join_pieces(self, shards: list[dict[int, Any]], index: dict[torch.Tensor, int]) -> dict[int, Any]:
+        """Every rank's shard merged into torch's format; a split parameter's state joined from its pieces'."""
+        merged: dict[int, Any] = {}
+        for part in shards:
+            merged.update(part)
+        for p, pieces in self._pieces.items():
+            states = [shard.get(index[p]) for shard in shards]
+            if all(states):
+                merged[index[p]] = join_states(p, states, [(piece.start, piece.end) for piece in pieces])
+            else:
+                merged.pop(index[p], None)  # a piece that never stepped: the parameter has no state yet
+        return merged
 
     def _collect(self, shard: dict[int, Any], recipient_rank: int) -> list[dict[int, Any]] | None:
         if not self.force_broadcast_object:
@@ -337,11 +428,19 @@ class OSS(Optimizer):
                 group["fused"] = True  # a checkpoint from an unfused optimizer: keep the faster kernel
         # The local optimizer's own groups, in its order: `refresh_trainable` appends parameters at the end of a
         # local group, so that order can differ from the order of `self.param_groups`.
-        local = shard_of(state_dict, self.param_groups, self.optim.param_groups)
+        local = shard_of(state_dict, self.param_groups, self.optim.param_groups, self._cut_for_pieces())
         for local_group, group in zip(local["param_groups"], self.param_groups, strict=True):
             local_group.update(group_hyperparameters(group))
         self.optim.load_state_dict(local)
         self._consolidated = None
+
+    def _cut_for_pieces(self) -> dict[torch.Tensor, tuple[torch.Tensor, Callable[[dict[str, Any]], dict[str, Any]]]]:
+        """Per piece this rank optimizes: its parameter, and how to cut that parameter's saved state to it."""
+        out = {}
+        for p, pieces in self._pieces.items():
+            piece = pieces[self.rank]
+            out[piece.tensor] = (p, lambda state, p=p, a=piece.start, b=piece.end: cut_state(state, p, a, b))
+        return out
 
 
 @contextlib.contextmanager
@@ -364,6 +463,17 @@ def _unfused_where_state_is_mixed(optim: Optimizer) -> Iterator[None]:
     finally:
         for group in switched:
             group["fused"] = True
+
+
+def _check_split_params(split_params: Any, optim: type[Optimizer]) -> None:
+    if split_params not in (None, True, False):
+        raise TypeError(f"OSS: split_params must be None (where it pays), True or False, got {split_params!r}")
+    if split_params and optim not in SPLITTABLE:
+        names = ", ".join(sorted(o.__name__ for o in SPLITTABLE))
+        raise ValueError(
+            f"OSS: split_params=True needs an element-wise optimizer ({names}); {optim.__name__} may read a whole "
+            "tensor at once, so its update of a piece would differ. Pass split_params=False or None."
+        )
 
 
 def _check_one_device_type(params: list[torch.Tensor]) -> None:

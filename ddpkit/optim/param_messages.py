@@ -37,8 +37,10 @@ from ddpkit.distributed.buckets import views
 from ddpkit.distributed.env import ProcessGroup
 from ddpkit.distributed.shared_memory import SharedSegments
 
-Plan = list[tuple[int, list[torch.Tensor]]]
-"""(owner, parameters) per message, in the same order on every rank."""
+Plan = list[tuple[int, list[torch.Tensor], bool]]
+"""(owner, tensors, in place) per message, in the same order on every rank. An in-place message is one tensor
+that already is the message (a piece of a split parameter, viewing that parameter's storage): it is sent and
+received where it is, and never made a view of a buffer of the broadcaster's."""
 
 
 def _is_view_of(param: torch.Tensor, slot: torch.Tensor) -> bool:
@@ -64,7 +66,10 @@ class ParamMessage:
 
     @classmethod
     def build(cls, owner: int, params: list[torch.Tensor], flat: torch.Tensor, wire: torch.Tensor) -> ParamMessage:
-        """Copies the parameters' current values into `flat` and makes them views of it."""
+        """Copies the parameters' current values into `flat` and makes them views of it (nothing to do when
+        `flat` is the one parameter itself: an in-place message)."""
+        if len(params) == 1 and flat is params[0]:
+            return cls(owner, params, flat, [flat], wire)
         slots = views(flat, [p.shape for p in params])
         for p, slot in zip(params, slots, strict=True):
             slot.copy_(p.detach())
@@ -120,7 +125,11 @@ class ParamBroadcaster:
 
     def broadcast(self, plan: Plan) -> None:
         # A message's parameters share a device and dtype: moving them (``module.to(...)``) changes the signature.
-        signature = tuple((owner, params[0].device, params[0].dtype, *map(id, params)) for owner, params in plan)
+        # An in-place message is its tensor's storage: a new storage (the parameter moved) rebuilds it.
+        signature = tuple(
+            (owner, params[0].device, params[0].dtype, in_place and params[0].data_ptr(), *map(id, params))
+            for owner, params, in_place in plan
+        )
         if signature != self._signature:
             self._rebuild(plan)
             self._signature = signature
@@ -141,11 +150,11 @@ class ParamBroadcaster:
             comm.barrier(self.group)  # every rank has copied: owners may write their parameters again
 
     def _rebuild(self, plan: Plan) -> None:
-        keep = {p for _, params in plan for p in params}
+        keep = {p for _, params, _ in plan for p in params}
         for message in self.messages:
             message.release(keep)
         segments = self._segments = self._segments_for(plan)
-        self.messages = [self._build(index, owner, params, segments) for index, (owner, params) in enumerate(plan)]
+        self.messages = [self._build(index, entry, segments) for index, entry in enumerate(plan)]
         if segments is not None:
             self._attach(segments)
 
@@ -169,7 +178,7 @@ class ParamBroadcaster:
 
     def _segments_for(self, plan: Plan) -> SharedSegments | None:
         """Shared segments for this plan's CPU messages, or None (collective: every rank decides the same)."""
-        nbytes = shared_memory.cpu_bytes(p for _, params in plan for p in params)
+        nbytes = shared_memory.cpu_bytes(p for _, params, _ in plan for p in params)
         return SharedSegments.agree(self.group, nbytes) if nbytes else None
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -179,16 +188,17 @@ class ParamBroadcaster:
         return str(index)
 
     def _build(
-        self, index: int, owner: int, params: list[torch.Tensor], segments: SharedSegments | None
+        self, index: int, entry: tuple[int, list[torch.Tensor], bool], segments: SharedSegments | None
     ) -> ParamMessage:
+        owner, params, in_place = entry
         first = params[0]
         numel, dtype, wire_dtype = sum(p.numel() for p in params), first.dtype, self._wire_dtype(first.dtype)
         shared = segments is not None and first.device.type == "cpu"
         if shared and owner == self.rank:
             wire = segments.create(self._segment_name(index), numel, wire_dtype)
-            flat = wire if wire_dtype == dtype else torch.empty(numel, dtype=dtype)
+            flat = first if in_place else wire if wire_dtype == dtype else torch.empty(numel, dtype=dtype)
         else:
-            flat = torch.empty(numel, dtype=dtype, device=first.device)
+            flat = first if in_place else torch.empty(numel, dtype=dtype, device=first.device)
             wire = flat if wire_dtype == dtype or shared else torch.empty(numel, dtype=wire_dtype, device=first.device)
         message = ParamMessage.build(owner, params, flat, wire)
         message.shared = shared

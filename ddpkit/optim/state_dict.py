@@ -8,7 +8,7 @@ does not depend on the world size it was written at, and a plain torch optimizer
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,12 +101,20 @@ def check_state_shapes(saved: Mapping[str, Any], params: Sequence[torch.Tensor])
                 )
 
 
-def shard_of(saved: Mapping[str, Any], param_groups: ParamGroups, local_groups: ParamGroups) -> dict[str, Any]:
-    """The local optimizer's state dict for the parameters in `local_groups`, cut out of a whole-model `saved`.
+Cuts = Mapping[torch.Tensor, tuple[torch.Tensor, Callable[[dict[str, Any]], dict[str, Any]]]]
+"""Per local tensor that is a piece of a parameter: that parameter, and how to cut its saved state to the piece."""
+
+
+def shard_of(
+    saved: Mapping[str, Any], param_groups: ParamGroups, local_groups: ParamGroups, cuts: Cuts | None = None
+) -> dict[str, Any]:
+    """The local optimizer's state dict for the tensors in `local_groups`, cut out of a whole-model `saved`.
 
     `param_groups` are the whole model's groups (same order as `saved`), `local_groups` the shard's groups in
-    the same order. Hyper-parameters come from `saved`. Tensors are cloned: `saved` is never shared or changed.
+    the same order; a local tensor named in `cuts` is a piece of a parameter and gets its share of that
+    parameter's state. Hyper-parameters come from `saved`. Tensors are cloned: `saved` is never shared or changed.
     """
+    cuts = cuts or {}
     position = {}
     for group, saved_group in zip(param_groups, saved["param_groups"], strict=True):
         for param, index in zip(group["params"], saved_group["params"], strict=True):
@@ -114,10 +122,11 @@ def shard_of(saved: Mapping[str, Any], param_groups: ParamGroups, local_groups: 
     state, groups, local_index = {}, [], 0
     for saved_group, local in zip(saved["param_groups"], local_groups, strict=True):
         indices = []
-        for param in local["params"]:
+        for tensor in local["params"]:
+            param, cut = cuts.get(tensor, (tensor, clone_state))
             saved_state = saved["state"].get(position[param])
             if saved_state is not None:
-                state[local_index] = clone_state(saved_state)
+                state[local_index] = cut(saved_state)
             indices.append(local_index)
             local_index += 1
         groups.append({**group_hyperparameters(saved_group), "params": indices})

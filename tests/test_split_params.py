@@ -1,0 +1,198 @@
+"""Large parameters cut over the ranks (`OSS(split_params=...)`): the same training as torch DDP + Adam, the
+optimizer state per rank down to about 1/N of the model, the same bytes as without cutting, and checkpoints in
+torch's whole-parameter format.
+
+The model is dominated by one 1023x1031 weight (1.05M elements, 96% of the parameters, an odd count so that the
+pieces differ in size), so without cutting one rank would hold almost all of the Adam state.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpkit.distributed import comm_stats, counting_allreduce_hook
+from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
+from ddpkit.nn import ShardedDataParallel
+from ddpkit.optim import OSS
+from ddpkit.testing import run_distributed
+
+TOL = 1e-5  # at 4 ranks the sum order alone (reduce vs ring) moves Adam parameters by 2.7e-6, cut or not
+STEPS = 4
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 1023), nn.Tanh(), nn.Linear(1023, 1031), nn.Tanh(), nn.Linear(1031, 3))
+
+
+def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def _train(rank: int, mode: str) -> dict:
+    """`mode`: "oss_ddp" (OSS + torch DDP), "sdp" (ShardedDataParallel over sockets), "sdp_shm" (shared memory)."""
+    ref, model = _model(), _model()
+    ddp = DDP(ref)
+    ddp.register_comm_hook(None, counting_allreduce_hook)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3, weight_decay=0.01)
+    if mode == "oss_ddp":
+        wrapped = DDP(model)
+        wrapped.register_comm_hook(None, counting_allreduce_hook)
+    else:
+        wrapped = ShardedDataParallel(model, opt)
+    out: dict = {"norm_diff": 0.0}
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        if step == 2:  # a second backward before the step, gradients not cleared in between (accumulation)
+            _loss(ddp, rank, 99).backward()
+            _loss(wrapped, rank, 99).backward()
+        with comm_stats.measure() as d_ddp:
+            _loss(ddp, rank, step).backward()
+        with comm_stats.measure() as d_backward:
+            _loss(wrapped, rank, step).backward()
+        if step == 1:  # global-norm clipping over the pieces equals torch's over the whole model
+            ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            norm = opt.clip_grad_norm(0.05)
+            out["norm_diff"] = abs(float(norm) - float(ref_norm)) / float(ref_norm)
+        with comm_stats.measure() as d_step:
+            opt.step()
+        ref_opt.step()
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    out["param_diff"] = max((p - q).abs().max().item() for p, q in pairs)
+    big = model[2].weight
+    out["pieces"] = [(piece.owner, piece.start, piece.end) for piece in opt.pieces_of(big)]
+    out["owner_of_big"] = opt.owner_of(big)
+    out["state_bytes"] = _state_bytes(opt)
+    out["ref_state_bytes"] = _state_bytes(ref_opt)
+    out["ddp_sent"] = d_ddp.sent_bytes()
+    out["sent"] = d_backward.sent_bytes() + d_step.sent_bytes()
+    out["broadcast_payload"] = d_step.payload_bytes("broadcast")
+    out["trainable_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+    # checkpoints: torch's format, equal to torch's Adam state; loading torch's state continues identically
+    saved = opt.state_dict(all_ranks=True)
+    theirs = ref_opt.state_dict()
+    out["state_dict_diff"] = max(
+        (saved["state"][i][k].float() - theirs["state"][i][k].float()).abs().max().item()
+        for i in theirs["state"]
+        for k in theirs["state"][i]
+    )
+    out["state_dict_shapes"] = all(
+        saved["state"][i][k].shape == theirs["state"][i][k].shape for i in theirs["state"] for k in theirs["state"][i]
+    )
+    fresh_opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3, weight_decay=0.01)
+    fresh_opt.load_state_dict(theirs)
+    for o in (fresh_opt, ref_opt):
+        o.zero_grad()
+    _loss(ddp, rank, 7).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):  # the reference's averaged gradients
+        p.grad = q.grad.clone()
+    fresh_opt.step()
+    ref_opt.step()
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    out["resumed_diff"] = max((p - q).abs().max().item() for p, q in pairs)
+    return out
+
+
+def _run(rank: int, world: int, modes: list[str]) -> dict:
+    results = {}
+    for mode in modes:
+        os.environ[SHARED_MEMORY_ENV] = "1" if mode == "sdp_shm" else "0"
+        try:
+            results[mode] = _train(rank, mode)
+        finally:
+            os.environ.pop(SHARED_MEMORY_ENV, None)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_parameter_trains_like_ddp_with_state_and_bytes_per_rank(world):
+    modes = ["oss_ddp", "sdp", "sdp_shm"] if world == 2 else ["sdp", "sdp_shm"]
+    results = run_distributed(_run, world, modes, timeout=300.0)
+    numel = 1023 * 1031
+    for mode in modes:
+        for rank, by_mode in enumerate(results):
+            r, where = by_mode[mode], (mode, rank)
+            assert r["param_diff"] <= TOL, (where, r["param_diff"])
+            assert r["norm_diff"] <= 1e-5, (where, r["norm_diff"])
+            assert r["owner_of_big"] is None, where
+            spans = [(start, end) for _, start, end in r["pieces"]]
+            assert [owner for owner, _, _ in r["pieces"]] == list(range(world)), where
+            assert spans[0][0] == 0 and spans[-1][1] == numel, where
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), where
+            assert max(e - s for s, e in spans) - min(e - s for s, e in spans) <= 1, where
+            # Adam's two moments: about 1/N of the model's per rank (goal: within 10% of a perfect split)
+            assert r["state_bytes"] <= 1.1 * r["ref_state_bytes"] / world, (where, r["state_bytes"])
+            assert r["state_dict_shapes"] and r["state_dict_diff"] <= 1e-6, (where, r["state_dict_diff"])
+            assert r["resumed_diff"] <= TOL, (where, r["resumed_diff"])
+        total = sum(by_mode[mode]["sent"] for by_mode in results)
+        ddp_total = sum(by_mode[mode]["ddp_sent"] for by_mode in results)
+        trainable = results[0][mode]["trainable_bytes"]
+        if mode == "sdp":  # reduce to the owners + broadcast from them: exactly DDP's ring all-reduce
+            assert total == pytest.approx(ddp_total), mode
+        if mode == "oss_ddp":  # DDP's all-reduce plus every parameter broadcast once by its owner(s)
+            assert total == pytest.approx(ddp_total + (world - 1) * trainable), mode
+        if mode != "sdp_shm":
+            assert sum(by_mode[mode]["broadcast_payload"] for by_mode in results) == world * trainable, mode
+
+
+def _choices(rank: int, world: int) -> dict:
+    model = _model()
+    out = {}
+    kept = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3, split_params=False)
+    out["false_keeps_owners"] = all(kept.owner_of(p) is not None for p in model.parameters())
+    out["false_no_pieces"] = not any(kept.pieces_of(p) for p in model.parameters())
+    small = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 3))
+    auto_small = OSS(small.parameters(), optim=torch.optim.Adam, lr=1e-3)
+    out["small_not_cut"] = not any(auto_small.pieces_of(p) for p in small.parameters())
+    for name, kwargs in [
+        ("non_elementwise", {"optim": torch.optim.LBFGS, "split_params": True}),
+        ("bad_value", {"optim": torch.optim.Adam, "split_params": "yes"}),
+    ]:
+        try:
+            OSS(model.parameters(), lr=1e-3, **kwargs)
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    auto_lbfgs = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-3)
+    out["sgd_cut"] = bool(auto_lbfgs.pieces_of(model[2].weight))
+    return out
+
+
+def test_split_params_choices_and_refusals():
+    for r in run_distributed(_choices, 2):
+        assert r["false_keeps_owners"] and r["false_no_pieces"]
+        assert r["small_not_cut"] and r["sgd_cut"]
+        assert "split_params=True needs an element-wise optimizer" in r["non_elementwise"], r
+        assert "LBFGS" in r["non_elementwise"]
+        assert "split_params must be None" in r["bad_value"], r
+
+
+def test_choose_splits_cuts_largest_first_until_balanced():
+    from ddpkit.optim.partition import choose_splits, even_spans
+
+    assert even_spans(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert even_spans(3, 4) == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    # already within 10% of a perfect split: nothing is cut
+    assert choose_splits([50, 50, 49, 51], [True] * 4, 2, 0.1) == set()
+    # one dominant item: cut it (and only it) -- 2 ranks: max(100/2 + 10, 100/2) = 60 <= 1.1 * 120 / 2 = 66
+    assert choose_splits([100, 10, 10], [True] * 3, 2, 0.1) == {0}
+    # not a candidate (e.g. a non-element-wise optimizer): left whole even if unbalanced
+    assert choose_splits([100, 10, 10], [False, True, True], 2, 0.1) == set()
+    # two large items at 4 ranks: the largest first, then the next until balanced
+    assert choose_splits([400, 300, 10, 10], [True] * 4, 4, 0.1) == {0, 1}
+    # balance out of reach: the count of cuts that leaves the smallest maximum (no useless cuts of small items)
+    assert choose_splits([100, 10, 10], [False, True, True], 2, 0.1) == set()
+    assert choose_splits([100, 60, 60], [True, False, False], 4, 0.1) == {0}  # 100 -> 85, the limit 60.5 unreachable
+    assert choose_splits([100, 90, 5], [True, False, False], 4, 0.1) == set()  # cutting would raise 100 to 115
