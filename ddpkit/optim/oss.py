@@ -53,6 +53,11 @@ class OSS(Optimizer):
     shared-memory segment that its step updates in place, and after a barrier every other rank copies it into its
     own replica (`ddpkit.distributed.shared_memory`; 3 ms instead of 9-13 ms for 16 MB each way on the benchmark
     machine). ``DDPKIT_SHARED_MEMORY=0`` keeps the broadcast.
+    Across several hosts with the same number of ranks each (`hierarchical`, by default where that holds and a
+    host has more than one rank), each owner sends its parameters once per other host, to the rank in its own
+    lane there, which hands them on within its host through shared memory (`ddpkit.distributed.hosts`): every
+    parameter leaves its owner's host once per other host instead of once per remote rank. ``True`` refuses an
+    uneven layout, naming the hosts; ``False`` keeps one broadcast over the whole group.
     `clip_grad_norm` adds one all-reduce of one number; `consolidate_state_dict` gathers the shards' state.
 
     Large parameters (beyond fairscale): with `split_params` (by default where it pays: an element-wise torch
@@ -90,6 +95,7 @@ class OSS(Optimizer):
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
         split_params: bool | None = None,
+        hierarchical: bool | None = None,
         **defaults: Any,
     ) -> None:
         require_initialized("OSS")
@@ -98,6 +104,9 @@ class OSS(Optimizer):
                 f"OSS: optim must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), got {optim!r}"
             )
         _check_split_params(split_params, optim)
+        if hierarchical not in (None, True, False):
+            raise TypeError(f"OSS: hierarchical must be None (where it pays), True or False, got {hierarchical!r}")
+        self.hierarchical = hierarchical
         self._optim_class = optim
         self.split_params = split_params
         self._pieces: dict[torch.Tensor, list[ParamPiece]] = {}
@@ -112,7 +121,7 @@ class OSS(Optimizer):
         self._owner: dict[torch.Tensor, int] = {}
         self._loads = [0] * self.world_size
         self._consolidated: dict[str, Any] | None = None
-        self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16)
+        self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16, hierarchical)
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
         check_parameters_agree(self.param_groups, self.group, what="OSS")  # before any collective that needs it

@@ -24,6 +24,11 @@ On one host (see `ddpkit.distributed.shared_memory`), a CPU message is not sent 
 fp16 copy with `broadcast_fp16`) is a shared-memory segment, so the owner's optimizer step writes it in place; after
 a barrier every other rank copies it into its own parameters' buffer, and a second barrier tells the owner it may
 write again. Every rank still holds its own replica, exactly as with a broadcast.
+
+On several hosts (`hierarchical`, see `ddpkit.distributed.hosts`), delivery has two stages: each owner broadcasts
+its messages over its lane group (one rank per host), then on every host the rank in the owner's lane delivers
+them to its host's ranks as if it owned them (shared memory, or the host group's sockets). A message thus crosses
+between hosts once per other host.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddpkit.distributed import comm, shared_memory
+from ddpkit.distributed import comm, hosts, shared_memory
 from ddpkit.distributed.buckets import views
 from ddpkit.distributed.env import ProcessGroup
 from ddpkit.distributed.shared_memory import SharedSegments
@@ -117,11 +122,17 @@ class ParamBroadcaster:
     themselves (their storage *is* the messages), plus a persistent fp16 copy of each message with `fp16`.
     """
 
-    def __init__(self, rank: int, group: ProcessGroup | None, fp16: bool) -> None:
+    def __init__(self, rank: int, group: ProcessGroup | None, fp16: bool, hierarchical: bool | None = None) -> None:
         self.rank, self.group, self.fp16 = rank, group, fp16
+        self.hierarchical = hierarchical
         self.messages: list[ParamMessage] = []
+        self._sources: list[int] = []  # per message, the rank (of `group`) that owns it
         self._signature: tuple = ()
         self._segments: SharedSegments | None = None
+        self._decided = False  # whether shared memory over the whole group, or hosts, were looked at yet
+        self._hosts: hosts.HostGroups | None = None
+        # Where messages are delivered by their (local) owners: the whole group, or this rank's host (hierarchical).
+        self._local_rank, self._local_group = rank, group
 
     def broadcast(self, plan: Plan) -> None:
         # A message's parameters share a device and dtype: moving them (``module.to(...)``) changes the signature.
@@ -133,27 +144,46 @@ class ParamBroadcaster:
         if signature != self._signature:
             self._rebuild(plan)
             self._signature = signature
-        for message in self.messages:
-            if message.owner == self.rank:
+        for message, source in zip(self.messages, self._sources, strict=True):
+            if source == self.rank:
                 message.stage()
+        if self._hosts is not None:
+            self._across_hosts(self._hosts)
         # Receives first (`comm.broadcast_many`): over sockets, owners' messages then flow both ways at once.
-        comm.wait_all(comm.broadcast_many([(m.wire, m.owner) for m in self.messages if not m.shared], self.group))
+        pairs = [(m.wire, m.owner) for m in self.messages if not m.shared]
+        comm.wait_all(comm.broadcast_many(pairs, self._local_group))
         any_shared = any(m.shared for m in self.messages)
         if any_shared:
-            comm.barrier(self.group)  # every owner's segment holds its new values
+            comm.barrier(self._local_group)  # every owner's segment holds its new values
         for message in self.messages:
-            if message.owner != self.rank:
+            if message.owner != self._local_rank:
                 message.unpack()
                 if message.shared:
-                    shared_memory.record_copy(comm.nbytes(message.wire), self.group)
+                    shared_memory.record_copy(comm.nbytes(message.wire), self._local_group)
         if any_shared:
-            comm.barrier(self.group)  # every rank has copied: owners may write their parameters again
+            comm.barrier(self._local_group)  # every rank has copied: owners may write their parameters again
+
+    def _across_hosts(self, groups: hosts.HostGroups) -> None:
+        """Hierarchical: each owner sends its messages once to every other host, to the rank in its own lane,
+        which then delivers them on its host like an owner (see `ddpkit.distributed.hosts`)."""
+        lane = [
+            (m, source)
+            for m, source in zip(self.messages, self._sources, strict=True)
+            if groups.lane_of(source) == groups.lane
+        ]
+        comm.wait_all(comm.broadcast_many([(m.wire, groups.host_of(source)) for m, source in lane], groups.lane_group))
+        for message, source in lane:
+            if source != self.rank:
+                message.unpack()  # into this rank's own parameters, where they are not the message itself
 
     def _rebuild(self, plan: Plan) -> None:
         keep = {p for _, params, _ in plan for p in params}
         for message in self.messages:
             message.release(keep)
         segments = self._segments = self._segments_for(plan)
+        self._sources = [owner for owner, _, _ in plan]
+        if self._hosts is not None:  # delivered on each host by the rank in the owner's lane
+            plan = [(self._hosts.lane_of(owner), params, in_place) for owner, params, in_place in plan]
         self.messages = [self._build(index, entry, segments) for index, entry in enumerate(plan)]
         if segments is not None:
             self._attach(segments)
@@ -161,25 +191,36 @@ class ParamBroadcaster:
     def _attach(self, segments: SharedSegments) -> None:
         """Every rank maps the segments of the messages it receives; the files go once all are mapped."""
         try:
-            comm.barrier(self.group)  # every owner has created and filled its segments
+            comm.barrier(self._local_group)  # every owner has created and filled its segments
             for index, message in enumerate(self.messages):
-                if message.shared and message.owner != self.rank:
+                if message.shared and message.owner != self._local_rank:
                     message.wire = segments.attach(
                         self._segment_name(index),
                         message.owner,
                         message.flat.numel(),
                         self._wire_dtype(message.flat.dtype),
                     )
-            comm.barrier(self.group)  # every segment is mapped by every rank that reads it
+            comm.barrier(self._local_group)  # every segment is mapped by every rank that reads it
         finally:  # also when a peer failed: leave nothing in /dev/shm
             for index, message in enumerate(self.messages):
-                if message.shared and message.owner == self.rank:
-                    segments.remove(self._segment_name(index), self.rank)
+                if message.shared and message.owner == self._local_rank:
+                    segments.remove(self._segment_name(index), self._local_rank)
 
     def _segments_for(self, plan: Plan) -> SharedSegments | None:
         """Shared segments for this plan's CPU messages, or None (collective: every rank decides the same)."""
         nbytes = shared_memory.cpu_bytes(p for _, params, _ in plan for p in params)
-        return SharedSegments.agree(self.group, nbytes) if nbytes else None
+        if not nbytes:
+            return None
+        if not self._decided:  # the first build: one host, several, or neither (collective on every rank alike)
+            self._decided = True
+            segments = SharedSegments.agree(self.group, nbytes)
+            if segments is not None:
+                return segments
+            self._hosts = hosts.hierarchy(self.group, self.hierarchical, "OSS")
+            if self._hosts is None:
+                return None
+            self._local_rank, self._local_group = self._hosts.lane, self._hosts.host_group
+        return SharedSegments.agree(self._local_group, nbytes)
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float16 if self.fp16 and dtype == torch.float32 else dtype
@@ -194,7 +235,7 @@ class ParamBroadcaster:
         first = params[0]
         numel, dtype, wire_dtype = sum(p.numel() for p in params), first.dtype, self._wire_dtype(first.dtype)
         shared = segments is not None and first.device.type == "cpu"
-        if shared and owner == self.rank:
+        if shared and owner == self._local_rank:
             wire = segments.create(self._segment_name(index), numel, wire_dtype)
             flat = first if in_place else wire if wire_dtype == dtype else torch.empty(numel, dtype=dtype)
         else:

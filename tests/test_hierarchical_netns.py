@@ -1,0 +1,44 @@
+"""Hierarchical ZeRO-2 on two network-namespace hosts of two ranks each: what leaves each host, by its interface's
+counter, against torch DDP in the same job (`hier_probe.py`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_train_cli import two_hosts  # noqa: F401  (fixture: two namespaces joined by a veth pair)
+
+from ddpkit.distributed.launch import free_port
+
+pytestmark = pytest.mark.netns
+
+
+def test_each_host_sends_at_most_ddps_bytes_and_the_same_parameters(two_hosts):  # noqa: F811
+    probe = os.path.join(os.path.dirname(__file__), "hier_probe.py")
+    port = str(free_port())
+    hosts = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, probe, str(i), "10.78.0.1", port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, ns in enumerate(two_hosts)
+    ]
+    outputs = []
+    for host in hosts:
+        out, err = host.communicate(timeout=300)
+        assert host.returncode == 0, err[-3000:]
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    for host, ranks in enumerate(outputs):
+        model = ranks[0]["model_bytes"]
+        for r in ranks:
+            assert r["two_stage"], r
+            assert r["param_diff"] <= 1e-5, r
+        ddp, hierarchical = ranks[0]["ddp"], ranks[0]["hierarchical"]  # one counter per host: every rank reads it
+        # each host sends each byte of the model once (half the gradients, half the parameters, 2 hosts), plus
+        # TCP/IP headers and the fencing barriers; DDP's ring sends 1.5 copies across each of the two crossings
+        assert model <= hierarchical <= 1.05 * model, (host, hierarchical / model, ranks)
+        assert hierarchical <= ddp, (host, hierarchical / ddp, ranks)
+        print(f"host {host}: hierarchical {hierarchical / model:.3f} model copies, DDP {ddp / model:.3f}")
