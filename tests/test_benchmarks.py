@@ -124,7 +124,7 @@ def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     skipped_link = netns_unavailable()
     for name in benchmarks_here():
         path = tmp_path / f"{name}.json"
-        if name in ("slowmo_link", "advisor", "sgp", "diloco") and skipped_link:
+        if name in ("slowmo_link", "advisor", "sgp", "diloco", "hosts") and skipped_link:
             assert not path.exists() and f"{name}: skipped" in done.stdout
             continue
         report = json.loads(path.read_text())
@@ -140,6 +140,9 @@ def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     assert all(r["matches_ddp"] for r in rows.values()), "every strategy computed DDP's parameters"
     # FSDP2 (reshard_after_forward=False) sends an all-gather and a reduce-scatter: DDP's all-reduce, byte for byte
     assert rows["fsdp2"]["bytes_vs_ddp"] == pytest.approx(1.0) and rows["fsdp2"]["state_mb"] < rows["ddp"]["state_mb"]
+    if not skipped_link:  # hierarchical ZeRO-2: each host sends the model once, DDP's ring 1.5 times
+        hosts = {r["strategy"]: r for r in json.loads((tmp_path / "hosts.json").read_text())["figures"]["rows"]}
+        assert hosts["sharded"]["bytes_x_ddp"] < 0.8, hosts
     redraw = subprocess.run(
         [sys.executable, "-m", "benchmarks", "sharding", "--plot-only", "--out", str(tmp_path)],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,

@@ -117,3 +117,65 @@ def test_an_uneven_layout_is_refused_on_every_rank_naming_the_hosts():
     for message in run_distributed(_uneven, 3, timeout=120.0):
         assert "same number of ranks on every host" in message, message
         assert "host 0: ranks 0, 1; host 1: ranks 2" in message, message
+
+
+def _int8_roundtrip(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Per-block absmax int8 (scale = absmax / 127, round half to even), written here from the definition."""
+    pad = (-x.numel()) % block
+    blocks = torch.cat([x, x.new_zeros(pad)]).view(-1, block)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
+    return (q * scale).view(-1)[: x.numel()]
+
+
+def _compressed(rank: int, world: int) -> dict:
+    original = shared_memory.host_identity
+    _fake_hosts(rank, [2, 2])
+    try:
+        model = _model()
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2)
+        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=500, cross_host_compression="int8")
+        plain = [_model() for _ in range(world)]  # every rank's gradient, computed here for the reference
+        residual: dict[int, torch.Tensor] = {}
+        out = {"max_err": 0.0, "max_step": 0.0, "lane_bytes": 0.0, "expected_lane_bytes": 0.0}
+        for step in range(2):  # the second step carries the first one's rounding error
+            opt.zero_grad()
+            with comm_stats.measure() as d:
+                _loss(sdp, rank, step).backward()
+            out["lane_bytes"] += _lane_bytes(d.snapshot())
+            for m in plain:
+                m.zero_grad()
+            grads = []
+            for r, m in enumerate(plain):
+                _loss(m, r, step).backward()
+                grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
+            names = {p: name for name, p in model.named_parameters()}
+            for index, bucket in enumerate(sdp._buckets):
+                flat = [torch.cat([g[names[p]].reshape(-1) for p in bucket.params]) for g in grads]
+                host_sums = [flat[0] + flat[1], flat[2] + flat[3]]
+                owner_host = bucket.owner // 2
+                other = host_sums[1 - owner_host]
+                corrected = other + residual.get(index, torch.zeros_like(other))
+                sent = _int8_roundtrip(corrected)
+                residual[index] = corrected - sent
+                if rank == 0:  # one int8 message per bucket crosses: its values and one fp32 scale per 64
+                    out["expected_lane_bytes"] += other.numel() + 4 * -(-other.numel() // 64)
+                if bucket.owner != rank:
+                    continue
+                expected = (host_sums[owner_host] + sent) / world
+                got = torch.cat([p.grad.reshape(-1) for p in bucket.params])
+                out["max_err"] = max(out["max_err"], (got - expected).abs().max().item())
+                out["max_step"] = max(out["max_step"], corrected.abs().max().item() / 127 / world)
+        return out
+    finally:
+        shared_memory.host_identity = original
+
+
+def test_int8_between_hosts_with_error_feedback_matches_the_definition_and_its_bytes():
+    results = run_distributed(_compressed, 4, timeout=300.0)
+    for rank, r in enumerate(results):
+        # the test's own quantiser on its own host sums: equal up to fp32 sum order (at most one rounding flip)
+        assert r["max_err"] <= 1e-6 + r["max_step"], (rank, r)
+    counted = sum(r["lane_bytes"] for r in results)
+    expected = sum(r["expected_lane_bytes"] for r in results)
+    assert counted == pytest.approx(expected), (counted, expected)

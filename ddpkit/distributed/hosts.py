@@ -110,13 +110,16 @@ class HostGroups:
 _built: dict[HostLayout, HostGroups] = {}
 
 
-def hierarchy(group: ProcessGroup | None, wanted: bool | None, what: str) -> HostGroups | None:
+def hierarchy(
+    group: ProcessGroup | None, wanted: bool | None, what: str, one_per_host: bool = False
+) -> HostGroups | None:
     """Collective: the host and lane groups for hierarchical sharding over `group`, or None where it is off.
 
     `wanted` None: on where it pays (the whole job on several hosts with equal numbers of ranks, several per host);
     True: also required (an uneven layout raises, naming the hosts); False: off. Only the whole job (the default
     group) can be split this way, since creating groups involves every rank. The groups are built once per layout
-    and shared by every optimizer and wrapper of the process.
+    and shared by every optimizer and wrapper of the process. `one_per_host`: also with one rank per host (for
+    what the cross-host stage does by itself, e.g. compressing what crosses).
     """
     if wanted is False or group_size(group) < 2:
         return None
@@ -127,7 +130,7 @@ def hierarchy(group: ProcessGroup | None, wanted: bool | None, what: str) -> Hos
     layout = detect(group)
     if wanted:
         layout.check_uniform(what)
-    if not layout.pays:
+    if not (layout.pays or (one_per_host and layout.host_count > 1 and layout.uniform)):
         return None
     if layout not in _built:
         _built[layout] = HostGroups.build(layout)

@@ -47,6 +47,7 @@ from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
 from ddpkit.distributed.hierarchical_reduce import HierarchicalReduce
 from ddpkit.distributed.mailboxes import MailboxReduce
+from ddpkit.distributed.quantize import COMPRESSIONS
 from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.nn.wrapper import ModuleWrapper
 from ddpkit.optim.adascale import AdaScale
@@ -89,6 +90,10 @@ class ShardedDataParallel(ModuleWrapper):
     each rank keeps a mailbox per bucket it does not own (together about (N-1)/N of the gradients' size, in
     ``/dev/shm``) and owners need no receive buffers.
 
+    `cross_host_compression` (beyond fairscale; "none" by default): "bf16", "int8" or "int4" sends what crosses
+    between hosts quantised, with error feedback (`ddpkit.distributed.hierarchical_reduce`): 2x, about 3.8x or
+    about 7x fewer gradient bytes between hosts, no longer bit-equal to DDP. Also with one rank per host.
+
     `find_unused_parameters=True` (beyond fairscale) adds one element per parameter to each message so owners
     know which parameters were unused on every rank and leave their gradients untouched, exactly like DDP's
     option of that name; without it a parameter unused on some ranks still averages correctly (they count as
@@ -114,6 +119,7 @@ class ShardedDataParallel(ModuleWrapper):
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
         find_unused_parameters: bool = False,
+        cross_host_compression: str = "none",
     ) -> None:
         super().__init__()
         require_initialized("ShardedDataParallel")
@@ -127,6 +133,12 @@ class ShardedDataParallel(ModuleWrapper):
                 f"got {reduce_buffer_size!r}"
             )
         _check_one_device_type(module)
+        if cross_host_compression not in COMPRESSIONS:
+            raise ValueError(
+                f"ShardedDataParallel: cross_host_compression must be one of {', '.join(COMPRESSIONS)}, got "
+                f"{cross_host_compression!r}"
+            )
+        self.cross_host_compression = cross_host_compression
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         check_parameters_agree(module, self.process_group, what="ShardedDataParallel")  # before shared memory is agreed
         self.module = module
@@ -156,8 +168,10 @@ class ShardedDataParallel(ModuleWrapper):
         self._two_stage: HierarchicalReduce | None = None
         if self._mailboxes is None and cpu_bytes:  # several hosts: within each first, then across (hosts doc)
             wanted = self.sharded_optimizers[0].hierarchical
-            groups = hosts.hierarchy(self.process_group, wanted, "ShardedDataParallel")
-            self._two_stage = HierarchicalReduce.agree(groups, cpu_bytes) if groups is not None else None
+            compress = cross_host_compression != "none"
+            groups = hosts.hierarchy(self.process_group, wanted, "ShardedDataParallel", one_per_host=compress)
+            if groups is not None:
+                self._two_stage = HierarchicalReduce.agree(groups, cpu_bytes, cross_host_compression)
         self._bucket_generation = 0
         self.refresh_trainable()
 
