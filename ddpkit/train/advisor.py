@@ -27,10 +27,10 @@ where the two are comparable the prediction errs high by at most the backward ti
 happens every ``localsgd_frequency`` steps, so its ``W`` and ``M``, averaged over the timed steps (a multiple of
 that frequency), are its averaging traffic divided by the frequency. To predict a multi-host job from a run on one
 host, the bench runs with ``DDPKIT_SHARED_MEMORY=0``, so ``W`` and ``M`` are what the strategies send over
-sockets, as between hosts; the prediction then assumes each process on its own host. ``W/B`` also assumes a
-rank's bytes keep both directions of its link busy, as a ring all-reduce does; ShardedDataParallel's reduces and
-broadcasts use one direction at a time for each bucket, so its prediction errs low (17-29% measured on two hosts,
-`benchmarks/README.md`, advisor section).
+sockets, as between hosts; the prediction then assumes each process on its own host (hierarchical sharding, with
+several processes per host, is not modelled). ``W/B`` also assumes a rank's bytes keep both directions of its
+link busy, as a ring all-reduce does; ShardedDataParallel and OSS do too since their receives are posted before
+their sends (within 9% for every strategy on two namespace hosts, `benchmarks/README.md`, advisor section).
 
 **The recommendation** is the strategy with the lowest predicted (or, without a link, measured) step time. The
 strategies within the margin of it count as equally fast: the margin is the larger of 5% and the noise of the two
