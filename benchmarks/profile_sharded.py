@@ -141,7 +141,7 @@ def _time_strategy(strategy: str, cfg: dict[str, Any], rank: int) -> dict[str, A
     from ddpkit.train.gpt import GPTConfig, gpt
 
     torch.manual_seed(0)
-    module = gpt(GPTConfig(layers=4, width=256, heads=4, context=cfg["context"]))
+    module = gpt(GPTConfig(layers=cfg["layers"], width=cfg["width"], heads=cfg["heads"], context=cfg["context"]))
     model, optimizer = _build(strategy, module)
     generator = torch.Generator().manual_seed(rank)
     batch = torch.randint(0, 256, (cfg["batch"], cfg["context"] + 1), generator=generator)
@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=8, help="windows per rank and step")
     parser.add_argument("--context", type=int, default=128, help="bytes per window")
+    parser.add_argument("--layers", type=int, default=4, help="GPT blocks (6 for the benchmarks' 10.8M GPT)")
+    parser.add_argument("--width", type=int, default=256, help="GPT width (384 for the 10.8M GPT)")
+    parser.add_argument("--heads", type=int, default=4, help="GPT heads (6 for the 10.8M GPT)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
     args = parser.parse_args(argv)

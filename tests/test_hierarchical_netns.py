@@ -3,11 +3,13 @@ counter, against torch DDP in the same job (`hier_probe.py`)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from test_train_cli import two_hosts  # noqa: F401  (fixture: two namespaces joined by a veth pair)
+from test_train_cli import DDPKIT, LONG_RUN, procs, two_hosts, wait_for, wait_gone, workers  # noqa: F401
 
 from ddpkit.distributed.launch import free_port
 
@@ -42,3 +44,31 @@ def test_each_host_sends_at_most_ddps_bytes_and_the_same_parameters(two_hosts): 
         assert model <= hierarchical <= 1.05 * model, (host, hierarchical / model, ranks)
         assert hierarchical <= ddp, (host, hierarchical / ddp, ranks)
         print(f"host {host}: hierarchical {hierarchical / model:.3f} model copies, DDP {ddp / model:.3f}")
+
+
+TIMEOUT = 6
+
+
+def test_a_lost_rank_during_hierarchical_training_ends_every_process_within_the_timeout(tmp_path, procs, two_hosts):  # noqa: F811
+    """`ddpkit train --strategy sharded` on two namespace hosts x 2 ranks (hierarchical: shared memory within each
+    host, lane groups across); SIGKILL of one rank on the second host mid-training: both launchers exit with an
+    error within --timeout and some slack, and no process is left on either host."""
+    common = ["--nnodes", "2", "--master-addr", "10.78.0.1", "--master-port", str(free_port()), "--nproc-per-node", "2"]
+    common += [*LONG_RUN, "--strategy", "sharded", "--timeout", str(TIMEOUT), "--checkpoint-every", "5"]
+    jobs = [
+        procs(["ip", "netns", "exec", ns, *DDPKIT, "train", *common, "--node-rank", i, "--out", tmp_path / f"h{i}"],
+              f"host{i}")
+        for i, ns in enumerate(two_hosts)
+    ]  # fmt: skip
+    wait_for(tmp_path / "h0" / "checkpoint" / "step-*" / "COMMIT.json", jobs)
+    victims = workers(jobs[1])
+    assert len(victims) == 2, victims
+    os.kill(victims[1], signal.SIGKILL)
+    killed = time.monotonic()
+    for job in jobs:
+        result = job.wait(TIMEOUT + 120)
+        assert result.returncode != 0, str(result)
+    took = time.monotonic() - killed
+    assert took < TIMEOUT + 30, f"{took:.1f} s"
+    for job in jobs:
+        assert not wait_gone(job.seen), "processes outlived the job"
