@@ -4,7 +4,8 @@ Two network-namespace hosts, each with ``--per-host`` ranks (2 by default), join
 (tbf, both ways). One job per rate runs every strategy in interleaved rounds on the same process group:
 
 * ``ddp``: torch DDP + ``torch.optim.Adam`` (the baseline); ``ddp_fused``: the same with ``Adam(fused=True)``;
-* ``oss_ddp``: ddpkit OSS(Adam) + torch DDP (ZeRO-1; its parameter broadcast is hierarchical);
+* ``oss_ddp``: ddpkit OSS(Adam) + torch DDP (ZeRO-1; its parameter broadcast is hierarchical); ``oss_hook``: the
+  same with `reduce_to_owners_hook` (each gradient reduced to its owner instead of all-reduced: DDP's bytes);
 * ``sharded_flat``: OSS(hierarchical=False) + ShardedDataParallel: every rank reduces to and receives from every
   owner over the sockets, as before hierarchical sharding;
 * ``sharded``: OSS + ShardedDataParallel with the defaults: hierarchical (within each host through shared
@@ -35,7 +36,7 @@ from benchmarks.lib.cli import Skip, progress
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "hosts: ZeRO-1/2 on 2 namespace hosts x 2 ranks, step time and bytes leaving each host vs DDP (root)"
 QUICK = {"rates": "1gbit", "rounds": 1, "steps": 2, "warmup": 1, "workload": "gpt-quick"}
-STRATEGIES = ("ddp", "ddp_fused", "oss_ddp", "sharded_flat", "sharded", "sharded_int8")
+STRATEGIES = ("ddp", "ddp_fused", "oss_ddp", "oss_hook", "sharded_flat", "sharded", "sharded_int8")
 GOAL_STEP = 0.9  # sharded's step at most this times DDP's; bytes leaving a host at most DDP's
 
 
@@ -78,12 +79,16 @@ def _setup(strategy: str, model: Any) -> tuple[Any, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpkit.nn import ShardedDataParallel
-    from ddpkit.optim import OSS
+    from ddpkit.optim import OSS, reduce_to_owners_hook
 
     if strategy in ("ddp", "ddp_fused"):
         return DDP(model), torch.optim.Adam(model.parameters(), lr=1e-3, fused=strategy == "ddp_fused")
-    if strategy == "oss_ddp":
-        return DDP(model), OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+    if strategy in ("oss_ddp", "oss_hook"):
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+        ddp = DDP(model)
+        if strategy == "oss_hook":
+            ddp.register_comm_hook(opt, reduce_to_owners_hook)
+        return ddp, opt
     opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3, hierarchical=strategy != "sharded_flat")
     compression = "int8" if strategy == "sharded_int8" else "none"
     return ShardedDataParallel(model, opt, cross_host_compression=compression), opt

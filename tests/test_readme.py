@@ -207,6 +207,7 @@ COMMANDS: dict[str, str] = {
 SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block -> its test
     "def data():": "test_train_line (written to mypkg/work.py and trained on)",
     "model = DDP(MyModel())": "test_oss_snippet_and_its_checkpoint",
+    "model.register_comm_hook(optimizer, reduce_to_owners_hook)": "test_reduce_to_owners_hook_snippet",
     "optimizer.consolidate_state_dict(recipient_rank=0)": "test_oss_snippet_and_its_checkpoint",
     "model = ShardedDataParallel(model, optimizer)": "test_sharded_data_parallel_snippet",
     "scaler = ShardedGradScaler()": "test_sharded_grad_scaler_snippet",
@@ -404,6 +405,26 @@ def test_oss_snippet_and_its_checkpoint(tmp_path):
     assert len(saved["state"]) == len(list(MyModel().parameters())), "the whole state, every rank's shard"
     assert all(int(s["step"]) == 4 for s in saved["state"].values()), "4 batches, 4 Adam steps"
     assert_same_state(results[0]["again"], saved)  # loading it changed nothing
+
+
+def _oss_with_hook(rank: int, world_size: int, oss: str, hook: str, folder: str) -> dict[str, Any]:
+    lines = oss.splitlines()
+    at = next(i for i, line in enumerate(lines) if "optimizer = OSS(" in line) + 1
+    hooked = "\n".join([*lines[:at], *hook.splitlines(), *lines[at:]])  # the hook right after the optimizer
+    results = {}
+    for name, code in (("hooked", hooked), ("plain", oss)):
+        ns = reader_namespace(rank)
+        execute(code, ns, folder)
+        results[name] = flat(ns["model"])
+    return {"before": flat(MyModel()), "after": results["hooked"], "plain": results["plain"]}
+
+
+def test_reduce_to_owners_hook_snippet(tmp_path):
+    code = snippet("model = DDP(MyModel())"), snippet("model.register_comm_hook(optimizer, reduce_to_owners_hook)")
+    results = on_ranks(_oss_with_hook, *code, str(tmp_path))
+    assert_trained_alike(results)
+    for r in results:  # the same training as with DDP's all-reduce
+        assert torch.allclose(r["after"], r["plain"], atol=1e-6), (r["after"] - r["plain"]).abs().max()
 
 
 def _sharded_data_parallel(rank: int, world_size: int, code: str, folder: str) -> dict[str, Any]:

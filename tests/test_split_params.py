@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
 from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.nn import ShardedDataParallel
-from ddpkit.optim import OSS
+from ddpkit.optim import OSS, reduce_to_owners_hook
 from ddpkit.testing import run_distributed
 
 TOL = 1e-5  # at 4 ranks the sum order alone (reduce vs ring) moves Adam parameters by 2.7e-6, cut or not
@@ -40,7 +40,8 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def _train(rank: int, mode: str) -> dict:
-    """`mode`: "oss_ddp" (OSS + torch DDP), "sdp" (ShardedDataParallel over sockets), "sdp_shm" (shared memory)."""
+    """`mode`: "oss_ddp" (OSS + torch DDP), "oss_hook" (the same with `reduce_to_owners_hook`), "sdp"
+    (ShardedDataParallel over sockets), "sdp_shm" (shared memory)."""
     ref, model = _model(), _model()
     ddp = DDP(ref)
     ddp.register_comm_hook(None, counting_allreduce_hook)
@@ -49,6 +50,9 @@ def _train(rank: int, mode: str) -> dict:
     if mode == "oss_ddp":
         wrapped = DDP(model)
         wrapped.register_comm_hook(None, counting_allreduce_hook)
+    elif mode == "oss_hook":
+        wrapped = DDP(model)
+        wrapped.register_comm_hook(opt, reduce_to_owners_hook)
     else:
         wrapped = ShardedDataParallel(model, opt)
     out: dict = {"norm_diff": 0.0}
@@ -57,7 +61,11 @@ def _train(rank: int, mode: str) -> dict:
         opt.zero_grad()
         if step == 2:  # a second backward before the step, gradients not cleared in between (accumulation)
             _loss(ddp, rank, 99).backward()
-            _loss(wrapped, rank, 99).backward()
+            if mode == "oss_hook":  # owners only hold the averages: accumulate locally, as the hook's doc says
+                with wrapped.no_sync():
+                    _loss(wrapped, rank, 99).backward()
+            else:
+                _loss(wrapped, rank, 99).backward()
         with comm_stats.measure() as d_ddp:
             _loss(ddp, rank, step).backward()
         with comm_stats.measure() as d_backward:
@@ -118,7 +126,7 @@ def _run(rank: int, world: int, modes: list[str]) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_parameter_trains_like_ddp_with_state_and_bytes_per_rank(world):
-    modes = ["oss_ddp", "sdp", "sdp_shm"] if world == 2 else ["sdp", "sdp_shm"]
+    modes = ["oss_ddp", "oss_hook", "sdp", "sdp_shm"] if world == 2 else ["oss_hook", "sdp", "sdp_shm"]
     results = run_distributed(_run, world, modes, timeout=300.0)
     numel = 1023 * 1031
     for mode in modes:
@@ -139,7 +147,7 @@ def test_split_parameter_trains_like_ddp_with_state_and_bytes_per_rank(world):
         total = sum(by_mode[mode]["sent"] for by_mode in results)
         ddp_total = sum(by_mode[mode]["ddp_sent"] for by_mode in results)
         trainable = results[0][mode]["trainable_bytes"]
-        if mode == "sdp":  # reduce to the owners + broadcast from them: exactly DDP's ring all-reduce
+        if mode in ("sdp", "oss_hook"):  # reduce to the owners + broadcast from them: exactly DDP's ring all-reduce
             assert total == pytest.approx(ddp_total), mode
         if mode == "oss_ddp":  # DDP's all-reduce plus every parameter broadcast once by its owner(s)
             assert total == pytest.approx(ddp_total + (world - 1) * trainable), mode

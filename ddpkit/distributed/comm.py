@@ -372,6 +372,15 @@ def reduce(
     return dist.reduce(tensor, global_rank(group, dst), op=op, group=group, async_op=async_op)
 
 
+def reduce_collective(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> Work:
+    """Starts a SUM reduce of `tensor` into group rank `dst` as one backend collective, counted: unlike `reduce`,
+    its handle has ``get_future()`` (what a DDP communication hook returns). Non-root tensors may be overwritten."""
+    _record("reduce", group, nbytes(tensor), is_root=group_rank(group) == dst)
+    work = dist.reduce(tensor, global_rank(group, dst), op=dist.ReduceOp.SUM, group=group, async_op=True)
+    assert work is not None
+    return work
+
+
 def all_reduce(
     tensor: torch.Tensor,
     group: ProcessGroup | None = None,
