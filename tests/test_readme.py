@@ -240,6 +240,9 @@ BENCH_COMMANDS: dict[str, str] = {
     ),
     "pip install --no-deps fairscale==0.4.13": "not run: an optional download of a peer library",
     "benchmarks/gpu_check.sh OUTDIR": "test_benchmark_commands_parse",
+    "python -m benchmarks.profile_sharded --rounds 3 --steps 5": (
+        "not run: a developer's profiler (not a registered benchmark), about a minute per round"
+    ),
 }  # every other command of benchmarks/README.md: a full-size run, parsed by test_benchmark_commands_parse
 
 
