@@ -130,8 +130,7 @@ def test_bench_figures_count_what_each_strategy_sends():
     assert by["sharded"]["sent_bytes_per_step"] == pytest.approx(by["ddp"]["sent_bytes_per_step"], rel=1e-6)
     # SlowMo with one process per node: parameters all-reduced every 3rd step only
     assert by["slowmo"]["wire_bytes_per_step"] == pytest.approx(parameter_bytes / 3)
-    # ZeRO-1 (OSS + DDP with reduce_to_owners_hook): each gradient reduced to its owner, then the broadcast
-    assert by["oss"]["sent_bytes_per_step"] == pytest.approx(by["ddp"]["sent_bytes_per_step"], rel=1e-6)
+    assert by["oss"]["wire_bytes_per_step"] > by["ddp"]["wire_bytes_per_step"]  # + the parameter broadcast
     for r in results[0]:
         assert r["messages_per_step"] > 0 and r["shared_memory_bytes_per_step"] == 0
         assert r["step_ms"] > 0 and r["timed_steps"] == 3 and r["warmup_steps"] == 3

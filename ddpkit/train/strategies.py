@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.distributed import counting_allreduce_hook, group_rank, group_size
 from ddpkit.distributed.gossip_graphs import GRAPHS
 from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
-from ddpkit.optim import OSS, ShardedGradScaler, reduce_to_owners_hook
+from ddpkit.optim import OSS, ShardedGradScaler
 from ddpkit.train.config import SLOW_LINK_FLAGS, TrainConfig
 
 OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
@@ -75,15 +75,13 @@ def slow_link_arguments(cfg: TrainConfig) -> dict[str, Any]:
     return {name: getattr(cfg, name) for name in SLOW_LINK_FLAGS}
 
 
-def _ddp(module: nn.Module, device: torch.device, oss: OSS | None = None) -> DistributedDataParallel:
-    """torch DDP whose traffic shows in comm_stats: its all-reduce, or with `oss` each gradient reduced to its
-    owner only (`reduce_to_owners_hook`: ZeRO-1 at DDP's bytes; the trainer accumulates inside `no_sync`)."""
+def _ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """torch DDP whose all-reduce shows in comm_stats. (OSS's `reduce_to_owners_hook` would send fewer bytes,
+    but its gloo reduces use one direction of a link at a time: no faster across hosts, and every rank's
+    gradients would no longer be DDP's; see benchmarks/README.md, hosts.)"""
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(module, device_ids=ids)
-    if oss is None:
-        ddp.register_comm_hook(None, counting_allreduce_hook)
-    else:
-        ddp.register_comm_hook(oss, reduce_to_owners_hook)
+    ddp.register_comm_hook(None, counting_allreduce_hook)
     return ddp
 
 
@@ -98,7 +96,7 @@ def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) ->
         optimizer = cls(module.parameters(), **args)
     elif cfg.strategy == "oss":
         optimizer = OSS(module.parameters(), optim=cls, **args)
-        model = _ddp(module, device, optimizer)
+        model = _ddp(module, device)
     elif cfg.strategy == "sharded":
         optimizer = OSS(module.parameters(), optim=cls, **args)
         model = ShardedDataParallel(module, optimizer)
