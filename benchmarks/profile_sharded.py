@@ -212,10 +212,8 @@ def summarise(per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
     return {"ms_per_step": table, "calls_per_step": calls, "ratio_to_ddp": ratios, "buckets": last_buckets}
 
 
-def main(argv: list[str] | None = None) -> None:
-    from ddpkit.testing.spawn import run_distributed
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_sharded", description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="ranks")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every strategy")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy and round")
@@ -227,7 +225,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4, help="GPT heads (6 for the 10.8M GPT)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ddpkit.testing.spawn import run_distributed
+
+    args = build_parser().parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for s in strategies:
         if s not in STRATEGIES:

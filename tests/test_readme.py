@@ -240,9 +240,6 @@ BENCH_COMMANDS: dict[str, str] = {
     ),
     "pip install --no-deps fairscale==0.4.13": "not run: an optional download of a peer library",
     "benchmarks/gpu_check.sh OUTDIR": "test_benchmark_commands_parse",
-    "python -m benchmarks.profile_sharded --rounds 3 --steps 5": (
-        "not run: a developer's profiler (not a registered benchmark), about a minute per round"
-    ),
 }  # every other command of benchmarks/README.md: a full-size run, parsed by test_benchmark_commands_parse
 
 
@@ -862,6 +859,14 @@ def test_benchmark_commands_parse():
         if text in BENCH_COMMANDS:
             continue
         words = shlex.split(text.removeprefix("sudo "))
+        if words[:3] == ["python", "-m", "benchmarks.profile_sharded"]:  # the profiler: not a registered benchmark
+            sys.path.insert(0, str(ROOT))
+            try:
+                from benchmarks.profile_sharded import build_parser
+            finally:
+                sys.path.remove(str(ROOT))
+            build_parser().parse_args(words[3:])
+            continue
         assert words[:3] == ["python", "-m", "benchmarks"] and words[3] in modules, text
         parser = package.lib.cli.build_parser(words[3], modules[words[3]], quick="--quick" in words)
         parser.parse_args(words[4:])
