@@ -73,7 +73,8 @@ class ShardedDataParallel(ModuleWrapper):
     traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets each owner posts the receives of
     all its buckets at the first gradient of backward, so both directions of a link carry data at once (see the
     module doc). With `broadcast_buffers`, module buffers are
-    broadcast from rank 0 before each forward (not inside `no_sync()`). On gloo, reduce + broadcast is faster than
+    broadcast from rank 0 before each forward that will sync gradients (grad enabled, not inside `no_sync()`, as
+    torch DDP does). On gloo, reduce + broadcast is faster than
     reduce_scatter + all_gather; on NCCL both map to the same ring kernels. When every rank runs on one host (gloo,
     CPU), the reduce goes through shared memory instead (`ddpkit.distributed.mailboxes`: each sender copies its
     bucket into a mailbox the owner adds from, bit for bit the same sum) and so does OSS's broadcast: only 1-byte
@@ -219,7 +220,9 @@ class ShardedDataParallel(ModuleWrapper):
                 )
             self.refresh_trainable()
         self._sync_this_backward = self._grad_sync_enabled
-        if self.broadcast_buffers and self._grad_sync_enabled:
+        # As torch DDP: buffers are synced only by a forward that will sync gradients (grad enabled, not in
+        # no_sync), so an evaluation on some ranks only (`torch.no_grad()`) sends nothing and cannot hang.
+        if self.broadcast_buffers and self._grad_sync_enabled and torch.is_grad_enabled():
             self.sync_buffers(blocking=True)
         return self.module(*inputs, **kwargs)
 

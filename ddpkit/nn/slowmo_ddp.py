@@ -65,7 +65,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     inside each node. On a slow step with `slowmo_memory_efficient`, the flat parameters are instead split into
     ``min(world, slowmo_num_shards)`` slices, each reduced to (and averaged on) the rank keeping its slow buffers,
     stepped there and broadcast back: one reduce + one broadcast, no all-reduce. With `broadcast_buffers`, module
-    buffers are broadcast from rank 0 before each forward.
+    buffers are broadcast from rank 0 before each forward with grad enabled (as torch DDP: never in `no_grad`).
 
     Memory: two extra copies of the parameters (x0 and u) in fp32, divided over the shard keepers when
     `slowmo_memory_efficient`, plus a transient flat copy of the parameters on averaging steps.
@@ -232,7 +232,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     # -- forward ----------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.process_world_size > 1:
+        # As torch DDP: only a forward with grad enabled syncs buffers, so evaluating on some ranks cannot hang.
+        if self.broadcast_buffers and self.process_world_size > 1 and torch.is_grad_enabled():
             broadcast_coalesced(list(self.module.buffers()), 0, self.global_group)
         runner = self._node_ddp if self._node_ddp is not None else self.module
         return runner(*inputs, **kwargs)
