@@ -155,6 +155,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._sync_this_backward = True
         self._callback_queued = False
         self._receives_posted = False
+        self._unreduced = False
         self._next_bucket = 0
         self._warned_unused = False
         self._hooks: list[Any] = []
@@ -248,6 +249,7 @@ class ShardedDataParallel(ModuleWrapper):
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync_this_backward:
+            self._unreduced = True  # accumulated under no_sync(): `reduce()` has work to do
             return
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -332,6 +334,7 @@ class ShardedDataParallel(ModuleWrapper):
             bucket.reset()
         self._next_bucket = 0
         self._receives_posted = False
+        self._unreduced = False
         if unused_here and not self.find_unused_parameters and not self._warned_unused:
             self._warned_unused = True
             warnings.warn(
@@ -342,11 +345,14 @@ class ShardedDataParallel(ModuleWrapper):
             )
 
     def reduce(self) -> None:
-        """Reduces every gradient present now to its owner (e.g. after accumulating under `no_sync()`).
+        """Reduces the gradients accumulated under `no_sync()` to their owners.
 
-        Not needed after a normal backward, which reduces by itself. A collective: call it on every rank.
+        Not needed after a normal backward, which reduces by itself: then (nothing accumulated since) it does
+        nothing, where reducing again would divide the owners' averages by N once more. A collective: call it on
+        every rank, at the same point.
         """
-        self._reduce_all()
+        if self._unreduced:
+            self._reduce_all()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
