@@ -40,8 +40,8 @@ def warn_sgp_only(**settings: Any) -> None:
     changed = [name for name, value in settings.items() if value != defaults[name]]
     if changed:
         warnings.warn(
-            f"SlowMoDistributedDataParallel: {', '.join(changed)} only affect the SGP base algorithm, which is not "
-            "implemented; they have no effect with LOCALSGD",
+            f"SlowMoDistributedDataParallel: {', '.join(changed)} only affect the SGP base algorithm and have no "
+            "effect with LOCALSGD; pass slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP to gossip",
             stacklevel=3,
         )
 
