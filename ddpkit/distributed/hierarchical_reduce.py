@@ -156,6 +156,11 @@ class HierarchicalReduce:
         """Collective within each host: shared-memory mailboxes where every rank of the host may use them."""
         return cls(groups, MailboxReduce.agree(groups.host_group, nbytes), compression)
 
+    def forget(self, prefix: str) -> None:
+        """Drops the error-feedback residuals of messages whose key starts with `prefix` (replaced buckets)."""
+        for key in [k for k in self.residuals if k.startswith(prefix)]:
+            del self.residuals[key]
+
     def _on_owner_lane(self, owner: int) -> bool:
         return self.groups.lane_of(owner) == self.groups.lane
 

@@ -132,6 +132,24 @@ class MailboxReduce:
             work.wait()
         comm_stats.record("shared_memory", group_label(self.group), 0, float(self.world_size - 1))
 
+    def forget(self, prefix: str) -> int:
+        """Drops every mailbox whose key starts with `prefix` (messages that will not be sent again), after any
+        signal or acknowledgement of theirs still in flight; returns how many. Their memory goes with the last
+        mapping (the files were unlinked when mapped)."""
+        outgoing = [k for k in self._outbox if k[0].startswith(prefix)]
+        for key in outgoing:
+            _, posted = self._outbox.pop(key)
+            if posted is not None:
+                posted.wait()
+        incoming = [k for k in self._inbox if k[0].startswith(prefix)]
+        for key in incoming:
+            del self._inbox[key]
+        return len(outgoing) + len(incoming)
+
+    def held(self) -> int:
+        """How many mailboxes this rank maps (its own and the ones it reads)."""
+        return len(self._outbox) + len(self._inbox)
+
     def pending(self) -> int:
         """How many of this rank's reduces still have a signal or acknowledgement in flight (0 once every
         handle `reduce` returned has been waited for)."""

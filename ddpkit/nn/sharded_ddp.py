@@ -166,7 +166,9 @@ class ShardedDataParallel(ModuleWrapper):
             self._broadcast_from_rank0([p.detach() for p in module.parameters()])
             self._broadcast_from_rank0(list(module.buffers()))
         cpu_bytes = shared_memory.cpu_bytes(module.parameters())
-        self._mailboxes = MailboxReduce.agree(self.process_group, cpu_bytes)
+        # Room the host needs: the senders' mailboxes, (N-1) copies of the gradients, and OSS's parameter
+        # segments, one more copy. Without it every rank keeps the sockets (never a SIGBUS mid-backward).
+        self._mailboxes = MailboxReduce.agree(self.process_group, cpu_bytes * self.world_size)
         self._two_stage: HierarchicalReduce | None = None
         if self._mailboxes is None and cpu_bytes:  # several hosts: within each first, then across (hosts doc)
             wanted = self.sharded_optimizers[0].hierarchical
@@ -197,6 +199,7 @@ class ShardedDataParallel(ModuleWrapper):
         _warn_unoptimized(self.module, owner_of)
         expected_order = [p for p in reversed(module_params) if p in owner_of]  # backward visits layers in reverse
         self._buckets = build_buckets(expected_order, owner_of, self.reduce_buffer_size, pieces)
+        self._forget_generation(f"{self._bucket_generation}.")
         self._bucket_generation += 1
         self._bucket_of = {}
         for bucket in self._buckets:
@@ -205,6 +208,15 @@ class ShardedDataParallel(ModuleWrapper):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
         self._hooks += [p.register_hook(self._keep_average_hook(p)) for p in self._bucket_of]
         self._trainable_signature = self._signature()
+
+    def _forget_generation(self, prefix: str) -> None:
+        """Frees what the buckets of the generation being replaced held: their shared-memory mailboxes (so
+        /dev/shm does not grow with every freeze and unfreeze) and their cross-host error-feedback residuals."""
+        mailboxes = self._mailboxes or (self._two_stage.mailboxes if self._two_stage is not None else None)
+        if mailboxes is not None:
+            mailboxes.forget(prefix)
+        if self._two_stage is not None:
+            self._two_stage.forget(prefix)
 
     def _signature(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.module.parameters())
