@@ -914,6 +914,13 @@ def _errors(rank, world):
     expect(
         "optim not a class", TypeError, "torch.optim.Optimizer subclass", lambda: OSS(model.parameters(), optim=dict)
     )
+    expect("lr a string", TypeError, "lr must be a number, got '0.1'", lambda: OSS(model.parameters(), lr="0.1"))
+    expect(
+        "betas not numbers",
+        TypeError,
+        "betas must be a pair of numbers",
+        lambda: OSS(model.parameters(), optim=torch.optim.Adam, betas=("0.9", "0.99")),
+    )
     meta = nn.Parameter(torch.empty(3, device="meta"))
     expect("mixed devices", ValueError, "several device types", lambda: OSS([*model.parameters(), meta]))
 

@@ -104,6 +104,7 @@ class OSS(Optimizer):
                 f"OSS: optim must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), got {optim!r}"
             )
         _check_split_params(split_params, optim)
+        _check_numeric_hyperparameters(defaults)
         if hierarchical not in (None, True, False):
             raise TypeError(f"OSS: hierarchical must be None (where it pays), True or False, got {hierarchical!r}")
         self.hierarchical = hierarchical
@@ -472,6 +473,25 @@ def _unfused_where_state_is_mixed(optim: Optimizer) -> Iterator[None]:
     finally:
         for group in switched:
             group["fused"] = True
+
+
+_NUMERIC_HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "eps", "alpha", "lr_decay", "rho")
+
+
+def _check_numeric_hyperparameters(defaults: dict[str, Any]) -> None:
+    """A number where torch's optimizers expect one (``lr="0.1"`` from a config file would otherwise fail inside
+    torch with a comparison error that names nothing), raised before any collective."""
+    for name in _NUMERIC_HYPERPARAMETERS:
+        value = defaults.get(name)
+        if value is None or torch.is_tensor(value):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"OSS: {name} must be a number, got {value!r} ({type(value).__name__})")
+    betas = defaults.get("betas")
+    if betas is not None and not (
+        isinstance(betas, tuple | list) and all(isinstance(b, int | float) or torch.is_tensor(b) for b in betas)
+    ):
+        raise TypeError(f"OSS: betas must be a pair of numbers, got {betas!r}")
 
 
 def _check_split_params(split_params: Any, optim: type[Optimizer]) -> None:
