@@ -39,7 +39,7 @@ from collections import OrderedDict, defaultdict
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessGroup, global_rank, group_label, group_rank, group_size
+from ddpkit.distributed.env import ProcessGroup, backend_name, global_rank, group_label, group_rank, group_size
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 
 Work = object  # torch's work handle (torch.distributed.Work), kept opaque
@@ -247,8 +247,8 @@ def broadcast_many(pairs: list[tuple[torch.Tensor, int]], group: ProcessGroup | 
     return works
 
 
-def _is_gloo(group: ProcessGroup | None) -> bool:
-    return "gloo" in str(dist.get_backend(group)).lower()
+def _is_gloo(group: ProcessGroup | None, device_type: str = "cpu") -> bool:
+    return backend_name(group, device_type) == "gloo"
 
 
 _STAGE_CPU_TENSORS = False
@@ -259,7 +259,10 @@ def _staged(tensors: list[torch.Tensor], group: ProcessGroup | None) -> bool:
     """Whether a collective on `tensors` over `group` goes through host copies (CUDA tensors on gloo)."""
     if not tensors or any(getattr(t, "_ddpkit_host_copy", False) for t in tensors) or group_size(group) < 2:
         return False
-    return (_STAGE_CPU_TENSORS or any(t.device.type != "cpu" for t in tensors)) and _is_gloo(group)
+    devices = {t.device.type for t in tensors}
+    if _STAGE_CPU_TENSORS:
+        return _is_gloo(group)
+    return any(d != "cpu" and _is_gloo(group, d) for d in devices)
 
 
 class _HostStaging:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessGroup, group_label, group_rank, group_size, job_timeout
+from ddpkit.distributed.env import ProcessGroup, backend_name, group_label, group_rank, group_size, job_timeout
 from ddpkit.distributed.quantize import Quantized, check_compression, dequantize, from_bytes, quantize, to_bytes
 from ddpkit.distributed.stats import comm_stats
 
@@ -214,7 +214,7 @@ class _Channel:
         self.default = dist.distributed_c10d._get_default_group()  # held: a new job's group is another object
         self.rank, self.size = ranks.index(dist.get_rank()), len(ranks)
         timeout = job_timeout(parent) or job_timeout() or timedelta(minutes=30)
-        self.gloo = "gloo" in str(dist.get_backend(parent)).lower()
+        self.gloo = backend_name(parent, "cpu") == "gloo"
         if self.gloo:
             name = f"ddpkit/compressed_mean/{'_'.join(map(str, ranks))}/{generation}/"
             store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())

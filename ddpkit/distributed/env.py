@@ -49,12 +49,32 @@ def group_label(group: ProcessGroup | None) -> str:
     return "ranks[" + ",".join(str(r) for r in ranks) + "]"
 
 
+def backend_name(group: ProcessGroup | None = None, device_type: str = "cpu") -> str:
+    """The backend `group` runs collectives of `device_type` tensors on ("gloo", "nccl", ...), or "" if none.
+
+    Read from the process group itself, per device type: ``init_process_group()`` without a backend reports
+    "undefined" to ``get_backend`` although it runs gloo for CPU tensors, and "cpu:gloo,cuda:nccl" names two."""
+    pg = dist.distributed_c10d._get_default_group() if group is None or group is dist.group.WORLD else group
+    try:
+        return str(pg._get_backend(torch.device(device_type)).name()).lower()
+    except (RuntimeError, AttributeError, ValueError):
+        pass
+    name = str(dist.get_backend(group)).lower()
+    if ":" not in name:
+        return "" if name == "undefined" else name
+    for part in name.split(","):
+        device, _, backend = part.partition(":")
+        if device.strip() == device_type:
+            return backend.strip()
+    return ""
+
+
 def comm_device(group: ProcessGroup | None = None) -> torch.device:
-    """The device on which small control tensors (norms, flags, sizes) must live for `group`'s backend."""
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device on which small control tensors (norms, flags, sizes) must live for `group`'s backend: the CPU
+    wherever the group can take CPU tensors, else the current CUDA device (NCCL alone)."""
+    if backend_name(group, "cpu"):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def job_timeout(group: ProcessGroup | None = None) -> timedelta | None:

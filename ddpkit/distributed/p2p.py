@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.comm import nbytes
-from ddpkit.distributed.env import ProcessGroup, global_rank, group_label
+from ddpkit.distributed.env import ProcessGroup, backend_name, global_rank, group_label
 from ddpkit.distributed.stats import comm_stats
 
 
 def _is_nccl(group: ProcessGroup | None) -> bool:
-    return "nccl" in str(dist.get_backend(group)).lower()
+    """Whether CUDA tensors go to NCCL as they are (else through host copies on gloo)."""
+    return backend_name(group, "cuda") == "nccl"
 
 
 class Exchange:

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessGroup, group_label, group_size
+from ddpkit.distributed.env import ProcessGroup, backend_name, group_label, group_size
 from ddpkit.distributed.objects import gather_objects
 from ddpkit.distributed.stats import comm_stats
 
@@ -173,7 +173,7 @@ class SharedSegments:
     def agree(cls, group: ProcessGroup | None, nbytes: int) -> SharedSegments | None:
         """Collective (one object all-gather): segments for `group` when every rank is on one host, may use
         ``/dev/shm`` and sees room there for `nbytes` (plus 64 MiB to spare); None otherwise, on every rank."""
-        if group_size(group) < 2 or "gloo" not in str(dist.get_backend(group)).lower():
+        if group_size(group) < 2 or backend_name(group, "cpu") != "gloo":
             return None
         usable = enabled_by_environment()
         if usable:

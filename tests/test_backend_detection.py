@@ -1,0 +1,45 @@
+"""The backend is read from the process group itself, per device type (issue 23, defect 4): a job started with
+``init_process_group()`` and no backend name runs gloo for CPU tensors, although ``get_backend`` reports
+"undefined"; ddpkit used to take that for "not gloo" and silently turn off its shared-memory and early-receive
+paths."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.distributed import comm
+from ddpkit.distributed.env import backend_name
+from ddpkit.nn import ShardedDataParallel
+from ddpkit.optim import OSS
+from ddpkit.testing import run_distributed
+
+
+def _without_backend_name(rank: int, world: int, store: str) -> dict:
+    dist.init_process_group(init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        sdp = ShardedDataParallel(model, opt)
+        sdp(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        return {
+            "reported": str(dist.get_backend()),
+            "cpu": backend_name(None, "cpu"),
+            "cuda": backend_name(None, "cuda"),
+            "mailboxes": sdp._mailboxes is not None,
+            "shared_broadcast": any(m.shared for m in opt._broadcaster.messages),
+            "posts_receives": comm.can_post_reduce(torch.device("cpu"), None),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_job_without_a_backend_name_keeps_the_gloo_paths(tmp_path):
+    store = os.path.join(tmp_path, "store")
+    for r in run_distributed(_without_backend_name, 2, store, init=False, timeout=120.0):
+        assert r["reported"] == "undefined", r  # what torch says: the reason for reading the group itself
+        assert r["cpu"] == "gloo" and r["cuda"] == "", r
+        assert r["mailboxes"] and r["shared_broadcast"] and r["posts_receives"], r
