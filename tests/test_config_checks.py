@@ -167,6 +167,7 @@ def test_toml_values_of_the_wrong_type_name_the_key(tmp_path):
         ("lr = nan", "--lr must be a finite number > 0; got nan"),
         ("timeout = inf", "--timeout must be a finite number > 0; got inf"),
         ("world-size = 2", "unknown setting 'world-size'"),
+        ("lr = 0.1 0.2", "run.toml: not valid TOML: "),  # a syntax error names the file (issue 23 defect 9)
     ]:
         path.write_text(text + "\n")
         assert needle in error_of(["--config", str(path)]), text

@@ -69,6 +69,10 @@ def bad_loss_model() -> tuple[nn.Module, str]:
     return nn.Linear(4, 1), "l1"
 
 
+def raising_model() -> nn.Module:
+    raise KeyError("hidden_size")
+
+
 NOT_CALLABLE = 3
 SPEC = "test_factories:"
 
@@ -90,6 +94,8 @@ def on_path(monkeypatch):
         ("test_factories:returns_a_number", TypeError, "must return an nn.Module or (nn.Module, loss_fn); got int"),
         ("test_factories:frozen_model", ValueError, "no trainable parameters"),
         ("test_factories:bad_loss_model", TypeError, "second value must be a loss function"),
+        # a factory's own failure names the flag, the factory and the exception (issue 23 defect 9)
+        ("test_factories:raising_model", RuntimeError, "'test_factories:raising_model': the factory raised KeyError"),
     ],
 )
 def test_bad_model_specs(on_path, spec, error, needle):

@@ -291,18 +291,6 @@ def check_run(result, out, strategy, epochs=1, world=2, steps=DIGITS_STEPS_PER_E
 # ------------------------------------------------------------------------------------------- every strategy
 
 
-def _adascale_imports():
-    try:
-        from ddpkit.optim import AdaScale  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-# AdaScale (ddpkit/optim/adascale*.py) is being written alongside: its runs may fail while it does not import
-ADASCALE_WIP = pytest.mark.xfail(
-    not _adascale_imports(), reason="ddpkit.optim.AdaScale does not import (being written)", strict=False
-)
 # name: (strategy, extra flags, optimizer steps per epoch)
 VARIANTS = {
     "ddp": ("ddp", [], DIGITS_STEPS_PER_EPOCH),
@@ -337,7 +325,7 @@ def one_epoch(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", [*STRATEGIES, pytest.param("adascale", marks=ADASCALE_WIP)])
+@pytest.mark.parametrize("name", [*STRATEGIES, "adascale"])
 def test_every_strategy_trains_one_epoch_at_two_processes(one_epoch, name):
     result, out = one_epoch(name)
     strategy, _, steps = VARIANTS[name]
@@ -386,7 +374,7 @@ def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
     assert torch.equal(states[0]["outer_synced"], states[1]["outer_synced"])
 
 
-@pytest.mark.parametrize("name", ["sharded", "slowmo", "sgp", "diloco", pytest.param("adascale", marks=ADASCALE_WIP)])
+@pytest.mark.parametrize("name", ["sharded", "slowmo", "sgp", "diloco", "adascale"])
 def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale
     state restored; for SlowMo the replicas differ between ranks at the checkpoint: 45 steps, averaging every 4)."""

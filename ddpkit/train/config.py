@@ -155,7 +155,10 @@ def load_toml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path!r}: no such file")
     with open(path, "rb") as f:
-        raw = tomllib.load(f)
+        try:
+            raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     by_flag = {name: name for name in known} | {flag(name)[2:].replace("-", "_"): name for name in known}
     values = {}

@@ -67,9 +67,19 @@ def load_factory(spec: str, flag: str) -> Callable[[], Any]:
     return target
 
 
+def call_factory(spec: str, flag: str) -> Any:
+    """Calls the factory `spec` names; an exception it raises comes back naming the flag, the factory and the
+    exception's type, with the original as its cause (its traceback shows where in the factory)."""
+    factory = load_factory(spec, flag)
+    try:
+        return factory()
+    except Exception as exc:
+        raise RuntimeError(f"{flag} {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
+
+
 def build_model(spec: str) -> tuple[nn.Module, LossFn | None]:
     """Calls the model factory `spec`: (module, its loss or None)."""
-    made = load_factory(spec, "--model")()
+    made = call_factory(spec, "--model")
     loss = None
     if isinstance(made, tuple) and len(made) == 2:
         made, loss = made
@@ -90,7 +100,7 @@ def _is_dataset(value: object) -> bool:
 
 def build_data(spec: str) -> tuple[Any, Any]:
     """Calls the data factory `spec`: (train, held-out) map-style datasets of (input, target) items."""
-    made = load_factory(spec, "--data")()
+    made = call_factory(spec, "--data")
     if not isinstance(made, tuple | list) or len(made) != 2 or not all(_is_dataset(d) for d in made):
         raise TypeError(
             f"--data {spec!r}: the factory must return (train, held_out), two datasets with __len__ and "
