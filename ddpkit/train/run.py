@@ -35,6 +35,7 @@ from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar, R
 from ddpkit.train.checkpoint import load_checkpoint
 from ddpkit.train.checkpoint_files import resume_settings
 from ddpkit.train.config import TrainConfig
+from ddpkit.train.out_lock import claim_out
 from ddpkit.train.report import (
     format_summary,
     gather_digests,
@@ -229,6 +230,8 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
     share_cores(cfg.nproc_per_node)  # until the job's layout is known
     backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     try:
+        if cfg.out:
+            claim_out(cfg.out, placement.rank)  # before joining: a second job on this --out stops here
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         share_cores_with_peers()  # ranks started apart may share this machine's cores
         return train(cfg, placement, backend, started)

@@ -1,0 +1,45 @@
+"""One job per `--out` folder: each rank holds an exclusive lock on its own lock file there while it runs.
+
+Two jobs given the same `--out` used to run side by side, one deleting or overwriting the other's checkpoints
+while both exited 0. Rank r of a job locks ``OUT/.ddpkit-rank<r>.lock`` (``fcntl.flock``, released by the kernel
+however the process ends, SIGKILL included), so the ranks of one job, on one machine or several sharing the
+folder, never collide with each other, and a second job finds its rank 0's file taken and stops at once, naming
+the process that holds it. An elastic restart's new processes find the old ones' locks released.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from typing import IO
+
+from ddpkit.distributed.launch import LaunchError
+
+_held: list[IO[str]] = []  # the open lock files, kept for the life of the process
+
+
+def lock_path(out: str, rank: int) -> str:
+    return os.path.join(out, f".ddpkit-rank{rank}.lock")
+
+
+def claim_out(out: str, rank: int) -> None:
+    """Locks `out` for this rank of this job, or raises LaunchError naming the job that holds it."""
+    os.makedirs(out, exist_ok=True)
+    handle = open(lock_path(out, rank), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise LaunchError(
+            f"--out {out} is in use by another ddpkit job ({holder}); give each job its own --out, or wait until "
+            "that job ends"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"rank {rank}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}")
+    handle.flush()
+    _held.append(handle)
