@@ -135,13 +135,18 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_sweeps_segments(tmp_path, 
         litter.unlink(missing_ok=True)
 
 
-def test_sigkill_to_the_launcher_leaves_no_rank_running(tmp_path, procs):
+@pytest.mark.parametrize("stopped_rank", [False, True])
+def test_sigkill_to_the_launcher_leaves_no_rank_running(tmp_path, procs, stopped_rank):
     """The launcher killed outright cannot stop anything: each rank notices its parent is gone (PR_SET_PDEATHSIG,
-    and polling) and ends within a second or two, removing its own segment files (sharded uses them)."""
+    and polling) and ends within a second or two, removing its own segment files (sharded uses them). A rank that
+    was stopped (SIGSTOP) at that moment is woken by the parent-death signal (SIGCONT) and ends too; it used to
+    stay stopped, orphaned, forever (issue 23, defect 8)."""
     job, out = start_job(procs, tmp_path, "kill", "--strategy", "sharded")
     wait_for(out / "checkpoint" / "step-*" / "COMMIT.json", [job])
     ranks = workers(job)
     assert len(ranks) == 2
+    if stopped_rank:
+        os.kill(ranks[1], signal.SIGSTOP)
     os.kill(job.pid, signal.SIGKILL)
     killed = time.monotonic()
     job.popen.wait(10)

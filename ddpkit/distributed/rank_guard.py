@@ -48,8 +48,10 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
     SIGTERM and SIGHUP get a handler whose C part, in whatever thread the signal lands, writes the signal's number
     to a pipe (``signal.set_wakeup_fd``); a watcher thread reads it, so the signal is acted on even while the main
     thread waits inside a collective, where Python handlers never run. The watcher runs `cleanup`, says why and
-    exits with 128 + the signal. The parent's death sends SIGTERM (PR_SET_PDEATHSIG on Linux), and the watcher
-    also checks every `PARENT_POLL_SECONDS` that the parent still runs. Call it from the main thread.
+    exits with 128 + the signal. The watcher also checks every `PARENT_POLL_SECONDS` that the parent still runs;
+    the parent's death sends SIGCONT (PR_SET_PDEATHSIG on Linux), which wakes a rank that was stopped (SIGSTOP) at
+    that moment so that its watcher sees the launcher gone and ends it: a stopped process would only queue a
+    SIGTERM, and stay, orphaned, forever. Call it from the main thread.
     """
     import multiprocessing
     import select
@@ -62,7 +64,7 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
     for sig in caught:
         signal.signal(sig, lambda signum, frame: None)  # the watcher acts; the main thread goes on meanwhile
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    _set_parent_death_signal(signal.SIGTERM)
+    _set_parent_death_signal(signal.SIGCONT)  # wakes a stopped rank; the watcher then sees the parent gone
 
     def finish(code: int, why: str) -> None:
         try:
