@@ -93,6 +93,10 @@ SLOW = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency
         ([*SLOW, "--slowmo-merge-alpha", "nan"], "--slowmo-merge-alpha must be a finite number >= 0; got nan"),
         ([*SLOW, "--slowmo-base", "sgp", "--slowmo-fragments", "2"], "need --slowmo-base localsgd"),
         (["--strategy", "ddp", "--slowmo-compression", "int8"], "--slowmo-compression need --strategy slowmo"),
+        # flags that would be silently ignored (issue 23 defect 9)
+        ([*SLOW, "--slowmo-merge-alpha", "0.3"], "--slowmo-merge-alpha weights a delayed merge: it needs --slowmo-sy"),
+        ([*SLOW, "--graph", "ring", "--peers-per-itr", "2"], "--graph, --peers-per-itr only act with --slowmo-base"),
+        (["--strategy", "ddp", "--overlap"], "--overlap need --strategy slowmo"),
     ],
 )
 def test_slow_link_flags_are_checked(flags, needle, capsys):

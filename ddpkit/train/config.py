@@ -323,7 +323,7 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     elif cfg.slowmo_base != "localsgd":
         raise ValueError(f"--slowmo-base {cfg.slowmo_base} needs --strategy slowmo (got {cfg.strategy})")
     else:
-        changed = [flag(n) for n in SLOW_LINK_FLAGS if getattr(cfg, n) != getattr(TrainConfig, n)]
+        changed = [flag(n) for n in (*SLOW_LINK_FLAGS, *SGP_FLAGS) if getattr(cfg, n) != getattr(TrainConfig, n)]
         if changed:
             raise ValueError(f"{', '.join(changed)} need --strategy slowmo (got {cfg.strategy})")
     if cfg.resume and not cfg.out:
@@ -332,8 +332,16 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         _check_resumable(cfg)
 
 
+SGP_FLAGS = ("graph", "peers_per_itr", "push_sum", "overlap", "synch_freq", "slowmo_sgp_average_params")
+
+
 def _check_sgp(cfg: TrainConfig, nodes: int) -> None:
-    """The gossip graph must serve this many nodes with --peers-per-itr (bipartite graphs need an even count)."""
+    """SGP's own flags need SGP (they would be silently ignored); the gossip graph must serve this many nodes with
+    --peers-per-itr (bipartite graphs need an even count)."""
+    if cfg.slowmo_base != "sgp":
+        changed = [flag(n) for n in SGP_FLAGS if getattr(cfg, n) != getattr(TrainConfig, n)]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} only act with --slowmo-base sgp (got {cfg.slowmo_base})")
     if cfg.slowmo_base != "sgp" or nodes < 2:
         return
     from ddpkit.distributed.gossip_graphs import GRAPHS
@@ -371,6 +379,8 @@ def _check_slow_links(cfg: TrainConfig) -> None:
         )
     if cfg.slowmo_merge_alpha > 1.0:
         raise ValueError(f"--slowmo-merge-alpha must be a number in [0, 1]; got {cfg.slowmo_merge_alpha!r}")
+    if cfg.slowmo_merge_alpha != TrainConfig.slowmo_merge_alpha and not cfg.slowmo_sync_delay:
+        raise ValueError("--slowmo-merge-alpha weights a delayed merge: it needs --slowmo-sync-delay > 0")
     slowmo_on = cfg.slowmo_momentum != 0 or cfg.slowmo_lr != 1
     if cfg.slowmo_sync_delay and slowmo_on and cfg.slowmo_frequency % cfg.localsgd_frequency:
         raise ValueError(
