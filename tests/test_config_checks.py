@@ -97,6 +97,7 @@ SLOW = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency
         ([*SLOW, "--slowmo-merge-alpha", "0.3"], "--slowmo-merge-alpha weights a delayed merge: it needs --slowmo-sy"),
         ([*SLOW, "--graph", "ring", "--peers-per-itr", "2"], "--graph, --peers-per-itr only act with --slowmo-base"),
         (["--strategy", "ddp", "--overlap"], "--overlap need --strategy slowmo"),
+        (["--data", "text", "--model", "gpt", "--context", "70000"], "--context 70000 is longer than --data text's"),
     ],
 )
 def test_slow_link_flags_are_checked(flags, needle, capsys):
@@ -337,3 +338,10 @@ def test_the_readme_toml_example_is_valid(tmp_path, monkeypatch):
         4,
     )
     assert cfg.epochs == 2 and cfg.progress is False and cfg.model == "cnn"
+
+
+def test_the_held_out_text_size_is_the_text_modules():
+    from ddpkit.train.config import HELDOUT_TEXT_BYTES
+    from ddpkit.train.text import DEFAULT_HELDOUT_BYTES
+
+    assert HELDOUT_TEXT_BYTES == DEFAULT_HELDOUT_BYTES

@@ -308,6 +308,11 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         mnist_paths(cfg.data_dir)
     elif cfg.data_dir:
         raise ValueError(f"--data-dir is only read with --data mnist (got --data {cfg.data})")
+    if cfg.data == "text" and cfg.context > HELDOUT_TEXT_BYTES:
+        raise ValueError(
+            f"--context {cfg.context} is longer than --data text's held-out text ({HELDOUT_TEXT_BYTES} bytes, at least "
+            "one window is needed): use a --context of at most that"
+        )
     if (
         cfg.model == "cnn"
         and cfg.data == "synthetic"
@@ -331,6 +336,8 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     if cfg.resume:
         _check_resumable(cfg)
 
+
+HELDOUT_TEXT_BYTES = 65536  # ddpkit.train.text.DEFAULT_HELDOUT_BYTES (not imported: that module imports torch)
 
 SGP_FLAGS = ("graph", "peers_per_itr", "push_sum", "overlap", "synch_freq", "slowmo_sgp_average_params")
 
