@@ -305,3 +305,20 @@ def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replic
     mean = mean_state([s["optimizer"] for s in saved])
     assert torch.equal(mean["state"][0]["exp_avg"], (saved[0]["optimizer"]["state"][0]["exp_avg"] +
                                                     saved[1]["optimizer"]["state"][0]["exp_avg"]) / 2)  # fmt: skip
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tmp_path):
+    """A checkpoint damaged after it was committed is passed over, with a note, for the previous committed one
+    (it used to be refused with no way forward named; issue 23 defect 9)."""
+    out = tmp_path / "out"
+    flags = [*TRAIN, "--max-steps", "10", "--checkpoint-every", "5", "--keep", "2", "--out", out]
+    first = run([*DDPKIT, "train", *flags], 240, tmp_path, "first")
+    assert first.returncode == 0, str(first)
+    steps = [step for step, _ in files.committed(str(out))]
+    assert steps == [5, 10], steps
+    newest = out / "checkpoint" / "step-00000010" / "shared.pt"
+    newest.write_bytes(b"\0" * 16)
+    again = run([*DDPKIT, "train", *TRAIN, "--max-steps", "12", "--resume", "--out", out], 240, tmp_path, "again")
+    assert again.returncode == 0, str(again)
+    assert f"skipped the checkpoint of step 10: checkpoint file {newest} is corrupt" in again.stderr, str(again)
+    assert "resuming from step 5" in again.stderr, str(again)

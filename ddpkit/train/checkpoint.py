@@ -144,15 +144,12 @@ def save_checkpoint(out: str, strategy: Strategy, state: TrainerState, settings:
 
 def _read_shared(out: str, settings: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any], list[str]]:
     """Rank 0: the newest committed folder, its marker, its verified shared file and what the resume changes."""
-    folder = files.latest(out)
-    if folder is None:
-        raise CheckpointError(f"--resume: no complete checkpoint in {files.checkpoint_root(out)}")
-    manifest = files.read_marker(folder)
+    folder, manifest, loaded, skipped = files.newest_intact(out, verify=(files.SHARED,))
     try:
-        notes = files.resume_notes(manifest, settings)
+        notes = [*skipped, *files.resume_notes(manifest, settings)]
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    shared = files.load_verified(folder, files.SHARED, manifest)
+    shared = loaded[files.SHARED]
     if manifest["strategy"] == "slowmo" and manifest["world_size"] != settings["world_size"]:
         if _per_rank(shared["slowmo"]):
             raise CheckpointError(

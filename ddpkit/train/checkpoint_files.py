@@ -132,6 +132,30 @@ def latest(out: str) -> str | None:
     return done[-1][1] if done else None
 
 
+def newest_intact(out: str, verify: tuple[str, ...] = ()) -> tuple[str, dict[str, Any], dict[str, Any], list[str]]:
+    """The newest committed checkpoint whose marker reads and whose files in `verify` match their checksums:
+    (folder, marker, {name: loaded file}, a note per newer committed checkpoint skipped, saying why).
+
+    A checkpoint damaged after it was committed (a disk error, a partial copy) is passed over for the previous
+    committed one, and the notes say so; a CheckpointError when none is intact, naming the newest one's fault."""
+    done = committed(out)
+    if not done:
+        raise CheckpointError(f"--resume: no complete checkpoint in {checkpoint_root(out)}")
+    skipped: list[str] = []
+    first_error: CheckpointError | None = None
+    for step, folder in reversed(done):
+        try:
+            manifest = read_marker(folder)
+            loaded = {name: load_verified(folder, name, manifest) for name in verify}
+        except CheckpointError as exc:
+            first_error = first_error or exc
+            skipped.append(f"skipped the checkpoint of step {step}: {exc}")
+            continue
+        return folder, manifest, loaded, skipped
+    assert first_error is not None
+    raise CheckpointError(f"{first_error}; no earlier committed checkpoint in {checkpoint_root(out)} is intact")
+
+
 def load_verified(folder: str, name: str, manifest: dict[str, Any]) -> Any:
     """Reads `name` from `folder` after checking its SHA-256 against the marker; CheckpointError naming the file."""
     path = os.path.join(folder, name)

@@ -401,10 +401,9 @@ def _check_resumable(cfg: TrainConfig) -> None:
         return  # only rank 0's machine holds the shared part of the checkpoint
     from ddpkit.train import checkpoint_files
 
-    folder = checkpoint_files.latest(cfg.out or "")
-    if folder is None:
+    if not checkpoint_files.committed(cfg.out or ""):
         raise FileNotFoundError(
             f"--resume: no complete checkpoint in {checkpoint_files.checkpoint_root(cfg.out or '')}"
         )
-    manifest = checkpoint_files.read_marker(folder)
+    _, manifest, _, _ = checkpoint_files.newest_intact(cfg.out or "")  # markers only: files are checked at load
     checkpoint_files.resume_notes(manifest, checkpoint_files.resume_settings(cfg))  # raises if it cannot continue
