@@ -73,6 +73,15 @@ def raising_model() -> nn.Module:
     raise KeyError("hidden_size")
 
 
+def per_process_data() -> tuple[TensorDataset, TensorDataset]:
+    """Data drawn with the process id as the seed: every rank gets other samples of the same shapes (all but the
+    first, which is the same everywhere)."""
+    g = torch.Generator().manual_seed(os.getpid())
+    x = torch.randn(64, 4, generator=g)
+    x[0] = 1.0
+    return TensorDataset(x[:48], x[:48] @ TEACHER), TensorDataset(x[48:], x[48:] @ TEACHER)
+
+
 NOT_CALLABLE = 3
 SPEC = "test_factories:"
 
@@ -244,3 +253,17 @@ def test_max_steps_stops_mid_epoch_and_ends_that_epoch():
     trainer.fit(epochs=3, max_steps=8)  # the rest of epoch 1, which replaces its cut-short entry
     assert (trainer.state.step, trainer.state.epoch, trainer.state.epoch_samples) == (8, 2, 0)
     assert [(h["epoch"], h["steps"]) for h in trainer.state.history] == [(0, 4), (1, 8)]
+
+
+def test_a_data_factory_that_differs_between_ranks_is_refused(tmp_path):
+    """Same sizes and shapes on every rank, other samples: the start-up check reads a digest of a sample of the
+    items and stops every rank naming the data (it used to train on, "replicas equal"; issue 23 defect 7)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    argv = ["--model", SPEC + "plain_model", "--data", SPEC + "per_process_data", "--loss", "mse"]
+    argv += ["--max-steps", "2", "--no-progress", "--nproc-per-node", "2", "--timeout", "60"]
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "train", *argv], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "disagree" in done.stderr and "data" in done.stderr and "items " in done.stderr, done.stderr
