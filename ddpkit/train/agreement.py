@@ -54,7 +54,7 @@ def _feed(h: Any, item: Any) -> None:
     if torch.is_tensor(item):
         value = item.detach().cpu().contiguous()
         h.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        h.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
     elif isinstance(item, tuple | list):
         for part in item:
             _feed(h, part)

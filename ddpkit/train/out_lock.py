@@ -4,7 +4,8 @@ Two jobs given the same `--out` used to run side by side, one deleting or overwr
 while both exited 0. Rank r of a job locks ``OUT/.ddpkit-rank<r>.lock`` (``fcntl.flock``, released by the kernel
 however the process ends, SIGKILL included), so the ranks of one job, on one machine or several sharing the
 folder, never collide with each other, and a second job finds its rank 0's file taken and stops at once, naming
-the process that holds it. An elastic restart's new processes find the old ones' locks released.
+the process that holds it. The lock is taken once the ranks agree, before anything is written (a job refused at
+start-up leaves no folder behind). An elastic restart's new processes find the old ones' locks released.
 """
 
 from __future__ import annotations

@@ -75,6 +75,8 @@ def train(cfg: TrainConfig, placement: Placement, backend: str, started: float |
     device = rank_device(cfg, placement, backend)
     work = build_workload(cfg, device)
     check_job_agrees(cfg, backend, work)  # every rank, before the wrappers' first collective
+    if cfg.out:
+        claim_out(cfg.out, placement.rank)  # before anything is written: a second job on this --out stops here
     strategy = build_strategy(cfg, work.module, device)
     sampler = ResumableSampler(work.train, placement.world_size, placement.rank, seed=cfg.seed)
     loader = DataLoader(work.train, batch_size=cfg.batch_size, sampler=sampler)
@@ -230,8 +232,6 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
     share_cores(cfg.nproc_per_node)  # until the job's layout is known
     backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     try:
-        if cfg.out:
-            claim_out(cfg.out, placement.rank)  # before joining: a second job on this --out stops here
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         share_cores_with_peers()  # ranks started apart may share this machine's cores
         return train(cfg, placement, backend, started)
