@@ -90,6 +90,9 @@ def test_resume_policy_continues_or_refuses_with_the_reason():
     assert "strategy oss -> sharded: model and optimizer state carried over" in notes
     assert any(n.startswith("world size 2 -> 4: optimizer state re-split") for n in notes)
     assert "lr 0.01 -> 0.02: the new value takes effect" in notes
+    # other data of the same shapes is not refused, but said (issue 23 defect 7)
+    notes = files.resume_notes({**manifest, "settings": {**SETTINGS, "data": "digits"}}, {**SETTINGS, "data": "mnist"})
+    assert any(n.startswith("data digits -> mnist: training goes on with the new data") for n in notes), notes
     with pytest.raises(ValueError, match="with --optimizer adam; its state cannot drive --optimizer sgd"):
         files.resume_notes(manifest, {**SETTINGS, "optimizer": "sgd"})
     with pytest.raises(ValueError, match="cannot continue as --strategy slowmo"):

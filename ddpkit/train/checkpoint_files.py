@@ -199,6 +199,7 @@ def resume_settings(cfg: Any) -> dict[str, Any]:
         "lr": cfg.learning_rate,
         "momentum": cfg.momentum if cfg.optimizer == "sgd" else None,
         "weight_decay": cfg.resolved_weight_decay,
+        "data": cfg.data,
     }
 
 
@@ -232,6 +233,9 @@ def resume_notes(manifest: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for name in HYPERPARAMETERS:
         if then[name] is not None and now[name] is not None and then[name] != now[name]:
             notes.append(f"{name} {then[name]:g} -> {now[name]:g}: the new value takes effect")
+    if then.get("data") is not None and now.get("data") is not None and then["data"] != now["data"]:
+        notes.append(f"data {then['data']} -> {now['data']}: training goes on with the new data, from the saved "
+                     "position in the epoch")  # fmt: skip
     if then["amp"] is not None and then["amp"] != now["amp"]:
         notes.append(f"amp {then['amp']} -> {now['amp']}: the loss scaler starts afresh")
     return notes
