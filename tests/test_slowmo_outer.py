@@ -412,7 +412,23 @@ def test_fragments_are_balanced_whole_tensors_where_possible():
     assert fragment_bounds([1000], 4) == [(0, 250), (250, 500), (500, 750), (750, 1000)]  # one tensor: split
 
 
+def _library_starts(cfg, t):
+    """What `OuterSync.starting` itself says for these settings (the object the wrapper builds, not this file's
+    reading of the documented schedule)."""
+    from types import SimpleNamespace
+
+    from ddpkit.nn.outer_sync import OuterSync, OuterSyncSettings
+
+    settings = OuterSyncSettings(compression=cfg["compression"], block=cfg["block"], fragments=cfg["k"])
+    slowmo_frequency = cfg["sf"] if _slowmo_on(cfg) else None
+    sync = OuterSync(torch.zeros(64), [64], settings, SimpleNamespace(num_nodes=1), None, (cfg["lf"], slowmo_frequency))
+    return sync.starting(t)
+
+
 def test_the_schedule_staggers_the_fragments():
+    # the library's schedule is the documented one (issue 23 defect 6: this test used to check its own helper only)
+    for cfg in (_cfg(1, 4, 8, k=2), _cfg(1, 4, 4, k=4), _cfg(1, 3, 6, k=1), _cfg(1, 6, 12, k=3)):
+        assert [_library_starts(cfg, t) for t in range(1, 25)] == [_starts(cfg, t) for t in range(1, 25)], cfg
     cfg = _cfg(1, 4, 8, k=2)
     assert [t for t in range(1, 13) if _starts(cfg, t)] == [2, 4, 6, 8, 10, 12]
     assert [t for t in range(1, 13) if (0, False) in _starts(cfg, t)] == [2, 10]
