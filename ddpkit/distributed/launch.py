@@ -242,16 +242,10 @@ def debug_mode() -> bool:
 
 def quiet_torch_errors() -> None:
     """Outside debug mode, torch's errors carry no C++ stack trace and its C++ logging shows errors only, so that
-    ddpkit's one-line cause is not buried; set before the ranks import torch (they inherit the environment).
-
-    In debug mode torch also checks every collective across the ranks before running it
-    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: one small extra collective each), so ranks that called different ones (an
-    extra ``step()`` or backward on one rank) fail naming both calls instead of timing out."""
+    ddpkit's one-line cause is not buried; set before the ranks import torch (they inherit the environment)."""
     if not debug_mode():
         os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    else:
-        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
 
 
 STOP_GRACE_SECONDS = 3.0
@@ -374,10 +368,7 @@ def explain_failure(exc: BaseException, timeout: float) -> str:
     first = first.removeprefix(f"{name}: ")
     cause = f"{name}: {first}" if first else name
     if re.search(r"[Tt]imed? ?out", first):
-        return (
-            f"{cause} (a peer rank did not answer within --timeout {timeout:g} s: stopped, hung or unreachable; or "
-            "the ranks called different collectives, which --debug names)"
-        )
+        return f"{cause} (a peer rank did not answer within --timeout {timeout:g} s: stopped, hung or unreachable)"
     if _PEER_GONE.search(first):
         return f"{cause} (a peer rank ended: killed, crashed or its machine is gone)"
     return cause
