@@ -8,7 +8,7 @@ for every method) as the inner optimizer, ``--steps`` steps of ``--batch`` windo
 
 * ``local``: no communication at all, the speed reference (each rank trains its own replica);
 * ``ddp``: torch DDP, fp32 gradients all-reduced every step; quantised: the same DDP with a communication hook
-  that averages each gradient bucket with `ddpkit.distributed.compressed_allreduce.compressed_mean`;
+  that averages each gradient bucket with `ddpkit.algorithms.compressed_mean.compressed_mean`;
 * ``slowmo3``: SlowMo, parameters averaged every 3 steps (slow momentum 0.5 every 48, the defaults);
 * ``dilocoH``: DiLoCo, H inner steps, then the outer Nesterov step on the averaged progress (SlowMo with
   ``localsgd_frequency = slowmo_frequency = H``, ``slowmo_momentum=0.9, slowmo_lr=0.7, slowmo_nesterov=True``,
@@ -80,7 +80,7 @@ def label(name: str, compression: str, periods: str = "") -> str:
 
 
 def _compressed_hook(compression: str, block: int) -> Any:
-    from ddpkit.distributed.compressed_allreduce import compressed_mean
+    from ddpkit.algorithms.compressed_mean import compressed_mean
 
     def hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -1,4 +1,4 @@
-"""The compressed mean (ddpkit.distributed.compressed_allreduce) on 2 and 4 gloo ranks.
+"""The compressed mean (ddpkit.algorithms.compressed_mean) on 2 and 4 gloo ranks.
 
 Each world size is one spawned run covering every compression, sizes that do and do not split evenly into
 blocks and chunks, the bytes CommStats records, the async form overlapping the caller's own collectives, a
@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed import comm
-from ddpkit.distributed.compressed_allreduce import (
+from ddpkit.algorithms.compressed_mean import (
     chunk_bounds,
     compressed_mean,
     simulate_compressed_mean,
     simulate_messages,
     start_compressed_mean,
 )
-from ddpkit.distributed.quantize import COMPRESSIONS, payload_bytes, to_bytes
+from ddpkit.algorithms.quantize import COMPRESSIONS, payload_bytes, to_bytes
+from ddpkit.distributed import comm
 from ddpkit.distributed.stats import comm_stats
 
 CASES = ((1000, 64), (4096, 64), (129, 8), (5, 64), (0, 8))  # (numel, block): uneven, even, odd, tiny, empty
@@ -101,7 +101,7 @@ def _run_all(rank: int, world: int) -> dict:
 
 def _roundtrip(x: torch.Tensor, compression: str, block: int) -> torch.Tensor:
     """Quantise and dequantise `x`, written here from the definitions (per-block absmax: scale = absmax / qmax,
-    round half to even; bf16: round to nearest), independently of ddpkit.distributed.quantize."""
+    round half to even; bf16: round to nearest), independently of ddpkit.algorithms.quantize."""
     if compression == "none":
         return x.clone()
     if compression == "bf16":

@@ -145,13 +145,13 @@ def test_bench_passes_the_slow_link_flags_to_its_slowmo_run():
 
 
 def test_slowmo_compression_names_are_the_library_ones():
-    from ddpkit.distributed.quantize import COMPRESSIONS
+    from ddpkit.algorithms.quantize import COMPRESSIONS
 
     assert cfgmod.SLOWMO_COMPRESSIONS == COMPRESSIONS
 
 
 def test_sgp_graph_names_are_the_library_graphs():
-    from ddpkit.distributed.gossip_graphs import GRAPHS
+    from ddpkit.algorithms.gossip_graphs import GRAPHS
 
     assert sorted(cfgmod.SGP_GRAPHS) == sorted(GRAPHS)
     flags = ["--strategy", "slowmo", "--slowmo-base", "sgp", "--graph", "linear", "--overlap", "--no-push-sum"]

@@ -1,4 +1,4 @@
-"""Per-block absmax quantisation (ddpkit.distributed.quantize) and the single-process simulation of the
+"""Per-block absmax quantisation (ddpkit.algorithms.quantize) and the single-process simulation of the
 compressed mean: round-trip bounds, the exact byte counts, int4 packing, messages and argument checks."""
 
 import itertools
@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from ddpkit.distributed.compressed_allreduce import chunk_bounds, simulate_compressed_mean, simulate_messages
-from ddpkit.distributed.quantize import (
+from ddpkit.algorithms.compressed_mean import chunk_bounds, simulate_compressed_mean, simulate_messages
+from ddpkit.algorithms.quantize import (
     COMPRESSIONS,
     Quantized,
     check_compression,

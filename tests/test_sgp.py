@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.distributed.gossip_graphs import (
+from ddpkit.algorithms.gossip_graphs import (
     GRAPHS,
     DynamicBipartiteExponentialGraph,
     DynamicBipartiteLinearGraph,
@@ -25,7 +25,7 @@ from ddpkit.distributed.gossip_graphs import (
     NPeerDynamicDirectedExponentialGraph,
     RingGraph,
 )
-from ddpkit.distributed.gossip_mixing import UniformMixing
+from ddpkit.algorithms.gossip_mixing import UniformMixing
 
 GRAPH_CLASSES = list(GRAPHS.values())
 
@@ -225,8 +225,8 @@ def _start_values(world):
 
 
 def _gossip_rounds(rank, world):
+    from ddpkit.algorithms.push_sum import PushPull, PushSum
     from ddpkit.distributed import comm_stats
-    from ddpkit.distributed.gossip import PushPull, PushSum
 
     out = {}
     for cls, ppi in GOSSIP_CASES:
@@ -264,7 +264,7 @@ def _gossip_rounds(rank, world):
 
 def _posting_order(rank, world):
     """The order in which one round posts its transfers, on a round where two nodes exchange with each other."""
-    from ddpkit.distributed.gossip import PushSum
+    from ddpkit.algorithms.push_sum import PushSum
 
     graph = NPeerDynamicDirectedExponentialGraph(rank, world)  # round 1 at 4 nodes: r -> r + 2, pairwise
     assert graph.out_peers(1) == graph.in_peers(1)
@@ -477,7 +477,7 @@ def _train(rank, cfg, n, groups, steps=STEPS):
     models, weights, counts = [], [], []
     for step in range(steps):
         models.append(_step(model, opt, rank, step, counts))
-        weights.append(model._sgp.weight)
+        weights.append(model.averager.weight)
     model.average_parameters()
     return torch.stack(models), torch.tensor(weights), counts, _flat(model.parameters())
 
@@ -690,7 +690,7 @@ def _consensus(rank, groups):
             for _ in range(4):
                 model.perform_slowmo(opt)
                 models.append(_flat(model.parameters()) - start)
-                weights.append(model._sgp.weight)
+                weights.append(model.averager.weight)
             out[(ppi, overlap)] = torch.stack(models), weights
     return out
 

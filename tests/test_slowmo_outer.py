@@ -1,4 +1,5 @@
-"""SlowMo over slow links (`ddpkit.nn.outer_sync`): compressed pseudo-gradients, fragments, sync delay; 2 and 4 ranks.
+"""SlowMo over slow links (`ddpkit.algorithms.pseudo_gradient`): compressed pseudo-gradients, fragments, delay;
+2 and 4 ranks.
 
 Against a single-process simulation of the nodes written out from the formulas of SlowMoDistributedDataParallel's
 docstring, message for message (the quantised chunks each node master sent and owned are those
@@ -17,12 +18,13 @@ from test_slowmo import CUDA_FUNCTIONS, _batch, _error, _flat, _local_step, _mlp
 from test_slowmo import _wrap as slowmo_wrap
 from torch.nn import functional as F
 
+from ddpkit.algorithms import pseudo_gradient as outer_sync
+from ddpkit.algorithms.compressed_mean import simulate_messages
+from ddpkit.algorithms.pseudo_gradient import fragment_bounds
+from ddpkit.algorithms.quantize import dequantize, payload_bytes, quantize, to_bytes
 from ddpkit.distributed import comm_stats
 from ddpkit.distributed.agreement import RanksDisagree
-from ddpkit.distributed.compressed_allreduce import simulate_messages
-from ddpkit.distributed.quantize import dequantize, payload_bytes, quantize, to_bytes
-from ddpkit.nn import SlowMoBaseAlgorithm, SlowMoDDP, outer_sync
-from ddpkit.nn.outer_sync import fragment_bounds
+from ddpkit.nn import SlowMoBaseAlgorithm, SlowMoDDP
 from ddpkit.testing import run_distributed
 
 TOL = 1e-6
@@ -225,7 +227,7 @@ def _run(rank, cfg, steps=STEPS):
             "params": torch.stack(history),
             "stats": list(stats),
             "messages": recorder.messages(),
-            "synced": model._outer.synced.clone(),
+            "synced": model.averager.synced.clone(),
         }
 
 
@@ -417,7 +419,7 @@ def _library_starts(cfg, t):
     reading of the documented schedule)."""
     from types import SimpleNamespace
 
-    from ddpkit.nn.outer_sync import OuterSync, OuterSyncSettings
+    from ddpkit.algorithms.pseudo_gradient import OuterSync, OuterSyncSettings
 
     settings = OuterSyncSettings(compression=cfg["compression"], block=cfg["block"], fragments=cfg["k"])
     slowmo_frequency = cfg["sf"] if _slowmo_on(cfg) else None
@@ -464,7 +466,7 @@ def _resume(rank, world, cfg, total=10, stop=5):
     straight = []
     for step in range(total):
         if step == stop:
-            in_flight = sorted(model._outer.in_flight)
+            in_flight = sorted(model.averager.in_flight)
             saved = {"model": model.state_dict(), "slowmo": model.slowmo_state_dict()}
             checkpoint = _saved(
                 {**saved, "module": model.module.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}

@@ -3,7 +3,7 @@ to say it was not implemented; issue 23, defect 6)."""
 
 import pytest
 
-from ddpkit.nn.slowmo_checks import warn_sgp_only
+from ddpkit.algorithms.gossip_checks import warn_sgp_only
 
 
 def test_sgp_only_settings_warn_with_the_fix_not_a_stale_excuse():

@@ -15,15 +15,17 @@ The sum: host partial sums in lane-rank order, then the hosts' sums in host orde
 reduce up to floating-point order. Bytes per message of B bytes: within a host (L-1) B through shared memory;
 across hosts (H-1) B sent to the owner, one copy per other host.
 
-Optionally (`compression` "bf16", "int8" or "int4", per-block absmax as in `ddpkit.distributed.quantize`) stage 2
-sends each host's sum quantised, with error feedback: the sender adds the rounding error it kept from that
-message's previous step before quantising, and keeps the new error (one fp32 residual per message it sends
+Optionally (a `codec`, such as ``ddpkit.algorithms.quantize.BlockCodec("int8")``: per-block absmax bf16, int8 or
+int4) stage 2 sends each host's sum encoded, with error feedback: the sender adds the rounding error it kept from
+that message's previous step before encoding, and keeps the new error (one fp32 residual per message it sends
 across: about (H-1)/H of the gradients per host, spread over its ranks). The owner adds the others' dequantised
 sums to its own host's exact sum. Across hosts a message then costs 2 (bf16), 1 + 4/block (int8) or
 0.5 + 4/block (int4) bytes per value instead of 4. Only fp32 messages are quantised.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,8 +34,17 @@ from ddpkit.distributed import comm
 from ddpkit.distributed.env import global_rank, group_label
 from ddpkit.distributed.hosts import HostGroups
 from ddpkit.distributed.mailboxes import MailboxReduce
-from ddpkit.distributed.quantize import COMPRESSIONS, dequantize, from_bytes, payload_bytes, quantize, to_bytes
 from ddpkit.distributed.stats import comm_stats
+
+
+class WireCodec(Protocol):
+    """How stage 2 encodes an fp32 message (the quantisers of `ddpkit.algorithms.quantize` are ones)."""
+
+    def nbytes(self, numel: int) -> int: ...
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor: ...
 
 
 def _stage_done(handle: object) -> bool:
@@ -99,7 +110,8 @@ class _CompressedOuter:
         groups = reducer.groups
         self.group, self.owner_host = groups.lane_group, groups.host_of(owner)
         self.tag = comm.next_p2p_tag(self.group)
-        self.size = payload_bytes(numel, reducer.compression, reducer.block)
+        assert reducer.codec is not None
+        self.size = reducer.codec.nbytes(numel)
         self.buffers: list[torch.Tensor] = []
         self.works: list = []
         if groups.host == self.owner_host:
@@ -117,17 +129,18 @@ class _CompressedOuter:
         if reducer.groups.host != self.owner_host:
             residual = reducer.residuals.get(self.key)
             corrected = flat + residual if residual is not None else flat.clone()
-            quantized = quantize(corrected, reducer.compression, reducer.block)
-            reducer.residuals[self.key] = corrected.sub_(dequantize(quantized))
-            payload = to_bytes(quantized)
+            assert reducer.codec is not None
+            payload, sent = reducer.codec.encode(corrected)
+            reducer.residuals[self.key] = corrected.sub_(sent)
             comm_stats.record("reduce", label, self.size, float(self.size))
             send = dist.isend(payload, global_rank(self.group, self.owner_host), group=self.group, tag=self.tag)
             return _Works([send], keep=payload)
         comm_stats.record("reduce", label, self.size, 0.0)
 
         def add_others() -> None:
+            assert reducer.codec is not None
             for buf in self.buffers:  # in host order: the same sum on every run
-                flat.add_(dequantize(from_bytes(buf, self.numel, reducer.compression, reducer.block)))
+                flat.add_(reducer.codec.decode(buf, self.numel))
             self.buffers = []
 
         return _Works(self.works, then=add_others)
@@ -140,21 +153,17 @@ class HierarchicalReduce:
     `reduce` for the same messages in the same order, like a collective, with a key naming the message.
     """
 
-    def __init__(
-        self, groups: HostGroups, mailboxes: MailboxReduce | None, compression: str = "none", block: int = 64
-    ) -> None:
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"cross_host_compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+    def __init__(self, groups: HostGroups, mailboxes: MailboxReduce | None, codec: WireCodec | None = None) -> None:
         self.groups, self.mailboxes = groups, mailboxes
-        self.compression, self.block = compression, block
+        self.codec = codec
         self.residuals: dict[str, torch.Tensor] = {}  # per message this rank sends across: its rounding error
         self._posted: dict[str, comm.PostedReduce | _CompressedOuter] = {}
         self._in_flight: list[_TwoStage] = []
 
     @classmethod
-    def agree(cls, groups: HostGroups, nbytes: int, compression: str = "none") -> HierarchicalReduce:
+    def agree(cls, groups: HostGroups, nbytes: int, codec: WireCodec | None = None) -> HierarchicalReduce:
         """Collective within each host: shared-memory mailboxes where every rank of the host may use them."""
-        return cls(groups, MailboxReduce.agree(groups.host_group, nbytes), compression)
+        return cls(groups, MailboxReduce.agree(groups.host_group, nbytes), codec)
 
     def forget(self, prefix: str) -> None:
         """Drops the error-feedback residuals of messages whose key starts with `prefix` (replaced buckets)."""
@@ -168,7 +177,7 @@ class HierarchicalReduce:
         """Posts stage 2's receiving side for the message `key` (on the owner's lane; sockets only)."""
         if not self._on_owner_lane(owner):
             return
-        if self.compression != "none" and dtype == torch.float32 and device.type == "cpu":
+        if self.codec is not None and dtype == torch.float32 and device.type == "cpu":
             self._posted[key] = _CompressedOuter(self, key, numel, owner)
         elif comm.can_post_reduce(device, self.groups.lane_group):
             self._posted[key] = comm.post_reduce(numel, dtype, self.groups.host_of(owner), self.groups.lane_group)

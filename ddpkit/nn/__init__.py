@@ -1,8 +1,7 @@
 """Model wrappers: `ShardedDataParallel` (gradient sharding, ZeRO-2) and `SlowMoDistributedDataParallel`."""
 
 # SGP's graphs, mixing and gossipers, next to SlowMo as fairscale offers them
-from ddpkit.distributed.gossip import PushPull, PushSum
-from ddpkit.distributed.gossip_graphs import (
+from ddpkit.algorithms.gossip_graphs import (
     DynamicBipartiteExponentialGraph,
     DynamicBipartiteLinearGraph,
     DynamicDirectedExponentialGraph,
@@ -11,7 +10,8 @@ from ddpkit.distributed.gossip_graphs import (
     NPeerDynamicDirectedExponentialGraph,
     RingGraph,
 )
-from ddpkit.distributed.gossip_mixing import MixingManager, UniformMixing
+from ddpkit.algorithms.gossip_mixing import MixingManager, UniformMixing
+from ddpkit.algorithms.push_sum import PushPull, PushSum
 from ddpkit.nn.sharded_ddp import ShardedDataParallel, ShardedDDP
 from ddpkit.nn.slowmo_ddp import SlowMoBaseAlgorithm, SlowMoDDP, SlowMoDistributedDataParallel
 

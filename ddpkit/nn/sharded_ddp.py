@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.algorithms.quantize import COMPRESSIONS, BlockCodec
 from ddpkit.distributed import comm, hosts, shared_memory
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
 from ddpkit.distributed.hierarchical_reduce import HierarchicalReduce
 from ddpkit.distributed.mailboxes import MailboxReduce
-from ddpkit.distributed.quantize import COMPRESSIONS
 from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.nn.wrapper import ModuleWrapper
 from ddpkit.optim.adascale import AdaScale
@@ -175,7 +175,8 @@ class ShardedDataParallel(ModuleWrapper):
             compress = cross_host_compression != "none"
             groups = hosts.hierarchy(self.process_group, wanted, "ShardedDataParallel", one_per_host=compress)
             if groups is not None:
-                self._two_stage = HierarchicalReduce.agree(groups, cpu_bytes, cross_host_compression)
+                codec = BlockCodec(cross_host_compression) if compress else None
+                self._two_stage = HierarchicalReduce.agree(groups, cpu_bytes, codec)
         self._bucket_generation = 0
         self.refresh_trainable()
 

@@ -6,7 +6,6 @@ compares), so a wrong argument fails every rank alike with an error that names i
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -35,14 +34,11 @@ def check_settings(nprocs_per_node: int, world_size: int, localsgd_frequency: in
     check_positive_int("slowmo_frequency", slowmo_frequency)
 
 
-def warn_sgp_only(**settings: Any) -> None:
-    defaults = {"graph": None, "mixing": None, "overlap": False, "synch_freq": 0}
-    changed = [name for name, value in settings.items() if value != defaults[name]]
-    if changed:
-        warnings.warn(
-            f"SlowMoDistributedDataParallel: {', '.join(changed)} only affect the SGP base algorithm and have no "
-            "effect with LOCALSGD; pass slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP to gossip",
-            stacklevel=3,
+def check_slow_rule(slowmo_momentum: Any, slowmo_lr: Any) -> None:
+    if not 0.0 <= slowmo_momentum < 1.0 or slowmo_lr <= 0:
+        raise ValueError(
+            f"SlowMoDistributedDataParallel: need 0 <= slowmo_momentum < 1 and slowmo_lr > 0, got "
+            f"slowmo_momentum={slowmo_momentum}, slowmo_lr={slowmo_lr}"
         )
 
 

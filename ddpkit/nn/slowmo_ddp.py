@@ -13,23 +13,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed import comm
+from ddpkit.algorithms import AveragingContext, AveragingOptions, NodeAverager, SlowPhase, averager_class
+from ddpkit.algorithms.pseudo_gradient_settings import MERGE_ALPHA, OuterSyncSettings
+from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced, flatten, unflatten_into
 from ddpkit.distributed.env import ProcessGroup, require_initialized
 from ddpkit.distributed.groups import make_node_groups
 from ddpkit.distributed.hooks import counting_allreduce_hook
 from ddpkit.distributed.objects import gather_objects
-from ddpkit.nn.outer_sync import MERGE_ALPHA, OuterSync, OuterSyncSettings
-from ddpkit.nn.sgp import SGPEngine, resolve_sgp_arguments, sgp_settings
-from ddpkit.nn.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.nn.slowmo_checks import (
     agreed_settings,
     check_positive_int,
     check_settings,
+    check_slow_rule,
     check_step_inputs,
     master_params,
-    warn_sgp_only,
 )
 from ddpkit.nn.wrapper import ModuleWrapper
 
@@ -41,7 +40,7 @@ _DDP_BUFFER_FLAG = (
 
 
 class SlowMoBaseAlgorithm(str, Enum):
-    """The base algorithm between slow steps: local SGD (parameter averaging) or SGP (gossip, `ddpkit.nn.sgp`)."""
+    """The base algorithm between slow steps: local SGD (parameter averaging) or SGP (`ddpkit.algorithms.gossip`)."""
 
     LOCALSGD = "localsgd"
     SGP = "sgp"
@@ -72,8 +71,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 
     With ``slowmo_base_algorithm=SGP``, node masters gossip every step instead (stochastic gradient push on
     `graph`, by default `NPeerDynamicDirectedExponentialGraph`, with `mixing`, PushSum or PushPull by `push_sum`,
-    one step late with `overlap`, `synch_freq` steps late with it; see `ddpkit.nn.sgp.SGPEngine`), and the nodes
-    are averaged exactly only on slow steps, plus every `localsgd_frequency` steps with
+    one step late with `overlap`, `synch_freq` steps late with it; see `ddpkit.algorithms.gossip.SGPEngine`), and
+    the nodes are averaged exactly only on slow steps, plus every `localsgd_frequency` steps with
     `slowmo_sgp_average_params`. Memory: one more flat copy of the parameters (the push-sum numerators) and the
     gossip's message and receive buffers on node masters.
 
@@ -82,14 +81,18 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     parameters as of the last sync (the same bits on every rank); a sync sends each node's pseudo-gradient
     ``d = g - x`` (plus, with `slowmo_error_feedback`, what quantisation dropped from its previous one), quantised
     ("bf16", "int8" or "int4" with one fp32 scale per `slowmo_compression_block` values; "none": fp32), averaged
-    among node masters by `ddpkit.distributed.compressed_allreduce` (about 2(N-1)/N of the quantised size per
+    among node masters by `ddpkit.algorithms.compressed_mean` (about 2(N-1)/N of the quantised size per
     master) and broadcast in fp32 inside each node: ``g = g - mean(d)``, then slow momentum on g on a slow step
     (``x0``, ``u`` as above with x = g), then ``x = g``. The parameters form K fragments (balanced by elements,
     whole tensors where possible, K <= localsgd_frequency), each synced at its own offset of every period; with
     tau (< localsgd_frequency) a fragment's mean travels in the background for tau steps and is merged as
     ``x = a x + (1 - a) g`` with a = `slowmo_merge_alpha` (Streaming DiLoCo's mixing factor, 0.5). The slow
     buffers are then kept whole on every rank. Memory: g (P floats), the residual (P, with error feedback), the
-    syncs in flight. See `ddpkit.nn.outer_sync.OuterSync`.
+    syncs in flight. See `ddpkit.algorithms.pseudo_gradient.OuterSync`.
+
+    How nodes average is one `ddpkit.algorithms.NodeAverager`, chosen from the arguments above ("exact",
+    "gossip" with SGP, "pseudo_gradient" with compression, fragments or a delay) or named by `averager` (beyond
+    fairscale): a mode registered with `ddpkit.algorithms.register_averager` plugs in without changing this class.
 
     When to use the outer Nesterov option: DiLoCo-style training with long local phases (hundreds of steps,
     ``slowmo_lr=0.7, slowmo_momentum=0.9, slowmo_nesterov=True``), where the averaged progress is treated as an
@@ -139,6 +142,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         slowmo_fragments: int = 1,
         slowmo_sync_delay: int = 0,
         slowmo_merge_alpha: float = MERGE_ALPHA,
+        averager: str | type | None = None,
     ) -> None:
         super().__init__()
         require_initialized("SlowMoDistributedDataParallel")
@@ -148,20 +152,8 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.process_rank = dist.get_rank() if process_rank is None else process_rank
         self.process_world_size = dist.get_world_size() if process_world_size is None else process_world_size
         check_settings(nprocs_per_node, self.process_world_size, localsgd_frequency, slowmo_frequency)
-        sgp_args = (graph, mixing, push_sum, overlap, synch_freq)
-        sgp_flags = {"use_streams": use_streams, "slowmo_sgp_average_params": slowmo_sgp_average_params}
-        if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
-            node, local_rank = divmod(self.process_rank, nprocs_per_node)
-            layout = (node, self.process_world_size // nprocs_per_node, nprocs_per_node, local_rank)
-            graph, mixing = resolve_sgp_arguments(*sgp_args, sgp_flags, layout)
-        else:
-            warn_sgp_only(graph=graph, mixing=mixing, overlap=overlap, synch_freq=synch_freq)
         check_positive_int("slowmo_num_shards", slowmo_num_shards)
-        if not 0.0 <= slowmo_momentum < 1.0 or slowmo_lr <= 0:
-            raise ValueError(
-                f"SlowMoDistributedDataParallel: need 0 <= slowmo_momentum < 1 and slowmo_lr > 0, got "
-                f"slowmo_momentum={slowmo_momentum}, slowmo_lr={slowmo_lr}"
-            )
+        check_slow_rule(slowmo_momentum, slowmo_lr)
         self.module = module
         self.nprocs_per_node = nprocs_per_node
         self.broadcast_buffers = broadcast_buffers
@@ -170,54 +162,81 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.slowmo_frequency = slowmo_frequency
         self.localsgd_frequency = localsgd_frequency
         self.slowmo_memory_efficient = slowmo_memory_efficient
+        self.slowmo_sgp_average_params = slowmo_sgp_average_params
         self.slowmo = slowmo_lr != 1.0 or slowmo_momentum != 0.0
         self.outer_settings = OuterSyncSettings(
             slowmo_compression, slowmo_compression_block, slowmo_error_feedback, slowmo_fragments, slowmo_sync_delay,
             slowmo_merge_alpha,
         )  # fmt: skip
-        numel = sum(p.numel() for p in module.parameters())
-        sgp = self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP
-        self.outer_settings.check(localsgd_frequency, slowmo_frequency if self.slowmo else None, numel, sgp)
+        options = AveragingOptions(
+            self.process_rank, self.process_world_size, nprocs_per_node, localsgd_frequency,
+            slowmo_frequency if self.slowmo else None, sum(p.numel() for p in module.parameters()), self.sgp,
+            {"graph": graph, "mixing": mixing, "push_sum": push_sum, "overlap": overlap, "synch_freq": synch_freq},
+            {"use_streams": use_streams, "slowmo_sgp_average_params": slowmo_sgp_average_params},
+            self.outer_settings,
+        )  # fmt: skip
+        kind = averager_class(averager, options)
+        agreed, plan = kind.prepare(options)
+        self.outer_settings.check(localsgd_frequency, options.slowmo_frequency, options.numel, self.sgp)
         self.rule = SlowMoRule(beta=slowmo_momentum, alpha=slowmo_lr, nesterov=slowmo_nesterov)
         self.comm_device = comm_device
         self.verbose = verbose
         self.num_updates = 0
-        agreed = agreed_settings(self, slowmo_num_shards)  # one 8-byte all-gather, before any group is made
-        if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
-            agreed.update(sgp_settings(graph, mixing), sgp_args=sgp_args[2:], sgp_flags=sgp_flags)
+        # one 8-byte all-gather, before any group is made
+        agreed = {**agreed_settings(self, slowmo_num_shards), "averager": kind.name, **agreed}
         check_parameters_agree(module, global_group, "SlowMoDistributedDataParallel", agreed)
         self.groups = make_node_groups(
             nprocs_per_node, self.process_rank, self.process_world_size, global_group, local_node_group, master_group
         )
-        self.global_group = self.groups.world
-        self.local_node_group = self.groups.local
-        self.master_group = self.groups.master
-        self.logical_rank = self.groups.node
-        self.logical_world_size = self.groups.num_nodes
+        self._check_one_node()
+        broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.global_group)
+        # not a registered submodule: its parameters are the module's, and state_dict keys stay module.*
+        object.__setattr__(self, "_node_ddp", self._wrap_for_node(module))
+        sharded = slowmo_memory_efficient and kind.shards_slow_buffers
+        self.num_shards = min(self.process_world_size, slowmo_num_shards) if sharded else None
+        self.averager = self._build_averager(kind, options, plan)
+        self._checked_optimizers: set[int] = set()
+
+    def _build_averager(self, kind: type[NodeAverager], options: AveragingOptions, plan: Any) -> NodeAverager:
+        """The slow buffers (x0, u; when slow momentum is on) and the averager, from the synchronised parameters."""
+        flat = self._flat(list(self.module.parameters())).float()
+        self.slow_buffers = SlowBuffers(flat, self.process_rank, self.num_shards) if self.slowmo else None
+        slow = SlowPhase(self.rule, self.slow_buffers, options.slowmo_frequency)
+        sizes = [p.numel() for p in self.module.parameters()]
+        return kind(AveragingContext(flat, sizes, self.groups, slow, options, plan))
+
+    @property
+    def global_group(self) -> ProcessGroup:
+        """The group of all ranks of the job."""
+        return self.groups.world
+
+    @property
+    def local_node_group(self) -> ProcessGroup:
+        """The group of this rank's node."""
+        return self.groups.local
+
+    @property
+    def master_group(self) -> ProcessGroup | None:
+        """The group of node masters (None on other ranks)."""
+        return self.groups.master
+
+    @property
+    def logical_rank(self) -> int:
+        """This rank's node."""
+        return self.groups.node
+
+    @property
+    def logical_world_size(self) -> int:
+        """The number of nodes."""
+        return self.groups.num_nodes
+
+    def _check_one_node(self) -> None:
         if self.logical_world_size == 1:
             warnings.warn(
                 "SlowMoDistributedDataParallel: all ranks form one node, so there is nothing to average between "
                 "nodes; gradients are all-reduced every step, as with DDP",
-                stacklevel=2,
+                stacklevel=3,
             )
-        broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.global_group)
-        # not a registered submodule: its parameters are the module's, and state_dict keys stay module.*
-        object.__setattr__(self, "_node_ddp", self._wrap_for_node(module))
-        sharded = slowmo_memory_efficient and not self.outer_settings.active  # OuterSync keeps x0, u whole
-        self.num_shards = min(self.process_world_size, slowmo_num_shards) if sharded else None
-        flat = self._flat(list(module.parameters())).float()
-        self.slow_buffers = SlowBuffers(flat, self.process_rank, self.num_shards) if self.slowmo else None
-        self._outer = None
-        if self.outer_settings.active:
-            slow = (self.slow_buffers, self.rule) if self.slow_buffers is not None else None
-            frequencies = (localsgd_frequency, slowmo_frequency if self.slowmo else None)
-            sizes = [p.numel() for p in module.parameters()]
-            self._outer = OuterSync(flat, sizes, self.outer_settings, self.groups, slow, frequencies)
-        self.slowmo_sgp_average_params = slowmo_sgp_average_params
-        self._sgp = None
-        if self.slowmo_base_algorithm == SlowMoBaseAlgorithm.SGP:
-            self._sgp = SGPEngine(flat, self.groups, graph, mixing, push_sum, overlap, synch_freq)
-        self._checked_optimizers: set[int] = set()
 
     def _wrap_for_node(self, module: nn.Module) -> DistributedDataParallel | None:
         """torch DDP over the node's group averages the gradients inside a node (none needed for one process)."""
@@ -295,36 +314,13 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
             check_step_inputs(self.module, optimizer, params, fp32_params is not None)
             self._checked_optimizers.add(id(optimizer))
         self.num_updates += 1
-        slow_step = self.slowmo and self.num_updates % self.slowmo_frequency == 0
-        average = self.num_updates % self.localsgd_frequency == 0
-        if self._outer is not None:
-            average = slow_step = self._outer.busy(self.num_updates)  # its own schedule, fragment by fragment
-        if self._sgp is not None:  # gossip every step; an exact average on slow steps (and every k with the flag)
-            average = slow_step or (average and self.slowmo_sgp_average_params)
-        elif not (slow_step or average):
+        if not self.averager.due(self.num_updates):
             return
         flat = self._flat(params)
-        lr = float(optimizer.param_groups[0]["lr"])
-        if self._outer is not None:
-            self._outer.step(flat, self.num_updates, lr)
-        elif self._sgp is not None:
-            self._sgp.step(flat, average, lambda x: self._average_and_slow_step(x, slow_step, lr))
-        else:
-            self._average_and_slow_step(flat, slow_step, lr)
+        self.averager.step(flat, self.num_updates, float(optimizer.param_groups[0]["lr"]))
         unflatten_into(flat, params)
         if fp32_params is not None:
             unflatten_into(flat, list(self.module.parameters()))
-
-    def _average_and_slow_step(self, flat: torch.Tensor, slow_step: bool, lr: float) -> None:
-        """Averages `flat` exactly over nodes, then applies slow momentum to it on a slow step."""
-        if slow_step and self.num_shards is not None:
-            assert self.slow_buffers is not None
-            self.slow_buffers.sharded_step(flat, lr, self.rule, self.global_group, self.process_world_size)
-        else:
-            self._average_between_nodes(flat)
-            if slow_step:
-                assert self.slow_buffers is not None
-                self.slow_buffers.local_step(flat, lr, self.rule)
 
     @torch.no_grad()
     def average_parameters(self) -> None:
@@ -334,39 +330,22 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         `slowmo_sync_delay`, the syncs in flight are merged first. The average is exact (fp32) in every case."""
         params = list(self.module.parameters())
         flat = self._flat(params)
-        if self._outer is not None:
-            self._outer.flush(flat)
-        if self._sgp is not None:
-            self._sgp.step(flat, True, self._average_between_nodes)
-        else:
-            self._average_between_nodes(flat)
+        self.averager.average_now(flat)
         unflatten_into(flat, params)
 
     def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
         flat = flatten([p.detach() for p in params])
         return flat.to(self.comm_device) if self.comm_device is not None else flat
 
-    def _average_between_nodes(self, flat: torch.Tensor) -> None:
-        """Exact average over nodes: all-reduce among node masters, then a broadcast inside each node."""
-        if self.logical_world_size == 1:
-            return
-        if self.master_group is not None:
-            comm.all_reduce(flat, self.master_group)
-            flat.div_(self.logical_world_size)
-        if self.nprocs_per_node > 1:
-            comm.broadcast(flat, 0, self.local_node_group)
-
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def get_extra_state(self) -> dict[str, Any]:
-        """What `state_dict()` carries besides the module's tensors (key ``_extra_state``): `num_updates` and this
-        rank's slow buffers (x0, u: all of them, or its slice when sharded), and with `slowmo_compression`,
-        `slowmo_fragments` or `slowmo_sync_delay` this rank's `OuterSync` state (``outer``: the synchronised copy,
-        the error-feedback residual, the syncs in flight). Not a collective: a node master waits for the means in
+        """What `state_dict()` carries besides the module's tensors (key ``_extra_state``): `num_updates`, this
+        rank's slow buffers (x0, u: all of them, or its slice when sharded) and its averager's state (``averager``:
+        with SGP the push-sum buffer and a round in flight; with pseudo-gradients the synchronised copy, the
+        error-feedback residual, the syncs in flight). Not a collective: a node master waits for the messages in
         flight, which every rank sent when they started."""
-        state: dict[str, Any] = {"num_updates": self.num_updates, "slow": None}
-        if self._outer is not None:
-            state["outer"] = self._outer.state()
+        state: dict[str, Any] = {"num_updates": self.num_updates, "slow": None, "averager": self.averager.state()}
         buffers = self.slow_buffers
         if buffers is not None and buffers.x0 is not None and buffers.u is not None:
             bounds = self._my_bounds()
@@ -377,8 +356,9 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         """Restores what `get_extra_state` saved. Slow buffers load from this rank's own slice or from whole ones
         (a run without sharding, or `slowmo_state_dict`); another rank's slice is an error."""
         self.num_updates = int(state["num_updates"])
-        if self._outer is not None:
-            self._outer.load(state.get("outer") or {})
+        saved = state.get("averager", state.get("outer"))  # "outer": as saved before the averagers had one seam
+        if saved:
+            self.averager.load(saved)
         slow, buffers = state.get("slow"), self.slow_buffers
         if slow is None or buffers is None or buffers.x0 is None or buffers.u is None:
             return
@@ -415,11 +395,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     def slowmo_state_dict(self) -> dict[str, Any]:
         """The counters and the whole slow buffers (x0, u), on every rank, and this rank's `OuterSync` state (see
         `get_extra_state`). A collective when the slow buffers are sharded."""
-        state: dict[str, Any] = {"num_updates": self.num_updates}
-        if self._sgp is not None:
-            state.update(self._sgp.state())
-        if self._outer is not None:
-            state.update(self._outer.state())
+        state: dict[str, Any] = {"num_updates": self.num_updates, **self.averager.state()}
         if self.slow_buffers is None:
             return state
         if self.num_shards is None:
@@ -434,10 +410,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
 
     def load_slowmo_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what `slowmo_state_dict` returned, so a resumed run continues exactly; does not change `state`."""
-        if self._sgp is not None:
-            self._sgp.load(state)
-        if self._outer is not None:
-            self._outer.load(state)
+        self.averager.load(state)
         self.num_updates = int(state["num_updates"])
         if self.slow_buffers is not None:
             if "x0" not in state:

@@ -27,9 +27,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
 SLOWMO_BASES = ("localsgd", "sgp")
-# how pseudo-gradients travel between SlowMo nodes (ddpkit.distributed.quantize.COMPRESSIONS, without torch here)
+# how pseudo-gradients travel between SlowMo nodes (ddpkit.algorithms.quantize.COMPRESSIONS, without torch here)
 SLOWMO_COMPRESSIONS = ("none", "bf16", "int8", "int4")
-# the gossip graphs of --slowmo-base sgp (ddpkit.distributed.gossip_graphs.GRAPHS, without importing torch here)
+# the gossip graphs of --slowmo-base sgp (ddpkit.algorithms.gossip_graphs.GRAPHS, without importing torch here)
 SGP_GRAPHS = ("npeer-exponential", "exponential", "bipartite-exponential", "linear", "bipartite-linear", "ring")
 FLAG_NAMES = {"nprocs_per_node_slowmo": "slowmo-nprocs-per-node"}  # fields whose flag is not the field's name
 
@@ -351,7 +351,7 @@ def _check_sgp(cfg: TrainConfig, nodes: int) -> None:
             raise ValueError(f"{', '.join(changed)} only act with --slowmo-base sgp (got {cfg.slowmo_base})")
     if cfg.slowmo_base != "sgp" or nodes < 2:
         return
-    from ddpkit.distributed.gossip_graphs import GRAPHS
+    from ddpkit.algorithms.gossip_graphs import GRAPHS
 
     try:
         GRAPHS[cfg.graph](0, nodes, peers_per_itr=cfg.peers_per_itr)

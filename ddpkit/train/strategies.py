@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.algorithms.gossip_graphs import GRAPHS
 from ddpkit.distributed import counting_allreduce_hook, group_rank, group_size
-from ddpkit.distributed.gossip_graphs import GRAPHS
 from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
 from ddpkit.train.config import SLOW_LINK_FLAGS, TrainConfig

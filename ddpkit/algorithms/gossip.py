@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ddpkit.algorithms.averager import AveragingContext, AveragingOptions, register_averager
+from ddpkit.algorithms.exact import average_and_slow_step, average_between_nodes
+from ddpkit.algorithms.gossip_checks import resolve_sgp_arguments, sgp_settings
+from ddpkit.algorithms.gossip_graphs import GraphManager
+from ddpkit.algorithms.gossip_mixing import MixingManager
+from ddpkit.algorithms.push_sum import GossipRound, PushPull, PushSum
 from ddpkit.distributed import comm
-from ddpkit.distributed.gossip import GossipRound, PushPull, PushSum, check_push_pull
-from ddpkit.distributed.gossip_graphs import GraphManager, NPeerDynamicDirectedExponentialGraph
-from ddpkit.distributed.gossip_mixing import MixingManager, UniformMixing
 from ddpkit.distributed.groups import NodeGroups
 
 
@@ -28,7 +30,7 @@ class SGPEngine:
        average over nodes (``sum x / nodes``, since the weights sum to the number of nodes) and whatever SlowMo
        does with it, and w becomes 1; no gossip that step;
     3. otherwise the node masters run a gossip round of the graph's next phase (PushSum or PushPull, see
-       `ddpkit.distributed.gossip`). With `overlap`, a round is mixed `delay` = max(1, synch_freq) steps after it
+       `ddpkit.algorithms.push_sum`). With `overlap`, a round is mixed `delay` = max(1, synch_freq) steps after it
        started, while the next steps compute, and the next round starts then; so a node gossips every `delay`
        steps and the staleness is exactly `delay`, on every run;
     4. when its master's buffer changed, every node master broadcasts it inside its node, and every rank sets its
@@ -145,56 +147,50 @@ class SGPEngine:
             self._round = GossipRound.from_received(received, self.gossiper.sends_weight)
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"SlowMoDistributedDataParallel: {name} must be a bool, got {value!r}")
+@register_averager("gossip")
+class GossipAverager:
+    """SGP as SlowMo's averaging mode: `SGPEngine` gossips among node masters after every step; the nodes are
+    averaged exactly (and slow momentum applied) on slow steps, and every `localsgd_frequency` steps with
+    `slowmo_sgp_average_params`. Communication and memory: `SGPEngine`'s, plus the exact averages."""
 
+    name = "gossip"
+    shards_slow_buffers = True
 
-def resolve_sgp_arguments(
-    graph: Any, mixing: Any, push_sum: Any, overlap: Any, synch_freq: Any, flags: dict[str, Any], layout: tuple
-) -> tuple[GraphManager | None, MixingManager | None]:
-    """Checks SGP's arguments before any collective and returns the (graph, mixing) to use.
-
-    `layout` is (this node's index, the number of nodes, nprocs_per_node, the rank inside the node); `flags`
-    holds the other switches by name (use_streams, slowmo_sgp_average_params). The default graph is
-    `NPeerDynamicDirectedExponentialGraph` with one peer per round, the default mixing `UniformMixing`; a job of
-    one node needs neither.
-    """
-    node, num_nodes, nprocs_per_node, local_rank = layout
-    for name, value in {"push_sum": push_sum, "overlap": overlap, **flags}.items():
-        _check_bool(name, value)
-    if isinstance(synch_freq, bool) or not isinstance(synch_freq, int) or synch_freq < 0:
-        raise ValueError(f"SlowMoDistributedDataParallel: synch_freq must be an int >= 0, got {synch_freq!r}")
-    if graph is not None and not isinstance(graph, GraphManager):
-        raise TypeError(f"SlowMoDistributedDataParallel: graph must be a ddpkit GraphManager, got {type(graph)}")
-    if mixing is not None and not isinstance(mixing, MixingManager):
-        raise TypeError(f"SlowMoDistributedDataParallel: mixing must be a ddpkit MixingManager, got {type(mixing)}")
-    if synch_freq and not overlap:
-        warnings.warn("SlowMoDistributedDataParallel: synch_freq only takes effect with overlap=True", stacklevel=3)
-    if mixing is not None and graph is None:
-        graph = mixing.graph_manager
-    if mixing is not None and mixing.graph_manager is not graph:
-        raise ValueError("SlowMoDistributedDataParallel: mixing was built for another graph object than `graph`")
-    if graph is None and num_nodes > 1:
-        graph = NPeerDynamicDirectedExponentialGraph(node, num_nodes, nprocs_per_node, local_rank, 1)
-    if graph is not None and (graph.world_size, graph.rank) != (num_nodes, node):
-        raise ValueError(
-            f"SlowMoDistributedDataParallel: the graph was built for node {graph.rank} of {graph.world_size} "
-            f"nodes, but this rank is on node {node} of {num_nodes} (world size / nprocs_per_node={nprocs_per_node}); "
-            f"build it as {type(graph).__name__}({node}, {num_nodes}, ...)"
+    def __init__(self, ctx: AveragingContext) -> None:
+        graph, mixing = ctx.plan
+        args = ctx.options.sgp_args
+        self.ctx = ctx
+        self.average_params = bool(ctx.options.sgp_flags.get("slowmo_sgp_average_params", False))
+        self.engine = SGPEngine(
+            ctx.flat, ctx.groups, graph, mixing, args["push_sum"], args["overlap"], args["synch_freq"]
         )
-    if graph is not None:
-        mixing = mixing if mixing is not None else UniformMixing(graph)
-        if not push_sum:
-            check_push_pull(graph, mixing)
-    return graph, mixing
 
+    @classmethod
+    def prepare(cls, options: AveragingOptions) -> tuple[dict[str, Any], Any]:
+        args = options.sgp_args
+        order = ("graph", "mixing", "push_sum", "overlap", "synch_freq")
+        graph, mixing = resolve_sgp_arguments(*(args[k] for k in order), options.sgp_flags, options.layout)
+        agreed = {**sgp_settings(graph, mixing), "sgp_args": tuple(args[k] for k in order[2:])}
+        return {**agreed, "sgp_flags": options.sgp_flags}, (graph, mixing)
 
-def sgp_settings(graph: GraphManager | None, mixing: MixingManager | None) -> dict[str, Any]:
-    """What every rank's graph and mixing must agree on (their type, size and peers per round)."""
-    if graph is None:
-        return {"sgp_graph": None}
-    return {
-        "sgp_graph": (type(graph).__name__, graph.world_size, graph.peers_per_itr),
-        "sgp_mixing": type(mixing).__name__,
-    }
+    @property
+    def weight(self) -> float:
+        """This node's push-sum weight."""
+        return self.engine.weight
+
+    def due(self, step: int) -> bool:
+        return True  # gossip every step
+
+    def step(self, flat: torch.Tensor, step: int, lr: float) -> None:
+        slow_step = self.ctx.slow.due(step)
+        exact = slow_step or (self.average_params and step % self.ctx.options.localsgd_frequency == 0)
+        self.engine.step(flat, exact, lambda x: average_and_slow_step(x, self.ctx, slow_step, lr))
+
+    def average_now(self, flat: torch.Tensor) -> None:
+        self.engine.step(flat, True, lambda x: average_between_nodes(x, self.ctx.groups))
+
+    def state(self) -> dict[str, Any]:
+        return self.engine.state()
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.engine.load(state)

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ddpkit.distributed.gossip_graphs import GraphManager
+from ddpkit.algorithms.gossip_graphs import GraphManager
 
 
 class MixingManager(ABC):

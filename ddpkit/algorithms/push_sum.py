@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from ddpkit.algorithms.gossip_graphs import GraphManager
+from ddpkit.algorithms.gossip_mixing import MixingManager, UniformMixing
 from ddpkit.distributed.comm import next_p2p_tag
 from ddpkit.distributed.env import ProcessGroup
-from ddpkit.distributed.gossip_graphs import GraphManager
-from ddpkit.distributed.gossip_mixing import MixingManager, UniformMixing
 from ddpkit.distributed.p2p import Exchange, exchange
 
 

@@ -1,4 +1,4 @@
-"""The mean of a flat fp32 tensor over a group, sent quantised (`ddpkit.distributed.quantize`), ring-like traffic.
+"""The mean of a flat fp32 tensor over a group, sent quantised (`ddpkit.algorithms.quantize`), ring-like traffic.
 
 Algorithm, for N ranks and a tensor of n values:
 
@@ -24,26 +24,24 @@ on gloo go through host copies (counted as ``cpu_staging``); NCCL takes them as 
 Memory: the quantised messages (about Q on each side of each exchange, N q for the all-gather's send buffer),
 one fp32 chunk for the owner's sum and the fp32 result (n values).
 
-`start_compressed_mean` returns at once with a `PendingMean`; the exchange runs on a process group of the same
-ranks made for it by its members alone at their first mean (`_Channel`; with the parent's timeout), by one
-worker thread per group of ranks, which runs the started means one after the other, in the order they were
-started (the same order on every rank, as for any collective). So a mean in flight never interleaves with the
+`start_compressed_mean` returns at once with a `PendingMean`; the exchange is a job of
+`ddpkit.distributed.background` on the channel of the group's ranks (a process group of its own, with the
+parent's timeout): on gloo a worker thread runs the started means one after the other, in the order they were
+started (the same order on every rank, as for any collective); on NCCL the exchange is enqueued on the caller's
+thread and streams (no second thread issues NCCL calls). So a mean in flight never interleaves with the
 collectives the caller keeps issuing on its own groups. `compressed_mean` starts one and waits for it.
 `simulate_compressed_mean` computes, in one process, the very result N ranks get, bit for bit.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-from datetime import timedelta
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessGroup, backend_name, group_label, group_rank, group_size, job_timeout
-from ddpkit.distributed.quantize import Quantized, check_compression, dequantize, from_bytes, quantize, to_bytes
+from ddpkit.algorithms.quantize import Quantized, check_compression, dequantize, from_bytes, quantize, to_bytes
+from ddpkit.distributed.background import BackgroundChannel, channel_for
+from ddpkit.distributed.env import ProcessGroup, group_label, group_rank, group_size
 from ddpkit.distributed.stats import comm_stats
 
 
@@ -145,7 +143,7 @@ def start_compressed_mean(flat: torch.Tensor, group: ProcessGroup | None, compre
     label = group_label(group)
     comm_stats.record("all_to_all", label, sum(sizes), float(sum(sizes) - sizes[me]))
     comm_stats.record("all_gather", label, sizes[me], float((n - 1) * sizes[me]))
-    _channel(group).submit(_Job(pending, bounds, sizes, (compression, block, label)))
+    channel_for(group).submit(_Job(pending, bounds, sizes, (compression, block, label)))
     return pending
 
 
@@ -164,19 +162,20 @@ class _Job:
         if self.event is not None:
             self.event.record()  # the quantisation queued on the caller's stream
 
-    def run(self, channel: _Channel) -> None:
+    def __call__(self, channel: BackgroundChannel) -> None:
         try:
-            if self.event is not None:
+            on_thread = self.event is not None and channel.threaded  # a CUDA tensor staged through gloo's thread
+            if on_thread:
                 torch.cuda.set_device(self.pending.device)
                 torch.cuda.current_stream().wait_event(self.event)
             owner, result = self._exchange(channel)
-            if self.event is not None:
-                torch.cuda.current_stream().synchronize()
+            if on_thread:
+                torch.cuda.current_stream().synchronize()  # the worker's own wait: the caller's stream runs on
             self.pending._finish(owner, result, None)
         except BaseException as error:  # handed to the caller's wait()
             self.pending._finish(None, None, error)
 
-    def _transport(self, channel: _Channel, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int]):
+    def _transport(self, channel: BackgroundChannel, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int]):
         """One all-to-all of uint8 messages, through host copies for CUDA tensors on gloo."""
         staged = send.device.type == "cuda" and channel.gloo
         if staged:
@@ -189,7 +188,7 @@ class _Job:
             recv = recv.to(self.pending.device)
         return recv.split(out_sizes)
 
-    def _exchange(self, channel: _Channel) -> tuple[Quantized, torch.Tensor]:
+    def _exchange(self, channel: BackgroundChannel) -> tuple[Quantized, torch.Tensor]:
         n, me, sizes = channel.size, channel.rank, self.sizes
         numels = [b - a for a, b in self.bounds]
         send = torch.cat([to_bytes(q) for q in self.pending.sent])
@@ -199,58 +198,3 @@ class _Job:
         gathered = self._transport(channel, to_bytes(owner).repeat(n), sizes, [sizes[me]] * n)
         chunks = [from_bytes(m, k, self.compression, self.block) for m, k in zip(gathered, numels, strict=True)]
         return owner, torch.cat([dequantize(q) for q in chunks])
-
-
-class _Channel:
-    """A process group of the given ranks, made for the means alone, and the one thread that runs them in order.
-
-    On gloo the group is a `ProcessGroupGloo` built by the members only, on the job's store under a prefix named
-    by the ranks: torch's ``new_group`` needs every rank of the job (or, with ``use_local_synchronization``,
-    members that have made as many groups as each other, as its hashed names count them), where a mean over node
-    masters is started by the masters alone. Other backends get ``new_group(use_local_synchronization=True)``.
-    """
-
-    def __init__(self, ranks: list[int], parent: ProcessGroup | None, generation: int) -> None:
-        self.default = dist.distributed_c10d._get_default_group()  # held: a new job's group is another object
-        self.rank, self.size = ranks.index(dist.get_rank()), len(ranks)
-        timeout = job_timeout(parent) or job_timeout() or timedelta(minutes=30)
-        self.gloo = backend_name(parent, "cpu") == "gloo"
-        if self.gloo:
-            name = f"ddpkit/compressed_mean/{'_'.join(map(str, ranks))}/{generation}/"
-            store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
-            self.backend: Any = dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
-        else:
-            self.backend = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        name = "ddpkit-compressed-mean-" + ",".join(map(str, ranks))
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> None:
-        if self.gloo:
-            self.backend.alltoall_base(recv, send, out_sizes, in_sizes).wait()
-        else:
-            dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=self.backend)
-
-    def submit(self, job: _Job) -> None:
-        self._jobs.put(job)
-
-    def _serve(self) -> None:
-        while True:
-            self._jobs.get().run(self)
-
-
-_channels: dict[tuple[int, ...], _Channel] = {}
-_generations: dict[tuple[int, ...], int] = {}
-_channels_lock = threading.Lock()
-
-
-def _channel(group: ProcessGroup | None) -> _Channel:
-    """The channel for `group`'s ranks, made by its members at their first mean on it (the same call everywhere)."""
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    with _channels_lock:
-        channel = _channels.get(ranks)
-        if channel is None or channel.default is not dist.distributed_c10d._get_default_group():
-            generation = _generations.get(ranks, -1) + 1  # a store prefix never used before in this process
-            _generations[ranks] = generation
-            channel = _channels[ranks] = _Channel(list(ranks), group, generation)
-        return channel

@@ -165,3 +165,25 @@ def from_bytes(message: torch.Tensor, numel: int, compression: str, block: int) 
     scales = message[:scale_bytes].view(torch.float32)
     payload = message[scale_bytes:]
     return Quantized(payload.view(torch.int8) if compression == "int8" else payload, scales, numel, compression, block)
+
+
+class BlockCodec:
+    """`compression` with `block` as a wire codec (`ddpkit.distributed.hierarchical_reduce.WireCodec`): a flat
+    fp32 tensor in, one uint8 message out (payload + scales, `to_bytes`), and back."""
+
+    def __init__(self, compression: str, block: int = 64) -> None:
+        check_compression(compression, block)
+        self.compression, self.block = compression, block
+
+    def nbytes(self, numel: int) -> int:
+        """The message's size in bytes for `numel` values."""
+        return payload_bytes(numel, self.compression, self.block)
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The message for `values` and the values it stands for (what the receiver will decode)."""
+        quantized = quantize(values, self.compression, self.block)
+        return to_bytes(quantized), dequantize(quantized)
+
+    def decode(self, message: torch.Tensor, numel: int) -> torch.Tensor:
+        """The fp32 values of a message of `numel` values."""
+        return dequantize(from_bytes(message, numel, self.compression, self.block))

@@ -1,0 +1,152 @@
+"""The package's layering, read from its source: imports only go downwards, no import circle, the transport
+layer holds no averaging math, and the averaging code stays in small functions (issue 23, point 1)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ddpkit
+
+PACKAGE = Path(ddpkit.__file__).parent
+# bottom to top; a module may import its own layer and the ones below it
+LAYERS = ["distributed", "algorithms", "optim", "nn", "testing", "train", "integrations", "compat", "cli"]
+AVERAGING_CODE = [PACKAGE / "algorithms", PACKAGE / "nn" / "slowmo_ddp.py", PACKAGE / "nn" / "slowmo_checks.py"]
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """The ddpkit modules `path` imports (a name imported from a package counts as that submodule if it is one);
+    with `top_level_only`, only the imports that run when the module is imported."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name.startswith("ddpkit"))
+    return out
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in ("__main__",):
+        return len(LAYERS)  # the package itself (its version) and the entry point: above everything
+    return LAYERS.index(parts[1])
+
+
+def test_every_module_belongs_to_a_layer():
+    assert all(m == "ddpkit" or m.split(".")[1] in [*LAYERS, "__main__"] for m in MODULES), sorted(MODULES)
+
+
+def test_imports_only_go_downwards():
+    upward = [
+        (module, target)
+        for module, path in MODULES.items()
+        for target in _imports(path)
+        if target != "ddpkit" and _layer(target) > _layer(module)
+    ]
+    assert upward == [], "these imports go up a layer: " + ", ".join(f"{m} -> {t}" for m, t in upward)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_at_import_time():
+    graph = {m: {t for t in _imports(p, top_level_only=True) if t in MODULES and t != m} for m, p in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_transport_holds_no_averaging_math():
+    distributed = {p.stem for p in (PACKAGE / "distributed").glob("*.py")}
+    math = {
+        "quantize",
+        "gossip_graphs",
+        "gossip_mixing",
+        "gossip",
+        "push_sum",
+        "compressed_allreduce",
+        "compressed_mean",
+    }
+    assert distributed & math == set()
+    for name in ("quantize", "gossip_graphs", "gossip_mixing", "push_sum", "compressed_mean", "slow_momentum"):
+        assert (PACKAGE / "algorithms" / f"{name}.py").exists(), name
+    # and nothing in the transport layer imports an algorithm (also covered by the layering test)
+    for path in (PACKAGE / "distributed").glob("*.py"):
+        assert not any(t.startswith("ddpkit.algorithms") for t in _imports(path)), path
+
+
+def _long_functions(path: Path) -> list[str]:
+    long = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]  # the docstring
+            if body and body[-1].end_lineno - body[0].lineno + 1 > MAX_FUNCTION_LINES:
+                long.append(f"{path.name}:{node.name}")
+    return long
+
+
+def test_averaging_code_has_no_function_over_60_lines():
+    paths = [p for entry in AVERAGING_CODE for p in ([entry] if entry.is_file() else sorted(entry.glob("*.py")))]
+    assert len(paths) > 5
+    assert [f for p in paths for f in _long_functions(p)] == []
+
+
+def test_slowmo_names_no_averaging_mode():
+    """A new mode is a new file: the wrapper never mentions one of the built-in modes by name or class."""
+    source = (PACKAGE / "nn" / "slowmo_ddp.py").read_text()
+    code = ast.unparse(ast.parse(source))  # without comments; docstrings stay, so look at names only
+    names = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Attribute)}
+    built_in = {"OuterSync", "PseudoGradientAverager", "SGPEngine", "GossipAverager", "ExactAverager", "_sgp", "_outer"}
+    assert names & built_in == set()
