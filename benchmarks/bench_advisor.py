@@ -2,7 +2,8 @@
 
 The question: a user runs ``ddpkit bench --model ... --link-mbit N`` on one machine and reads a predicted step
 time per strategy for a link they do not have here. Is it right? The workload: ddpkit's byte-level GPT on the
-standard library's source (`ddpkit.train.gpt`, 4 layers of width 256 by default). The procedure, per link rate:
+standard library's source (`ddpkit.train.workloads.gpt`, 4 layers of width 256 by default). The procedure, per
+link rate:
 
 1. ``ddpkit bench --link-mbit RATE`` on this machine, 2 processes (shared memory off, so the bytes counted are
    the socket bytes that would cross the link): each strategy's mean step, wire bytes and collectives per step.
@@ -30,7 +31,7 @@ from typing import Any
 
 from benchmarks.lib import netns, plotting, tables
 from benchmarks.lib.cli import Skip, progress
-from ddpkit.train.advisor import Link, link_from_mbit, predict_seconds
+from ddpkit.measure.advisor import Link, link_from_mbit, predict_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "advisor: ddpkit bench's predicted step time on a shaped link against the measured one (root)"

@@ -44,9 +44,9 @@ from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
 from ddpkit.distributed.stats import CommStats, wire_bytes
 from ddpkit.testing import rank_device, run_distributed
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.gpt import GPTConfig, gpt, parameter_count
-from ddpkit.train.strategies import build_strategy
+from ddpkit.train.loop.strategies import build_strategy
+from ddpkit.train.settings.config import TrainConfig
+from ddpkit.train.workloads.gpt import GPTConfig, gpt, parameter_count
 
 QUESTION = "GPU: step time, CUDA memory (params/grads/state) and bytes of DDP, torch ZeRO, FSDP2 and ddpkit"
 QUICK = {"world_size": 2, "steps": 2, "warmup": 1, "workloads": "mlp,gpt", "device": "cpu"}
@@ -61,8 +61,8 @@ GOAL_MEMORY, GOAL_STEP = 1.0, 1.1  # ddpkit ZeRO-2 against FSDP2's ZeRO-2: peak 
 
 @dataclass(frozen=True)
 class GPTBytes:
-    """`ddpkit.train.gpt` on random byte sequences: the text workload's model (the data changes neither the step
-    time nor the memory)."""
+    """`ddpkit.train.workloads.gpt` on random byte sequences: the text workload's model (the data changes neither the
+    step time nor the memory)."""
 
     config: GPTConfig
     name: str = "gpt"

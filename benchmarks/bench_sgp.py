@@ -59,8 +59,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def build(name: str, model: nn.Module, lr: float, slow_every: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """The module to call, the optimizer to step and what to call after ``optimizer.step()``."""
     from ddpkit.nn import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
-    from ddpkit.train.config import TrainConfig
-    from ddpkit.train.strategies import build_strategy
+    from ddpkit.train.loop.strategies import build_strategy
+    from ddpkit.train.settings.config import TrainConfig
 
     cfg = CONFIGS[name]
     if name == "ddp":

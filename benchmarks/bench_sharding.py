@@ -28,10 +28,10 @@ from benchmarks.lib.counting import install_counting_shim
 from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
 from ddpkit.distributed.stats import CommStats
+from ddpkit.measure.timing import PhaseTimer, RoundSummary, interleaved, optimizer_state_bytes, ratio
 from ddpkit.testing import run_distributed
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.strategies import build_strategy
-from ddpkit.train.timing import PhaseTimer, RoundSummary, interleaved, optimizer_state_bytes, ratio
+from ddpkit.train.loop.strategies import build_strategy
+from ddpkit.train.settings.config import TrainConfig
 
 QUESTION = "sharding: step time, memory and bytes of OSS + ShardedDataParallel against DDP, torch ZeRO, fairscale"
 FIVE = "ddp,zero,fairscale,oss_ddp,oss_sdp"  # the strategies the goal names

@@ -53,8 +53,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 def build(name: str, model: nn.Module, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The strategy as `ddpkit train` builds it: torch DDP, or SlowMo with every 12 steps an averaging."""
-    from ddpkit.train.config import TrainConfig
-    from ddpkit.train.strategies import build_strategy
+    from ddpkit.train.loop.strategies import build_strategy
+    from ddpkit.train.settings.config import TrainConfig
 
     cfg = CONFIGS[name]
     train = TrainConfig(strategy="ddp" if name == "sync" else "slowmo", optimizer="sgd", lr=lr, momentum=0.9)

@@ -3,7 +3,7 @@
 ``python -m benchmarks.profile_sharded [--world 2] [--rounds 3] [--steps 5] [--out FILE.json]``
 
 Not a registered benchmark (no ``QUESTION``): a profiler for the developer. Two ranks (one thread each) train
-`ddpkit.train.gpt` (4 layers, width 256, 4 heads: 3.3M parameters) on random bytes with Adam under these
+`ddpkit.train.workloads.gpt` (4 layers, width 256, 4 heads: 3.3M parameters) on random bytes with Adam under these
 strategies, interleaved round after round so a busy spell of the machine hits all of them alike:
 
 * ``ddp``: torch DDP; ``oss``: torch DDP + OSS; ``sharded``: ShardedDataParallel + OSS;
@@ -138,7 +138,7 @@ def _time_strategy(strategy: str, cfg: dict[str, Any], rank: int) -> dict[str, A
     import torch
     import torch.nn.functional as F
 
-    from ddpkit.train.gpt import GPTConfig, gpt
+    from ddpkit.train.workloads.gpt import GPTConfig, gpt
 
     torch.manual_seed(0)
     module = gpt(GPTConfig(layers=cfg["layers"], width=cfg["width"], heads=cfg["heads"], context=cfg["context"]))

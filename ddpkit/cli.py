@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ddpkit.train import config as cfgmod
-from ddpkit.train.config import TrainConfig
+from ddpkit.train.settings import config as cfgmod
+from ddpkit.train.settings.config import TrainConfig
 
 EXAMPLES = """examples:
   ddpkit train                                         # 2 local processes, digits, OSS + ShardedDataParallel
@@ -263,11 +263,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         if args.command == "train":
-            from ddpkit.train.launcher import launch_training
+            from ddpkit.train.loop.launcher import launch_training
 
             launch_training(make_config(args))
         else:
-            from ddpkit.train.bench import run_bench
+            from ddpkit.train.loop.bench import run_bench
 
             check_bench(vars(args))
             run_bench(args)

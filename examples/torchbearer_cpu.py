@@ -26,9 +26,9 @@ from torchbearer import Trial
 
 from ddpkit.distributed.launch import leave
 from ddpkit.integrations.torchbearer import distributed_callbacks, rank_zero_verbosity
-from ddpkit.train.data import digits
-from ddpkit.train.models import mlp
-from ddpkit.train.report import gather_digests
+from ddpkit.train.loop.report import gather_digests
+from ddpkit.train.workloads.data import digits
+from ddpkit.train.workloads.models import mlp
 
 
 def parse_args() -> argparse.Namespace:

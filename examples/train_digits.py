@@ -29,9 +29,9 @@ from ddpkit.distributed import comm_stats, counting_allreduce_hook
 from ddpkit.distributed.launch import free_port, leave
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS
-from ddpkit.train.bench import optimizer_state_bytes
-from ddpkit.train.data import digits
-from ddpkit.train.report import gather_digests
+from ddpkit.train.loop.bench import optimizer_state_bytes
+from ddpkit.train.loop.report import gather_digests
+from ddpkit.train.workloads.data import digits
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.measure import advisor
+from ddpkit.measure.advisor import Link, advise, fit_link, link_from_mbit, predict_seconds
 from ddpkit.testing import run_distributed
-from ddpkit.train import advisor, bench
-from ddpkit.train.advisor import Link, advise, fit_link, link_from_mbit, predict_seconds
-from ddpkit.train.config import STRATEGIES
+from ddpkit.train.loop import bench
+from ddpkit.train.settings.config import STRATEGIES
 
 HERE = Path(__file__).resolve().parent
 
@@ -174,7 +175,7 @@ def test_bench_command_with_factories_and_a_link(tmp_path):
 
 
 def test_plots(tmp_path):
-    from ddpkit.train.plots import plot_bench, plot_run, run_title, smooth, smoothing_weight
+    from ddpkit.measure.plots import plot_bench, plot_run, run_title, smooth, smoothing_weight
 
     assert smooth([5.0, 5.0, 5.0], 0.9) == pytest.approx([5.0, 5.0, 5.0])  # bias-corrected: no pull towards 0
     assert smooth([0.0, 10.0], 0.5) == pytest.approx([0.0, 10.0 * 0.5 / 0.75])

@@ -10,7 +10,7 @@ import ddpkit
 
 PACKAGE = Path(ddpkit.__file__).parent
 # bottom to top; a module may import its own layer and the ones below it
-LAYERS = ["distributed", "algorithms", "optim", "nn", "testing", "train", "integrations", "compat", "cli"]
+LAYERS = ["distributed", "algorithms", "optim", "nn", "testing", "measure", "train", "integrations", "compat", "cli"]
 AVERAGING_CODE = [PACKAGE / "algorithms", PACKAGE / "nn" / "slowmo_ddp.py", PACKAGE / "nn" / "slowmo_checks.py"]
 MAX_FUNCTION_LINES = 60
 
@@ -27,11 +27,25 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _runtime_nodes(tree: ast.Module) -> list[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for type hints only, never run)."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            todo.extend(node.orelse)
+            continue
+        out.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def _imports(path: Path, top_level_only: bool = False) -> set[str]:
-    """The ddpkit modules `path` imports (a name imported from a package counts as that submodule if it is one);
-    with `top_level_only`, only the imports that run when the module is imported."""
+    """The ddpkit modules `path` imports when it runs (a name imported from a package counts as that submodule if
+    it is one), in functions too; with `top_level_only`, only those that run when the module is imported."""
     tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else ast.walk(tree)
+    nodes = tree.body if top_level_only else _runtime_nodes(tree)
     out: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
@@ -101,6 +115,12 @@ def test_no_import_circle_at_import_time():
     assert _cycles(graph) == []
 
 
+def test_no_import_circle_even_through_imports_inside_functions():
+    """A circle hidden in a function-level import (as config.py and workload.py had) is still a circle."""
+    graph = {m: {t for t in _imports(p) if t in MODULES and t != m} for m, p in MODULES.items()}
+    assert _cycles(graph) == []
+
+
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -150,3 +170,16 @@ def test_slowmo_names_no_averaging_mode():
     names |= {n.attr for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Attribute)}
     built_in = {"OuterSync", "PseudoGradientAverager", "SGPEngine", "GossipAverager", "ExactAverager", "_sgp", "_outer"}
     assert names & built_in == set()
+
+
+def test_measuring_and_workloads_load_without_the_trainer():
+    """`ddpkit bench` and benchmarks/ share timing, advisor, plots and the workloads without the trainer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ddpkit.measure.timing, ddpkit.measure.advisor, ddpkit.measure.plots, ddpkit.train.workloads.gpt;"
+        "print(sorted(m for m in sys.modules if m.startswith('ddpkit.train.loop')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpkit.train import timing
+from ddpkit.measure import timing
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))

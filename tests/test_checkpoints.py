@@ -19,9 +19,9 @@ from test_train_cli import DDPKIT, TRAIN, Proc, latest_checkpoint, run, wait_for
 from ddpkit.optim import OSS
 from ddpkit.optim.state_dict import check_state_shapes
 from ddpkit.testing import run_distributed
-from ddpkit.train import checkpoint_files as files
-from ddpkit.train.checkpoint_files import CheckpointError
-from ddpkit.train.sampler import ResumableSampler
+from ddpkit.train.checkpoints import checkpoint_files as files
+from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
+from ddpkit.train.workloads.sampler import ResumableSampler
 
 SETTINGS = {"strategy": "oss", "world_size": 2, "optimizer": "adam", "adascale": False, "amp": "off", "lr": 0.01,
             "momentum": None, "weight_decay": 0.0}  # fmt: skip
@@ -287,9 +287,9 @@ def test_an_unreadable_checkpoint_does_not_start_processes(tmp_path):
 def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replicas(tmp_path):
     """SlowMo's replicas differ between ranks at the checkpoint (45 steps, averaging every 4); resumed on 1 rank
     without training further, the model is exactly the mean of the 2 saved replicas and the slow buffers are kept."""
-    from ddpkit.train.checkpoint import mean_state
-    from ddpkit.train.models import mlp
-    from ddpkit.train.report import parameter_digest
+    from ddpkit.train.checkpoints.checkpoint import mean_state
+    from ddpkit.train.loop.report import parameter_digest
+    from ddpkit.train.workloads.models import mlp
 
     out = tmp_path / "out"
     flags = [*TRAIN, "--strategy", "slowmo", "--slowmo-frequency", "8", "--localsgd-frequency", "4", "--out", out]

@@ -18,9 +18,9 @@ from test_train_checks import write_tiny_mnist
 
 from ddpkit import cli
 from ddpkit.nn import SlowMoDistributedDataParallel
-from ddpkit.train import config as cfgmod
-from ddpkit.train.config import DATASETS, MODELS, TrainConfig, validate
-from ddpkit.train.strategies import optimizer_arguments
+from ddpkit.train.loop.strategies import optimizer_arguments
+from ddpkit.train.settings import config as cfgmod
+from ddpkit.train.settings.config import DATASETS, MODELS, TrainConfig, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def test_slow_link_flags_are_checked(flags, needle, capsys):
 
 
 def test_slow_link_flags_reach_slowmo_and_the_metrics():
-    from ddpkit.train.strategies import slow_link_arguments
+    from ddpkit.train.loop.strategies import slow_link_arguments
 
     flags = [*SLOW, "--slowmo-compression", "int4", "--slowmo-compression-block", "32", "--slowmo-fragments", "4"]
     flags += [
@@ -132,7 +132,7 @@ def test_slow_link_flags_reach_slowmo_and_the_metrics():
 
 
 def test_bench_passes_the_slow_link_flags_to_its_slowmo_run():
-    from ddpkit.train import bench
+    from ddpkit.train.loop import bench
 
     args = cli.build_parser().parse_args(["bench", "--slowmo-compression", "int4", "--slowmo-fragments", "3"])
     cfg = bench.bench_config(vars(args))
@@ -341,7 +341,7 @@ def test_the_readme_toml_example_is_valid(tmp_path, monkeypatch):
 
 
 def test_the_held_out_text_size_is_the_text_modules():
-    from ddpkit.train.config import HELDOUT_TEXT_BYTES
-    from ddpkit.train.text import DEFAULT_HELDOUT_BYTES
+    from ddpkit.train.settings.config import HELDOUT_TEXT_BYTES
+    from ddpkit.train.workloads.text import DEFAULT_HELDOUT_BYTES
 
     assert HELDOUT_TEXT_BYTES == DEFAULT_HELDOUT_BYTES

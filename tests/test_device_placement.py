@@ -9,7 +9,7 @@ import torch
 
 from ddpkit.distributed import launch
 from ddpkit.testing import rank_device, run_distributed
-from ddpkit.train.config import TrainConfig, validate
+from ddpkit.train.settings.config import TrainConfig, validate
 
 NO_CUDA = not torch.cuda.is_available()
 

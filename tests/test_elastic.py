@@ -30,7 +30,7 @@ import torch
 from test_train_cli import DDPKIT, _env, latest_checkpoint, wait_for
 from torch import nn
 
-from ddpkit.train.models import mlp
+from ddpkit.train.workloads.models import mlp
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 

@@ -17,10 +17,11 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from ddpkit import cli
-from ddpkit.train import checkpoint_files, factories
-from ddpkit.train import launcher as launcher_mod
-from ddpkit.train.factories import build_data, build_model, cross_entropy, load_factory, pick_loss
-from ddpkit.train.trainer import count_correct
+from ddpkit.train.checkpoints import checkpoint_files
+from ddpkit.train.loop import launcher as launcher_mod
+from ddpkit.train.loop.trainer import count_correct
+from ddpkit.train.workloads import factories
+from ddpkit.train.workloads.factories import build_data, build_model, cross_entropy, load_factory, pick_loss
 
 HERE = Path(__file__).resolve().parent
 TEACHER = torch.tensor([[1.5], [-2.0], [0.5], [1.0]])
@@ -128,7 +129,7 @@ def test_factory_and_loss_resolution(on_path):
     module, loss = build_model(SPEC + "regression_model")
     assert isinstance(module, nn.Linear) and loss is F.l1_loss
     assert build_model(SPEC + "plain_model")[1] is None
-    assert load_factory("ddpkit.train.gpt:gpt", "--model") is not None  # dotted packages work
+    assert load_factory("ddpkit.train.workloads.gpt:gpt", "--model") is not None  # dotted packages work
     assert pick_loss(None, F.l1_loss) is F.l1_loss  # the factory's loss
     assert pick_loss("mse", F.l1_loss) is factories.mse  # the flag wins
     assert pick_loss(None, None) is cross_entropy  # the default
@@ -235,8 +236,8 @@ def test_train_from_factories_at_two_processes(tmp_path):
 def test_max_steps_stops_mid_epoch_and_ends_that_epoch():
     from torch.utils.data import DataLoader
 
-    from ddpkit.train.callbacks import MetricsRecorder
-    from ddpkit.train.trainer import Trainer
+    from ddpkit.train.loop.callbacks import MetricsRecorder
+    from ddpkit.train.loop.trainer import Trainer
 
     train, held = regression_data()
     module = nn.Linear(4, 1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from ddpkit.train.gpt import GPT, GPTConfig, gpt, parameter_count
+from ddpkit.train.workloads.gpt import GPT, GPTConfig, gpt, parameter_count
 
 TINY = GPTConfig(layers=2, width=32, heads=4, context=16)
 
@@ -137,8 +137,8 @@ GPT_BAR = {"ddp": 3.8, "oss": 3.8, "sharded": 3.8, "slowmo": 4.3}
 
 def _train_every_strategy(rank: int, world_size: int) -> dict[str, dict]:
     from ddpkit.distributed.launch import Placement
-    from ddpkit.train.config import STRATEGIES, TrainConfig
-    from ddpkit.train.run import train
+    from ddpkit.train.loop.run import train
+    from ddpkit.train.settings.config import STRATEGIES, TrainConfig
 
     results = {}
     for name in STRATEGIES:

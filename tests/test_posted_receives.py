@@ -20,7 +20,7 @@ from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed
-from ddpkit.train.gpt import GPT, GPTConfig
+from ddpkit.train.workloads.gpt import GPT, GPTConfig
 
 TOL = 1e-6
 CONFIG = GPTConfig(layers=2, width=16, heads=2, context=8)

@@ -18,16 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit.train.callbacks import MetricsRecorder
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.report import format_summary, write_metrics
-from ddpkit.train.trainer import Trainer
+from ddpkit.train.loop.callbacks import MetricsRecorder
+from ddpkit.train.loop.report import format_summary, write_metrics
+from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.settings.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _summary(**changes: Any) -> dict[str, Any]:
-    """A summary as `ddpkit train` builds it (ddpkit.train.run.summarize), written out by hand."""
+    """A summary as `ddpkit train` builds it (ddpkit.train.loop.run.summarize), written out by hand."""
     settings = {
         "optimizer": "adam", "optimizer_arguments": {"lr": 0.001}, "batch_size_per_process": 16, "world_size": 2,
         "grad_accum": 1, "samples_per_step": 32, "amp": "off", "adascale": False, "slowmo": None, "model": "mlp",
@@ -97,7 +97,7 @@ def test_wall_time_is_the_commands_and_training_time_is_labelled_apart() -> None
 
 
 def test_model_size_names_the_gpt_shape_and_the_parameter_count() -> None:
-    from ddpkit.train.report import model_size  # (here: the other tests run without it)
+    from ddpkit.train.loop.report import model_size  # (here: the other tests run without it)
 
     cfg = TrainConfig(model="gpt", data="text", gpt_layers=2, gpt_width=64, gpt_heads=2, context=64)
     assert model_size(cfg, 120_576) == "2 layers, width 64, 2 heads, context 64; 120,576 parameters"
@@ -146,7 +146,7 @@ def test_eval_every_zero_evaluates_at_epoch_ends_only() -> None:
 def test_seconds_since_process_start_counts_the_interpreter_start_and_imports() -> None:
     code = (
         "import time; time.sleep(1.5)\n"
-        "from ddpkit.train.launcher import seconds_since_process_start\n"
+        "from ddpkit.train.loop.launcher import seconds_since_process_start\n"
         "print(seconds_since_process_start())"
     )
     start = time.monotonic()
@@ -158,7 +158,7 @@ def test_seconds_since_process_start_counts_the_interpreter_start_and_imports() 
 
 
 def test_eval_every_is_checked_before_start() -> None:
-    from ddpkit.train.config import validate
+    from ddpkit.train.settings.config import validate
 
     with pytest.raises(ValueError, match=r"--eval-every must be an integer >= 0; got -1"):
         validate(TrainConfig(eval_every=-1))
@@ -168,8 +168,8 @@ def test_eval_every_is_checked_before_start() -> None:
 def test_the_progress_bar_shows_no_accuracy_without_classes() -> None:
     from types import SimpleNamespace
 
-    from ddpkit.train.callbacks import ProgressBar
-    from ddpkit.train.trainer import StepRecord, TrainerState
+    from ddpkit.train.loop.callbacks import ProgressBar
+    from ddpkit.train.loop.trainer import StepRecord, TrainerState
 
     bar = ProgressBar(2, rank=0, world_size=2, label="ddp x2")
     trainer = SimpleNamespace(state=TrainerState(), last=None)

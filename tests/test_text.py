@@ -11,8 +11,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.train import text as textmod
-from ddpkit.train.text import ByteWindows, bits_per_byte, is_heldout, split_files, stdlib_files, text
+from ddpkit.train.workloads import text as textmod
+from ddpkit.train.workloads.text import ByteWindows, bits_per_byte, is_heldout, split_files, stdlib_files, text
 
 
 def _tree(root: Path, count: int = 40) -> None:

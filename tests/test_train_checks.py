@@ -1,6 +1,6 @@
 """`ddpkit train` jobs whose ranks disagree fail at start-up on every rank, naming the setting and the ranks;
 settings that belong to one machine may differ; the run records what it was and what happened; every model x
-data pair that is accepted trains. Ranks run `ddpkit.train.run.train` in the test pool (cheap), and one job runs
+data pair that is accepted trains. Ranks run `ddpkit.train.loop.run.train` in the test pool (cheap), and one job runs
 as two real `ddpkit train --world-size 2 --rank R` commands."""
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from torch import nn
 from ddpkit.distributed.agreement import RanksDisagree
 from ddpkit.distributed.launch import TORCHRUN_VARIABLES, Placement, free_port
 from ddpkit.testing import run_distributed
-from ddpkit.train.callbacks import RunEvents
-from ddpkit.train.config import TrainConfig, validate
-from ddpkit.train.run import train
-from ddpkit.train.trainer import Callback, Trainer
+from ddpkit.train.loop.callbacks import RunEvents
+from ddpkit.train.loop.run import train
+from ddpkit.train.loop.trainer import Callback, Trainer
+from ddpkit.train.settings.config import TrainConfig, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(data="synthetic", synthetic_samples=96, synthetic_features=16, hidden=8, depth=1, epochs=1)

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from ddpkit.distributed.launch import TORCHRUN_VARIABLES, free_port
-from ddpkit.train.bench import BENCH_STRATEGIES
-from ddpkit.train.config import STRATEGIES
+from ddpkit.train.loop.bench import BENCH_STRATEGIES
+from ddpkit.train.settings.config import STRATEGIES
 
 pytestmark = pytest.mark.slow
 
@@ -782,8 +782,9 @@ def test_a_short_gpt_run_reports_what_happened(tmp_path, procs):
 
 
 def text_windows(context):
-    """The training windows of --data text at `context` bytes (ddpkit.train.text, read here in this process)."""
-    from ddpkit.train.text import text
+    """The training windows of --data text at `context` bytes (ddpkit.train.workloads.text, read here in this
+    process)."""
+    from ddpkit.train.workloads.text import text
 
     return len(text(context)[0])
 

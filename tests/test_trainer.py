@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddpkit import cli
 from ddpkit.distributed import launch
 from ddpkit.train import Callback, Trainer, TrainerState
-from ddpkit.train import launcher as launcher_mod
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.data import MNIST_FILES, digits, mnist, read_idx, synthetic
-from ddpkit.train.report import format_summary, parameter_digest, write_metrics
+from ddpkit.train.loop import launcher as launcher_mod
+from ddpkit.train.loop.report import format_summary, parameter_digest, write_metrics
+from ddpkit.train.settings.config import TrainConfig
+from ddpkit.train.workloads.data import MNIST_FILES, digits, mnist, read_idx, synthetic
 
 # --------------------------------------------------------------------------------------------------- helpers
 

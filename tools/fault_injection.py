@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from ddpkit.distributed.launch import free_port  # noqa: E402
 from ddpkit.distributed.shared_memory import SHM_DIR  # noqa: E402
-from ddpkit.train import checkpoint_files as files  # noqa: E402
+from ddpkit.train.checkpoints import checkpoint_files as files  # noqa: E402
 
 DDPKIT = [sys.executable, "-m", "ddpkit", "train"]
 RUN = ["--epochs", "100000", "--no-progress", "--data", "synthetic", "--synthetic-samples", "512", "--hidden", "32"]

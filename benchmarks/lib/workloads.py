@@ -134,15 +134,15 @@ HELD_OUT_WINDOWS = 128
 
 @lru_cache(maxsize=2)
 def _stdlib_text(context: int) -> tuple[Any, Any]:
-    from ddpkit.train.text import text
+    from ddpkit.train.workloads.text import text
 
     return text(context)
 
 
 @dataclass(frozen=True)
 class GPTText:
-    """ddpkit's byte-level GPT (`ddpkit.train.gpt`) on windows of the standard library's source
-    (`ddpkit.train.text`): each rank draws its windows at random from the training files with its own seed;
+    """ddpkit's byte-level GPT (`ddpkit.train.workloads.gpt`) on windows of the standard library's source
+    (`ddpkit.train.workloads.text`): each rank draws its windows at random from the training files with its own seed;
     ``held_out`` is the first `n` windows of the held-out set (spread evenly over the held-out files)."""
 
     layers: int = 6
@@ -152,18 +152,18 @@ class GPTText:
     name: str = "gpt"
 
     def _config(self) -> Any:
-        from ddpkit.train.gpt import GPTConfig
+        from ddpkit.train.workloads.gpt import GPTConfig
 
         return GPTConfig(self.layers, self.width, self.heads, self.context)
 
     def describe(self) -> str:
-        from ddpkit.train.gpt import parameter_count
+        from ddpkit.train.workloads.gpt import parameter_count
 
         shape = f"{self.layers} layers x {self.width}, {self.heads} heads, context {self.context}"
         return f"byte GPT ({shape}; {parameter_count(self._config()):,} parameters) on stdlib source"
 
     def model(self, seed: int) -> nn.Module:
-        from ddpkit.train.gpt import gpt
+        from ddpkit.train.workloads.gpt import gpt
 
         torch.manual_seed(seed)
         return gpt(self._config())

@@ -12,7 +12,7 @@ from torch import nn
 from ddpkit.distributed import comm
 from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.testing import rank_device
-from ddpkit.train import models
+from ddpkit.train.workloads import models
 
 SHAPE = (16, 8, 64, 2)  # features, outputs, hidden width, hidden layers
 

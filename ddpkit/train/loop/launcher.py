@@ -7,8 +7,8 @@ import os
 import time
 
 from ddpkit.distributed.launch import exit_without_teardown, free_port, from_torchrun, spawn
-from ddpkit.train.config import TrainConfig, validate
-from ddpkit.train.run import process_main, run_placed
+from ddpkit.train.loop.run import process_main, run_placed
+from ddpkit.train.settings.config import TrainConfig, validate
 
 DEFAULT_MULTINODE_PORT = 29500
 

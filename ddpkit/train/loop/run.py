@@ -29,14 +29,12 @@ from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import guard_rank, say
 from ddpkit.distributed.threads import share_cores, share_cores_with_peers
 from ddpkit.nn import SlowMoDistributedDataParallel
-from ddpkit.train import checkpoint_files
-from ddpkit.train.agreement import check_job_agrees
-from ddpkit.train.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
-from ddpkit.train.checkpoint import load_checkpoint
-from ddpkit.train.checkpoint_files import resume_settings
-from ddpkit.train.config import TrainConfig
-from ddpkit.train.out_lock import claim_out
-from ddpkit.train.report import (
+from ddpkit.train.checkpoints import checkpoint_files
+from ddpkit.train.checkpoints.checkpoint import load_checkpoint
+from ddpkit.train.checkpoints.checkpoint_files import resume_settings
+from ddpkit.train.checkpoints.out_lock import claim_out
+from ddpkit.train.loop.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
+from ddpkit.train.loop.report import (
     format_summary,
     gather_digests,
     gather_per_rank,
@@ -45,11 +43,13 @@ from ddpkit.train.report import (
     run_settings,
     write_metrics,
 )
-from ddpkit.train.sampler import ResumableSampler
-from ddpkit.train.strategies import build_strategy
-from ddpkit.train.text import bits_per_byte
-from ddpkit.train.trainer import Trainer
-from ddpkit.train.workload import build_workload
+from ddpkit.train.loop.strategies import build_strategy
+from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.settings.agreement import check_job_agrees
+from ddpkit.train.settings.config import TrainConfig
+from ddpkit.train.workloads.sampler import ResumableSampler
+from ddpkit.train.workloads.text import bits_per_byte
+from ddpkit.train.workloads.workload import build_workload
 
 
 def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.device:

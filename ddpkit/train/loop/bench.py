@@ -2,7 +2,7 @@
 
 The workload is an MLP on synthetic data unless ``--model``/``--data`` name another (``gpt``/``text``, or your
 factories). Each strategy runs in fresh processes for ``--warmup`` + ``--steps`` steps on one fixed batch per
-rank; the link between the processes is measured first. ``ddpkit.train.advisor`` turns the figures into a
+rank; the link between the processes is measured first. ``ddpkit.measure.advisor`` turns the figures into a
 predicted step time per strategy on a given link and a recommendation."""
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from torch.utils.data.distributed import DistributedSampler
 from ddpkit.distributed import comm, comm_stats
 from ddpkit.distributed.launch import Placement, exit_without_teardown, free_port, join, leave, pick_backend, spawn
 from ddpkit.distributed.objects import gather_objects
+from ddpkit.measure import advisor
+from ddpkit.measure.timing import optimizer_state_bytes as state_bytes
+from ddpkit.measure.timing import relative_spread, step_time, timed_steps, window_means
 from ddpkit.optim import OSS
-from ddpkit.train import advisor
-from ddpkit.train.config import SLOW_LINK_FLAGS, STRATEGIES, TrainConfig, validate
-from ddpkit.train.report import gather_per_rank, peak_memory_mb
-from ddpkit.train.strategies import OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
-from ddpkit.train.timing import optimizer_state_bytes as state_bytes
-from ddpkit.train.timing import relative_spread, step_time, timed_steps, window_means
-from ddpkit.train.trainer import Trainer
-from ddpkit.train.workload import Workload, build_workload
+from ddpkit.train.loop.report import gather_per_rank, peak_memory_mb
+from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
+from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.settings.config import SLOW_LINK_FLAGS, STRATEGIES, TrainConfig, validate
+from ddpkit.train.workloads.workload import Workload, build_workload
 
 FEATURES, CLASSES = 1024, 10
 BENCH_STRATEGIES = (*STRATEGIES, "sgp")  # sgp: --strategy slowmo --slowmo-base sgp, with its other settings
@@ -278,7 +278,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _report(
     results: list[dict[str, Any]], cfg: TrainConfig, steps: int, target: advisor.Link | None, given: dict[str, Any]
 ) -> None:
-    from ddpkit.train.plots import plot_bench
+    from ddpkit.measure.plots import plot_bench
 
     print(f"{results[0]['workload']}: {results[0]['parameters'] / 1e6:.1f}M parameters, batch {cfg.batch_size} "
           f"per process, {cfg.optimizer}, {steps} timed steps on {cfg.world_size} processes")  # fmt: skip

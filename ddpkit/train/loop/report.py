@@ -19,8 +19,8 @@ import ddpkit
 from ddpkit.distributed import comm
 from ddpkit.distributed.env import group_size
 from ddpkit.distributed.objects import gather_objects
-from ddpkit.train.config import SLOW_LINK_FLAGS, TrainConfig
-from ddpkit.train.strategies import optimizer_arguments, slowmo_node_size
+from ddpkit.train.loop.strategies import optimizer_arguments, slowmo_node_size
+from ddpkit.train.settings.config import SLOW_LINK_FLAGS, TrainConfig
 
 
 def parameter_digest(module: nn.Module) -> str:
@@ -270,7 +270,7 @@ def plot_metrics(
     heldout: list[dict[str, Any]] | None = None,
 ) -> None:
     """metrics.png: smoothed training loss with epoch ticks, held-out accuracy (or bits per byte, or loss) at
-    every evaluation and bytes sent per step, titled with the run's settings (`ddpkit.train.plots.plot_run`)."""
-    from ddpkit.train.plots import plot_run
+    every evaluation and bytes sent per step, titled with the run's settings (`ddpkit.measure.plots.plot_run`)."""
+    from ddpkit.measure.plots import plot_run
 
     plot_run(path, summary or {}, history, steps, heldout)

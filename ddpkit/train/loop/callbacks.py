@@ -11,10 +11,10 @@ from typing import Any
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from ddpkit.train.checkpoint import save_checkpoint
-from ddpkit.train.report import gather_per_rank
-from ddpkit.train.strategies import Strategy
-from ddpkit.train.trainer import Callback, StepRecord, Trainer
+from ddpkit.train.checkpoints.checkpoint import save_checkpoint
+from ddpkit.train.loop.report import gather_per_rank
+from ddpkit.train.loop.strategies import Strategy
+from ddpkit.train.loop.trainer import Callback, StepRecord, Trainer
 
 
 class ProgressBar(Callback):

@@ -7,7 +7,7 @@ import os
 import platform
 from typing import Any
 
-from ddpkit.train.advisor import Link, advise
+from ddpkit.measure.advisor import Link, advise
 
 MAX_SMOOTHING = 0.98  # the largest weight of the past in the loss curve's exponential moving average
 

@@ -232,7 +232,8 @@ class Trainer:
 
 def count_correct(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
     """(correct predictions, predictions): the arg-max over the class dimension (the last one for outputs of 3+
-    dimensions, as `ddpkit.train.factories.cross_entropy`) against integer targets; (0, 0) for float targets."""
+    dimensions, as `ddpkit.train.workloads.factories.cross_entropy`) against integer targets; (0, 0) for float
+    targets."""
     if target.is_floating_point() or output.dim() < 2:
         return 0, 0
     predicted = output.argmax(-1 if output.dim() > 2 else 1)

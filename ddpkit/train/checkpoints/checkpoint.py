@@ -26,10 +26,10 @@ from ddpkit.distributed.objects import broadcast_object, gather_objects
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.optim import OSS
 from ddpkit.optim.state_dict import check_state_shapes
-from ddpkit.train import checkpoint_files as files
-from ddpkit.train.checkpoint_files import CheckpointError
-from ddpkit.train.strategies import Strategy
-from ddpkit.train.trainer import TrainerState
+from ddpkit.train.checkpoints import checkpoint_files as files
+from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
+from ddpkit.train.loop.strategies import Strategy
+from ddpkit.train.loop.trainer import TrainerState
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 

@@ -11,6 +11,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit.train.workloads import registry
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -19,9 +21,9 @@ else:  # pragma: no cover
 STRATEGIES = ("ddp", "oss", "sharded", "slowmo")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("off", "bf16", "fp16")
-DATASETS = ("digits", "mnist", "synthetic", "text")  # or PACKAGE.MODULE:FACTORY (ddpkit.train.factories)
-MODELS = ("mlp", "cnn", "gpt")  # or PACKAGE.MODULE:FACTORY
-LOSSES = ("cross_entropy", "mse")
+DATASETS = tuple(registry.DATASETS)  # or PACKAGE.MODULE:FACTORY (ddpkit.train.workloads.factories)
+MODELS = tuple(registry.MODELS)  # or PACKAGE.MODULE:FACTORY
+LOSSES = registry.LOSSES
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
@@ -60,7 +62,7 @@ class TrainConfig:
     depth: int = 2
     loss: str | None = None  # cross_entropy | mse; None: the model factory's loss, else cross_entropy
     max_steps: int | None = None  # stop after this many optimizer steps, whatever --epochs says
-    # --model gpt (ddpkit.train.gpt) and --data text (ddpkit.train.text)
+    # --model gpt (ddpkit.train.workloads.gpt) and --data text (ddpkit.train.workloads.text)
     gpt_layers: int = 6
     gpt_width: int = 384
     gpt_heads: int = 6
@@ -102,7 +104,7 @@ class TrainConfig:
     keep: int = 2  # checkpoints kept (the newest)
     checkpoint_every: int | None = None  # also checkpoint every N optimizer steps (besides every epoch)
     eval_every: int | None = None  # held-out evaluation every N optimizer steps and at each epoch's end; None:
-    # about 15 per run (ddpkit.train.run.default_eval_every); 0: at epoch ends only
+    # about 15 per run (ddpkit.train.loop.run.default_eval_every); 0: at epoch ends only
     debug: bool = False  # tracebacks and torch's C++ stack traces (as DDPKIT_DEBUG=1)
 
     @property
@@ -230,7 +232,7 @@ def validate(cfg: TrainConfig) -> None:
             check_int(name, getattr(cfg, name), 1)
     if cfg.eval_every is not None:
         check_int("eval_every", cfg.eval_every, 0)
-    from ddpkit.train.workload import validate_workload  # imports the models: only once the flags are sound
+    from ddpkit.train.workloads.workload import validate_workload  # imports the models: only once the flags are sound
 
     validate_workload(cfg)
     if cfg.node_rank >= cfg.nnodes:
@@ -303,7 +305,7 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     if cfg.data == "mnist":
         if not cfg.data_dir:
             raise ValueError("--data mnist needs --data-dir PATH holding the four MNIST IDX files")
-        from ddpkit.train.data import mnist_paths
+        from ddpkit.train.workloads.data import mnist_paths
 
         mnist_paths(cfg.data_dir)
     elif cfg.data_dir:
@@ -337,7 +339,9 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         _check_resumable(cfg)
 
 
-HELDOUT_TEXT_BYTES = 65536  # ddpkit.train.text.DEFAULT_HELDOUT_BYTES (not imported: that module imports torch)
+HELDOUT_TEXT_BYTES = (
+    65536  # ddpkit.train.workloads.text.DEFAULT_HELDOUT_BYTES (not imported: that module imports torch)
+)
 
 SGP_FLAGS = ("graph", "peers_per_itr", "push_sum", "overlap", "synch_freq", "slowmo_sgp_average_params")
 
@@ -399,7 +403,7 @@ def _check_slow_links(cfg: TrainConfig) -> None:
 def _check_resumable(cfg: TrainConfig) -> None:
     if cfg.node_rank != 0:
         return  # only rank 0's machine holds the shared part of the checkpoint
-    from ddpkit.train import checkpoint_files
+    from ddpkit.train.checkpoints import checkpoint_files
 
     if not checkpoint_files.committed(cfg.out or ""):
         raise FileNotFoundError(

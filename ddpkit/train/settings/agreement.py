@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from ddpkit.distributed.agreement import canonical, check_same_across_ranks, parameter_settings
-from ddpkit.train.config import TrainConfig, flag
-from ddpkit.train.strategies import optimizer_arguments
-from ddpkit.train.workload import Workload
+from ddpkit.train.loop.strategies import optimizer_arguments
+from ddpkit.train.settings.config import TrainConfig, flag
+from ddpkit.train.workloads.workload import Workload
 
 PER_MACHINE = ("data_dir", "out", "progress", "node_rank", "master_addr", "master_port", "timeout")
 

@@ -13,7 +13,7 @@ from ddpkit.algorithms.gossip_graphs import GRAPHS
 from ddpkit.distributed import counting_allreduce_hook, group_rank, group_size
 from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
-from ddpkit.train.config import SLOW_LINK_FLAGS, TrainConfig
+from ddpkit.train.settings.config import SLOW_LINK_FLAGS, TrainConfig
 
 OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,

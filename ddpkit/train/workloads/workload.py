@@ -1,24 +1,23 @@
 """What `ddpkit train` and `ddpkit bench` train: a model, its loss and (train, held-out) data, from built-in names
 (``mlp``/``cnn`` on ``digits``/``mnist``/``synthetic``, ``gpt`` on ``text``) or from factories
-(``PACKAGE.MODULE:FACTORY``, see `ddpkit.train.factories`)."""
+(``PACKAGE.MODULE:FACTORY``, see `ddpkit.train.workloads.factories`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ddpkit.train import factories
-from ddpkit.train.config import DATASETS, LOSSES, MODELS, TrainConfig
-from ddpkit.train.data import Data, digits, mnist, synthetic
-from ddpkit.train.factories import LossFn
-from ddpkit.train.gpt import GPTConfig, gpt
-from ddpkit.train.models import mlp, small_cnn
-from ddpkit.train.text import text
+from ddpkit.train.workloads import factories
+from ddpkit.train.workloads.factories import LossFn
+from ddpkit.train.workloads.registry import CLASSIFICATION_DATA, DATASETS, LOSSES, MODELS, check_gpt_flags, gpt_config
 
-CLASSIFICATION_DATA = ("digits", "mnist", "synthetic")
+if TYPE_CHECKING:
+    from ddpkit.train.settings.config import TrainConfig
+
+__all__ = ["CLASSIFICATION_DATA", "Workload", "build_workload", "check_model_fits_data", "gpt_config"]
 
 
 @dataclass
@@ -32,20 +31,6 @@ class Workload:
     heldout: Any
 
 
-def gpt_config(cfg: TrainConfig) -> GPTConfig:
-    """The GPT that --gpt-layers, --gpt-width, --gpt-heads and --context describe."""
-    return GPTConfig(layers=cfg.gpt_layers, width=cfg.gpt_width, heads=cfg.gpt_heads, context=cfg.context)
-
-
-def _check_gpt_flags(cfg: TrainConfig) -> None:
-    flags = (("gpt-layers", cfg.gpt_layers), ("gpt-width", cfg.gpt_width), ("gpt-heads", cfg.gpt_heads))
-    for flag, value in (*flags, ("context", cfg.context)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{flag} must be an integer >= 1; got {value!r}")
-    if cfg.gpt_width % cfg.gpt_heads:
-        raise ValueError(f"--gpt-width {cfg.gpt_width} must be divisible by --gpt-heads {cfg.gpt_heads}")
-
-
 def _check_names(cfg: TrainConfig) -> None:
     for flag, value, allowed in (("model", cfg.model, MODELS), ("data", cfg.data, DATASETS)):
         if not factories.is_spec(value) and value not in allowed:
@@ -57,13 +42,8 @@ def _check_names(cfg: TrainConfig) -> None:
 
 
 def _check_pairing(cfg: TrainConfig) -> None:
-    if cfg.model in ("mlp", "cnn") and cfg.data not in CLASSIFICATION_DATA:
-        raise ValueError(
-            f"--model {cfg.model} classifies --data {'|'.join(CLASSIFICATION_DATA)}; for --data {cfg.data} use "
-            "--model gpt (with --data text) or your own --model PACKAGE.MODULE:FACTORY"
-        )
-    if cfg.model == "gpt" and cfg.data in CLASSIFICATION_DATA:
-        raise ValueError(f"--model gpt reads byte sequences: use --data text or a factory, not --data {cfg.data}")
+    if cfg.model in MODELS:
+        MODELS[cfg.model].check(cfg)
     if cfg.loss == "mse" and (cfg.model == "gpt" or cfg.data == "text"):
         raise ValueError("--loss mse needs float targets; --model gpt and --data text predict bytes (cross_entropy)")
 
@@ -73,7 +53,7 @@ def validate_workload(cfg: TrainConfig) -> None:
     return. Raises a ValueError/TypeError naming the flag, before any process starts."""
     _check_names(cfg)
     _check_pairing(cfg)
-    _check_gpt_flags(cfg)
+    check_gpt_flags(cfg)
     if factories.is_spec(cfg.model) or factories.is_spec(cfg.data):
         check_model_fits_data(build_workload(cfg, torch.device("cpu")), cfg)
 
@@ -114,33 +94,11 @@ def check_model_fits_data(work: Workload, cfg: TrainConfig) -> None:
         work.module.train(was_training)
 
 
-def _classification_data(cfg: TrainConfig) -> Data:
-    if cfg.data == "digits":
-        return digits(cfg.seed)
-    if cfg.data == "mnist":
-        assert cfg.data_dir is not None
-        return mnist(cfg.data_dir)
-    return synthetic(cfg.synthetic_samples, cfg.synthetic_features, cfg.synthetic_classes, cfg.seed)
-
-
-def _builtin_model(cfg: TrainConfig, data: Data | None) -> nn.Module:
-    if cfg.model == "gpt":
-        return gpt(gpt_config(cfg))
-    assert data is not None
-    if cfg.model == "cnn":
-        if data.image_shape is None:
-            raise ValueError("--model cnn needs image-shaped data")
-        return small_cnn(data.image_shape, data.num_classes)
-    return mlp(data.num_features, data.num_classes, cfg.hidden, cfg.depth)
-
-
 def build_workload(cfg: TrainConfig, device: torch.device) -> Workload:
     """Data, then the model (after ``torch.manual_seed(seed)``, so every rank builds the same one) on `device`."""
-    data = _classification_data(cfg) if cfg.data in CLASSIFICATION_DATA else None
-    if data is not None:
-        train, heldout = data.train, data.test
-    elif cfg.data == "text":
-        train, heldout = text(cfg.context)
+    data = None
+    if cfg.data in DATASETS:
+        train, heldout, data = DATASETS[cfg.data].build(cfg)
     else:
         train, heldout = factories.build_data(cfg.data)
     torch.manual_seed(cfg.seed)
@@ -148,6 +106,6 @@ def build_workload(cfg: TrainConfig, device: torch.device) -> Workload:
     if factories.is_spec(cfg.model):
         module, factory_loss = factories.build_model(cfg.model)
     else:
-        module = _builtin_model(cfg, data)
+        module = MODELS[cfg.model].build(cfg, data)
     loss_fn = factories.pick_loss(cfg.loss, factory_loss)
     return Workload(f"{cfg.model} on {cfg.data}", module.to(device), loss_fn, train, heldout)

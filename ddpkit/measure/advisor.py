@@ -1,7 +1,7 @@
 """Which strategy for this model on this network: measure the link, predict each strategy's step time, recommend.
 
 `ddpkit bench` times every strategy for a few steps on the user's model and records, per strategy, the step time
-``t_step`` (`ddpkit.train.timing.step_time`: the median over windows of 3 steps of their mean, so SlowMo's
+``t_step`` (`ddpkit.measure.timing.step_time`: the median over windows of 3 steps of their mean, so SlowMo's
 averaging steps count in proportion and a slow spell of the machine does not; the one statistic of the table, the
 plot, the prediction and the recommendation), the step of the bare model ``t_local`` (forward, backward and the
 torch optimizer on one rank, no wrapper, no communication), the bytes one rank puts on the wire per step ``W``
@@ -34,7 +34,7 @@ their sends (within 9% for every strategy on two namespace hosts, `benchmarks/RE
 
 **The recommendation** is the strategy with the lowest predicted (or, without a link, measured) step time. The
 strategies within the margin of it count as equally fast: the margin is the larger of 5% and the noise of the two
-fastest (each one's `ddpkit.train.timing.relative_spread` of its windows, added). Of those, the ones with the
+fastest (each one's `ddpkit.measure.timing.relative_spread` of its windows, added). Of those, the ones with the
 least peak memory per rank (within 5%: memory is measured too) count as lightest, and the first of them in the
 bench's order (ddp, oss, sharded, slowmo, sgp) is recommended. When the runner-up is within the margin the advice
 says so ("no clear winner: ... within N%"), so two runs of the same bench do not seem to contradict each other.
