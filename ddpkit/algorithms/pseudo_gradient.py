@@ -113,7 +113,8 @@ class OuterSync:
         return out
 
     def merging(self, step: int) -> list[int]:
-        return sorted(j for j, f in self.in_flight.items() if f.start + self.settings.sync_delay == step)
+        # "<=": a sync restored from a checkpoint of a longer delay merges at once (exactly "==" otherwise)
+        return sorted(j for j, f in self.in_flight.items() if f.start + self.settings.sync_delay <= step)
 
     def busy(self, step: int) -> bool:
         """Whether step `step` starts or merges a sync (else `step` has nothing to do)."""
@@ -192,7 +193,10 @@ class OuterSync:
         }
 
     def load(self, state: dict[str, Any]) -> None:
-        """Restores `state()`'s output, saved by the same rank of a job of the same shape and settings."""
+        """Restores `state()`'s output, saved by the same rank of a job of the same shape and fragments. Another
+        compression, error feedback or delay is taken: a residual saved without error feedback starts at zero (one
+        saved with it is dropped without), and a sync whose merge step has passed under a shorter delay merges at
+        the next step."""
         if "outer_synced" not in state:
             raise ValueError(
                 "load_slowmo_state_dict: the checkpoint has no pseudo-gradient state (it was saved without "
@@ -203,13 +207,12 @@ class OuterSync:
                 f"load_slowmo_state_dict: the checkpoint's fragments {state['outer_bounds']} differ from this "
                 f"model's {self.bounds} (another slowmo_fragments or model)"
             )
-        if (state["outer_residual"] is None) != (self.residual is None):
-            raise ValueError("load_slowmo_state_dict: the checkpoint was saved with another slowmo_error_feedback")
         for flight in self.in_flight.values():  # a live sync of this run: complete its transfers before dropping it
             self._arrived(flight)
         self.synced.copy_(state["outer_synced"])
-        if self.residual is not None:
-            self.residual.copy_(state["outer_residual"])
+        if self.residual is not None:  # saved without error feedback: the residual starts at zero
+            saved = state["outer_residual"]
+            self.residual.copy_(saved) if saved is not None else self.residual.zero_()
         self.in_flight = {
             int(j): _InFlight(f["start"], f["slow"], f["lr"], mean=_clone(f["mean"], self.synced.device))
             for j, f in state["outer_in_flight"].items()

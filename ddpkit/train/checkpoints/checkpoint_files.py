@@ -200,7 +200,63 @@ def resume_settings(cfg: Any) -> dict[str, Any]:
         "momentum": cfg.momentum if cfg.optimizer == "sgd" else None,
         "weight_decay": cfg.resolved_weight_decay,
         "data": cfg.data,
+        "slowmo": _slowmo_settings(cfg) if cfg.strategy == "slowmo" else None,
     }
+
+
+def _slowmo_settings(cfg: Any) -> dict[str, Any]:
+    return {
+        "base": cfg.slowmo_base,
+        "compression": cfg.slowmo_compression,
+        "error_feedback": cfg.slowmo_error_feedback,
+        "fragments": cfg.slowmo_fragments,
+        "sync_delay": cfg.slowmo_sync_delay,
+    }
+
+
+def _pseudo_gradients(slowmo: dict[str, Any]) -> bool:
+    """Whether these SlowMo settings average through pseudo-gradient syncs (else exactly, or by gossip)."""
+    return slowmo["compression"] != "none" or slowmo["fragments"] > 1 or slowmo["sync_delay"] > 0
+
+
+def slowmo_resume_notes(then: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
+    """What a change of SlowMo's averaging settings does on --resume; a ValueError where the saved state cannot
+    drive the new mode (another base algorithm, exact averaging to pseudo-gradients, other fragments)."""
+    if then is None or now is None:
+        return []
+    if then["base"] != now["base"]:
+        raise ValueError(
+            f"--resume: the checkpoint was written with --slowmo-base {then['base']}, whose state (gossip buffer or "
+            f"none) cannot drive --slowmo-base {now['base']}. Resume with --slowmo-base {then['base']}"
+        )
+    if _pseudo_gradients(now) and not _pseudo_gradients(then):
+        raise ValueError(
+            "--resume: the checkpoint averaged nodes exactly; --slowmo-compression, --slowmo-fragments and "
+            "--slowmo-sync-delay need the synchronised copy its syncs keep. Resume without them, or start afresh"
+        )
+    if _pseudo_gradients(then) and not _pseudo_gradients(now):
+        return ["slowmo pseudo-gradient syncs -> exact averaging: syncs in flight at the checkpoint are dropped"]
+    if then["fragments"] != now["fragments"]:
+        raise ValueError(
+            f"--resume: the checkpoint was written with --slowmo-fragments {then['fragments']}; its syncs in flight "
+            f"and residual are cut that way. Resume with --slowmo-fragments {then['fragments']}"
+        )
+    notes = []
+    if then["compression"] != now["compression"]:
+        notes.append(f"slowmo compression {then['compression']} -> {now['compression']}: the next syncs are sent "
+                     f"as {now['compression']}")  # fmt: skip
+    if then["error_feedback"] != now["error_feedback"]:
+        kept = "starts at zero" if now["error_feedback"] else "is dropped"
+        notes.append(f"slowmo error feedback {_on(then)} -> {_on(now)}: the residual {kept}")
+    if then["sync_delay"] != now["sync_delay"]:
+        notes.append(f"slowmo sync delay {then['sync_delay']} -> {now['sync_delay']}: a sync in flight at the "
+                     f"checkpoint merges {now['sync_delay']} steps after it started, or at the first step if that "
+                     "has passed")  # fmt: skip
+    return notes
+
+
+def _on(slowmo: dict[str, Any]) -> str:
+    return "on" if slowmo["error_feedback"] else "off"
 
 
 def resume_notes(manifest: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -238,4 +294,6 @@ def resume_notes(manifest: dict[str, Any], now: dict[str, Any]) -> list[str]:
                      "position in the epoch")  # fmt: skip
     if then["amp"] is not None and then["amp"] != now["amp"]:
         notes.append(f"amp {then['amp']} -> {now['amp']}: the loss scaler starts afresh")
+    if then["strategy"] == now["strategy"] == "slowmo":
+        notes.extend(slowmo_resume_notes(then.get("slowmo"), now.get("slowmo")))
     return notes
