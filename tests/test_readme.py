@@ -226,6 +226,11 @@ OTHER_BLOCKS: dict[tuple[str, str], str] = {  # (language, first line) -> its te
     ("", "ddpkit/distributed/   the only code that calls torch.distributed: env.py (ranks, groups, checks),"): (
         "test_layout_names_files_that_exist"
     ),
+    (
+        "text",
+        "ddpkit: rank 0 saw rank 0: collective #15, shared_memory of 80 B on world, from ShardedDataParallel._reduce "
+        "(ddpkit/nn/sharded_ddp.py:331)",
+    ): "tests/test_ledger.py::test_a_parameter_frozen_on_one_rank_only_is_named (these lines, from the ledger)",
 }
 
 BENCH_COMMANDS: dict[str, str] = {

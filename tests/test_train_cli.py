@@ -662,6 +662,9 @@ def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path, procs):
     assert time.monotonic() - stopped < timeout + 20, str(result)
     assert re.search(r"ddpkit: rank \d failed: .*", result.stderr), str(result)
     assert "ddpkit: error: local process" in result.stderr
+    # the ledger's diagnosis names where the answering rank was and that the stopped one never reported
+    assert re.search(r"ddpkit: rank 0 saw rank 0: collective #\d+, \w+ of \d+ B on ", result.stderr), str(result)
+    assert "ddpkit: rank 0 saw rank 1: no report" in result.stderr, str(result)
     assert not wait_gone(job.seen), "processes outlived the job (the stopped one must be killed)"
 
 

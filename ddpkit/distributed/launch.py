@@ -374,6 +374,12 @@ def explain_failure(exc: BaseException, timeout: float) -> str:
     return cause
 
 
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` says a collective failed on a peer: it timed out, or the peer's connection went away."""
+    text = str(exc)
+    return bool(re.search(r"[Tt]imed? ?out", text) or _PEER_GONE.search(text))
+
+
 def report_and_exit(exc: BaseException) -> None:
     """Prints a one-line reason (the traceback only with DDPKIT_DEBUG=1) and exits non-zero."""
     if os.environ.get("DDPKIT_DEBUG"):

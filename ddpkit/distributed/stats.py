@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ddpkit.distributed import ledger
+
 
 @dataclass
 class CollectiveCount:
@@ -89,7 +91,10 @@ class CommStats:
         self._counts: dict[tuple[str, str], CollectiveCount] = {}
 
     def record(self, kind: str, group: str, payload_bytes: int, sent_bytes: float) -> None:
-        """Adds one call of `kind` on `group` (a label such as ``"world"`` or ``"ranks[0,1]"``)."""
+        """Adds one call of `kind` on `group` (a label such as ``"world"`` or ``"ranks[0,1]"``); the collective
+        is also this rank's latest in `ddpkit.distributed.ledger` (host copies are not collectives)."""
+        if kind != "cpu_staging":
+            ledger.note(kind, group, payload_bytes)
         with self._lock:
             count = self._counts.setdefault((kind, group), CollectiveCount())
             count.calls += 1

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.algorithms.quantize import COMPRESSIONS, BlockCodec
-from ddpkit.distributed import comm, hosts, shared_memory
+from ddpkit.distributed import comm, hosts, ledger, shared_memory
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
@@ -209,6 +209,13 @@ class ShardedDataParallel(ModuleWrapper):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
         self._hooks += [p.register_hook(self._keep_average_hook(p)) for p in self._bucket_of]
         self._trainable_signature = self._signature()
+        ledger.set_context("ShardedDataParallel trainable parameters", self._describe_trainable())
+
+    def _describe_trainable(self) -> str:
+        names = [name for name, p in self.module.named_parameters()]
+        frozen = [name for name, p in self.module.named_parameters() if not p.requires_grad]
+        shown = ", ".join(frozen[:4]) + (f" and {len(frozen) - 4} more" if len(frozen) > 4 else "")
+        return f"{len(names) - len(frozen)} of {len(names)}" + (f" (frozen: {shown})" if frozen else "")
 
     def _forget_generation(self, prefix: str) -> None:
         """Frees what the buckets of the generation being replaced held: their shared-memory mailboxes (so

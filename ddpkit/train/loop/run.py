@@ -13,13 +13,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ddpkit.distributed import shared_memory
+from ddpkit.distributed import ledger, shared_memory
 from ddpkit.distributed.launch import (
     LaunchError,
     Placement,
     debug_mode,
     exit_without_teardown,
     explain_failure,
+    is_peer_failure,
     join,
     leave,
     pick_backend,
@@ -50,6 +51,9 @@ from ddpkit.train.settings.config import TrainConfig
 from ddpkit.train.workloads.sampler import ResumableSampler
 from ddpkit.train.workloads.text import bits_per_byte
 from ddpkit.train.workloads.workload import build_workload
+
+DIAGNOSIS_SECONDS = 3.0
+"""How long a failing rank waits for the others' ledger entries (`ddpkit.distributed.ledger.diagnose`)."""
 
 
 def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.device:
@@ -239,6 +243,9 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
         say(f"ddpkit: {exc}")
         sys.exit(1)
     except Exception as exc:
+        where = ledger.diagnose(timeout=DIAGNOSIS_SECONDS) if is_peer_failure(exc) else []
+        for line in where:
+            say(f"ddpkit: rank {placement.rank} saw {line}")
         if debug_mode():
             raise
         say(f"ddpkit: rank {placement.rank} failed: {explain_failure(exc, cfg.timeout)}")
