@@ -648,6 +648,27 @@ def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs
     assert not wait_gone(ranks[0].seen | ranks[1].seen), "processes outlived the job"
 
 
+def test_a_stopped_rank_on_another_machine_is_ended_by_its_launcher(tmp_path, procs):
+    """Two machines on loopback; rank 1's process is stopped (SIGSTOP): rank 0's machine fails within --timeout,
+    and rank 1's launcher, whose only rank never ends by itself, ends it once it has been stopped past --timeout
+    (it waited forever: issue 23 defect 8) and names why; no process is left on either."""
+    timeout = 6
+    port = free_port()
+    common = ["--world-size", "2", "--host", "127.0.0.1", "--master-port", port, *LONG_RUN, "--timeout", timeout]
+    ranks = [procs([*DDPKIT, "train", *common, "--rank", r, "--out", tmp_path / f"out{r}"], f"rank{r}") for r in (0, 1)]
+    wait_for(tmp_path / "out0" / "checkpoint" / "step-*" / "COMMIT.json", ranks)
+    (stopped,) = workers(ranks[1])
+    os.kill(stopped, signal.SIGSTOP)
+    since = time.monotonic()
+    first = ranks[0].wait(timeout + 60)
+    assert first.returncode == 1 and "ddpkit: rank 0 failed:" in first.stderr, str(first)
+    second = ranks[1].wait(timeout + 15 + 60)
+    assert time.monotonic() - since < timeout + 15 + 40, str(second)
+    assert second.returncode == 1, str(second)
+    assert "local process 0 was stopped (SIGSTOP or Ctrl-Z) for more than 21 s" in second.stderr, str(second)
+    assert not wait_gone(ranks[0].seen | ranks[1].seen), "processes outlived the job"
+
+
 def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path, procs):
     """A rank that stops answering (SIGSTOP) without dying: the collective timeout ends the job."""
     timeout = 6
@@ -681,13 +702,17 @@ def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
     assert result.seconds < timeout + 5 + SLACK, str(result)
 
 
-@pytest.mark.parametrize("target", ["launcher", "group"])
+@pytest.mark.parametrize("target", ["launcher", "group", "ignored"])
 def test_ctrl_c_stops_every_local_process(tmp_path, procs, target):
-    """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C does."""
-    job = procs([*DDPKIT, "train", *LONG_RUN, "--out", tmp_path / "out"], "job")
+    """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C does; also to a launcher
+    started with SIGINT ignored, as a shell starts background jobs (it could not be stopped so: issue 23 defect 9)."""
+    command = [*DDPKIT, "train", *LONG_RUN, "--out", tmp_path / "out"]
+    if target == "ignored":
+        command = ["bash", "-c", 'trap "" INT; exec "$@"', "bash", *command]
+    job = procs(command, "job")
     wait_for(tmp_path / "out" / "checkpoint" / "step-*" / "COMMIT.json", [job])
     assert len(workers(job)) == 2
-    if target == "launcher":
+    if target in ("launcher", "ignored"):
         os.kill(job.pid, signal.SIGINT)
     else:
         os.killpg(job.pid, signal.SIGINT)

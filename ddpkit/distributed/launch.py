@@ -261,25 +261,34 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def spawn(worker: Callable[..., Any], nprocs: int, args: tuple) -> None:
+def spawn(worker: Callable[..., Any], nprocs: int, args: tuple, stopped_limit: float | None = None) -> None:
     """Runs ``worker(local_rank, *args)`` in `nprocs` spawned processes and waits for all of them.
 
     If one fails, the others are stopped (within 2 x `STOP_GRACE_SECONDS`) and a LaunchError names it; Ctrl-C
-    stops every local process, and so does SIGTERM or SIGHUP (what `kill`, `timeout` and schedulers send), after
-    which this process exits with 128 + the signal's number. Should this process be killed outright (SIGKILL),
-    each rank notices its parent is gone and ends (`guard_rank`). Shared-memory files a killed rank left behind
-    are removed once every rank has ended.
+    (SIGINT, even when the shell that started this process ignored it, as it does for background jobs) stops every
+    local process, and so does SIGTERM or SIGHUP (what `kill`, `timeout` and schedulers send), after which this
+    process exits with 128 + the signal's number. A process stopped (SIGSTOP, Ctrl-Z) for more than
+    `stopped_limit` seconds (its peers on other machines have given up on it by then) is ended with the others and
+    named. Should this process be killed outright (SIGKILL), each rank notices its parent is gone and ends
+    (`guard_rank`). Shared-memory files a killed rank left behind are removed once every rank has ended.
     """
     quiet_torch_errors()
     from ddpkit.distributed.shared_memory import sweep_stale
 
     sweep_stale(min_age=0)  # what an earlier job on this host left when it was killed
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     processes: list[Any] = []
     try:
         context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
         processes = list(context.processes)
-        failed = _wait_for_first_failure(processes)
+        failed, stopped = _wait_for_first_failure(processes, stopped_limit)
+        if stopped:
+            _stop(processes)
+            raise LaunchError(
+                f"local process {failed} was stopped (SIGSTOP or Ctrl-Z) for more than {stopped_limit:g} s, past "
+                "--timeout, so the job's other ranks have given up on it; every local process was ended"
+            )
         if failed is not None:
             _stop(processes, grace=STOP_GRACE_SECONDS)  # the others end by themselves once they notice, or are ended
             raise LaunchError(_describe_exit(failed, processes[failed], context.error_files[failed]))
@@ -297,18 +306,37 @@ def spawn(worker: Callable[..., Any], nprocs: int, args: tuple) -> None:
         sweep_stale(min_age=0)
 
 
-def _wait_for_first_failure(processes: list[Any]) -> int | None:
-    """Waits until every process ended successfully (None) or one failed (its index)."""
+def _wait_for_first_failure(processes: list[Any], stopped_limit: float | None) -> tuple[int | None, bool]:
+    """Waits until every process ended successfully ((None, False)), one failed ((its index, False)) or one has
+    been stopped for longer than `stopped_limit` seconds ((its index, True))."""
     from multiprocessing.connection import wait
 
     pending = {p.sentinel: i for i, p in enumerate(processes)}
+    stopped_since: dict[int, float] = {}
     while pending:
-        for sentinel in wait(list(pending)):
+        for sentinel in wait(list(pending), timeout=1.0 if stopped_limit is not None else None):
             index = pending.pop(sentinel)
             processes[index].join()
             if processes[index].exitcode != 0:
-                return index
-    return None
+                return index, False
+        if stopped_limit is None:
+            continue
+        now = time.monotonic()
+        for index in pending.values():
+            if not is_stopped(processes[index].pid):
+                stopped_since.pop(index, None)
+            elif now - stopped_since.setdefault(index, now) > stopped_limit:
+                return index, True
+    return None, False
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (state T in /proc; False where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def _stop(processes: list[Any], grace: float = 0.0) -> None:

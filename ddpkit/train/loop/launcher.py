@@ -26,6 +26,10 @@ def seconds_since_process_start() -> float:
         return 0.0
 
 
+STOPPED_GRACE_SECONDS = 15.0
+"""How long past --timeout the launcher lets a stopped (SIGSTOP) rank be before it ends the job's local processes."""
+
+
 def launch_training(cfg: TrainConfig) -> None:
     """Runs the training job `cfg` describes; returns when every local process has finished."""
     started = time.time() - seconds_since_process_start()  # the summary's wall time counts from here
@@ -43,4 +47,5 @@ def launch_training(cfg: TrainConfig) -> None:
     port = cfg.master_port
     if port is None:
         port = free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
-    spawn(process_main, cfg.nproc_per_node, (cfg, port, started))
+    # a rank stopped this long is past every peer's --timeout (and its ledger diagnosis): end it, say so
+    spawn(process_main, cfg.nproc_per_node, (cfg, port, started), stopped_limit=cfg.timeout + STOPPED_GRACE_SECONDS)
