@@ -1,11 +1,14 @@
-"""Coming from fairscale: the public signatures of the components against fairscale 0.4.13's (recorded here, not
-imported: CI does not install fairscale), and `ddpkit.compat.fairscale`'s opt-in import aliases, with and
-without a real fairscale package present."""
+"""Coming from fairscale: the public signatures of the components against fairscale 0.4.13's, read from its source
+archive by tools/fairscale_signatures.py (CI does not install fairscale), and `ddpkit.compat.fairscale`'s opt-in
+import aliases, with and without a real fairscale package present."""
 
 import inspect
+import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,72 +17,13 @@ import ddpkit.compat.fairscale as compat
 from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, AdaScale, AdaScaleWrapper, ShardedGradScaler
 
-# fairscale 0.4.13's signatures (without self), as inspect.signature shows them; a class default as module.name.
-FAIRSCALE_SIGNATURES = {
-    OSS: {
-        "__init__": "params, optim=torch.optim.sgd.SGD, group=None, broadcast_buffer_size=-1, broadcast_fp16=False, "
-        "force_broadcast_object=False, **default",
-        "step": "closure=None, **kwargs",
-        "clip_grad_norm": "max_norm, norm_type=2.0, filter_params_fn=None",
-        "consolidate_state_dict": "recipient_rank=0",
-        "state_dict": "all_ranks=False",
-        "load_state_dict": "state_dict",
-        "refresh_trainable": "",
-        "add_param_group": "param_group",
-        "partition_parameters": "",
-    },
-    ShardedDataParallel: {
-        "__init__": "module, sharded_optimizer, process_group=None, broadcast_buffers=True, "
-        "sync_models_at_startup=True, reduce_buffer_size=8388608, auto_refresh_trainable=True, reduce_fp16=False, "
-        "warn_on_trainable_params_changed=True",
-        "forward": "*inputs, **kwargs",
-        "reduce": "",
-        "sync_buffers": "blocking=False",
-        "zero_grad": "set_to_none=False",
-        "no_sync": "",
-        "refresh_trainable": "",
-        "to": "device, dtype=None, non_blocking=False",
-    },
-    AdaScale: {
-        "__init__": "optimizer, world_size=None, scale=None, smoothing=None, num_gradients_to_accumulate=1, "
-        "is_scaled_loss=True, debias_ewma=True",
-        "gain": "pg_idx=None",
-        "set_scale": "scale, update_estimate=True",
-        "set_num_gradients_to_accumulate": "num_gradients_to_accumulate, update_smoothing=True",
-        "scale_grad_by_num_grads_to_accum": "",
-        "unhook": "",
-        "zero_grad": "",
-        "add_param_group": "pg",
-        "state_dict": "",
-        "load_state_dict": "data",
-        "step": "*args, **kwargs",
-    },
-    AdaScaleWrapper: {
-        "__init__": "params, world_size=None, scale=None, smoothing=None, num_gradients_to_accumulate=1, "
-        "debias_ewma=True, optim_cls=torch.optim.sgd.SGD, **additional_optim_args",
-    },
-    SlowMoDistributedDataParallel: {
-        "__init__": "module, nprocs_per_node, broadcast_buffers=True, "
-        "slowmo_base_algorithm=SlowMoBaseAlgorithm.LOCALSGD, slowmo_momentum=0.5, slowmo_memory_efficient=True, "
-        "slowmo_frequency=48, slowmo_lr=1.0, slowmo_num_shards=32, localsgd_frequency=3, graph=None, mixing=None, "
-        "push_sum=True, overlap=False, synch_freq=0, use_streams=True, slowmo_sgp_average_params=False, "
-        "verbose=False, profile_mode=False, process_rank=None, process_world_size=None, global_group=None, "
-        "master_group=None, local_node_group=None, comm_device=None",
-        "perform_slowmo": "optimizer, fp32_params=None",
-        "state_dict": "",
-        "load_state_dict": "state_dict",
-        "train": "mode=True",
-        "eval": "",
-    },
-    ShardedGradScaler: {  # ddpkit adds a keyword-only device after fairscale's parameters
-        "__init__": "init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True, "
-        "process_group=None",
-        "scale": "outputs",
-        "step": "optimizer, *args, **kwargs",
-        "unscale_": "optimizer",
-        "update": "new_scale=None",
-    },
-}
+# fairscale 0.4.13's signatures, read from its source archive by tools/fairscale_signatures.py (see there)
+FAIRSCALE = json.loads((Path(__file__).parent / "data" / "fairscale_signatures.json").read_text())
+CLASSES = {c.__name__: c for c in (OSS, ShardedDataParallel, AdaScale, AdaScaleWrapper, ShardedGradScaler)}
+CLASSES["SlowMoDistributedDataParallel"] = SlowMoDistributedDataParallel
+# defaults that read differently but are the same value: fairscale's `dist.group.WORLD` is evaluated when its module
+# is imported, before any process group exists, and is None then
+SAME_DEFAULT = {"dist.group.WORLD": "None"}
 
 
 def _parse(recorded):
@@ -91,13 +35,13 @@ def _parse(recorded):
             out.append((stars, item.lstrip("*"), None))
         else:
             name, _, default = item.partition("=")
-            out.append(("", name, default or None))
+            out.append(("", name, SAME_DEFAULT.get(default, default) or None))
     return out
 
 
 def _default_text(value):
     if inspect.isclass(value):
-        return f"{value.__module__}.{value.__qualname__}"
+        return value.__qualname__  # fairscale's source names the class as imported (SGD)
     if isinstance(value, SlowMoBaseAlgorithm):
         return f"SlowMoBaseAlgorithm.{value.name}"
     return repr(value)
@@ -126,14 +70,26 @@ def _compatible(function, recorded):
 
 
 def test_signatures_match_fairscale():
+    assert FAIRSCALE["source"] == "fairscale-0.4.13" and set(FAIRSCALE["signatures"]) == set(CLASSES)
     problems = []
-    for cls, methods in FAIRSCALE_SIGNATURES.items():
+    for cls_name, methods in FAIRSCALE["signatures"].items():
+        assert len(methods) >= 1, cls_name
         for name, recorded in methods.items():
-            problems += [f"{cls.__name__}.{name}: {p}" for p in _compatible(getattr(cls, name), recorded)]
+            cls = CLASSES[cls_name]
+            problems += [f"{cls_name}.{name}: {p}" for p in _compatible(getattr(cls, name), recorded)]
     assert not problems, "\n".join(problems)
     # the check itself can fail: a renamed parameter, a changed default, a missing **kwargs
     assert _compatible(OSS.consolidate_state_dict, "rank=0") and _compatible(OSS.state_dict, "all_ranks=True")
     assert _compatible(OSS.refresh_trainable, "**kwargs")
+
+
+@pytest.mark.skipif(not os.environ.get("FAIRSCALE_SDIST"), reason="set FAIRSCALE_SDIST to fairscale-0.4.13.tar.gz")
+def test_the_recorded_signatures_are_the_archives():
+    """With the archive at hand (pip download fairscale==0.4.13 --no-deps), the file is exactly what the tool reads."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    import fairscale_signatures
+
+    assert fairscale_signatures.read(os.environ["FAIRSCALE_SDIST"]) == FAIRSCALE
 
 
 def test_adascale_properties_and_attribute_fallback():
