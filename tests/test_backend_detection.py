@@ -43,3 +43,16 @@ def test_a_job_without_a_backend_name_keeps_the_gloo_paths(tmp_path):
         assert r["reported"] == "undefined", r  # what torch says: the reason for reading the group itself
         assert r["cpu"] == "gloo" and r["cuda"] == "", r
         assert r["mailboxes"] and r["shared_broadcast"] and r["posts_receives"], r
+
+
+def test_control_tensors_of_an_nccl_group_go_to_the_device_of_the_data(monkeypatch):
+    """With NCCL alone, norms and flags live where the data is: a rank whose model is on cuda:1 and that never
+    called set_device used to put them on the current device, cuda:0, the device of another rank (defect 5)."""
+    from ddpkit.distributed import env
+
+    monkeypatch.setattr(
+        env, "backend_name", lambda group=None, device_type="cpu": "nccl" if device_type == "cuda" else ""
+    )
+    assert env.comm_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)
+    monkeypatch.setattr(env, "backend_name", lambda group=None, device_type="cpu": "gloo")
+    assert env.comm_device(None, torch.device("cuda", 1)) == torch.device("cpu")  # gloo takes CPU tensors

@@ -77,3 +77,27 @@ def test_collectives_through_host_copies_give_the_same_results(world):
             "get_future": 80,
         }
         assert copies == expected, (rank, copies)
+
+
+def _hook_future_is_asynchronous(rank, world):
+    import time
+
+    comm._STAGE_CPU_TENSORS = True
+    try:
+        hooked = torch.full((10,), float(rank + 1))
+        if rank == 1:
+            time.sleep(3.0)  # the peer's bucket is late: the hook must not wait for it
+        start = time.monotonic()
+        future = comm.all_reduce(hooked, async_op=True).get_future()
+        returned, done_at_return = time.monotonic() - start, future.done()
+        value = future.wait()[0]
+        return returned, done_at_return, value is hooked and torch.equal(hooked, torch.full((10,), 3.0))
+    finally:
+        comm._STAGE_CPU_TENSORS = False
+
+
+def test_a_staged_hook_returns_before_the_bucket_has_travelled():
+    """What a DDP communication hook gets on gloo with CUDA tensors: a future that completes later, so backward
+    overlaps the transfer (it used to wait for the transfer and the copy back first: issue 23 defect 5)."""
+    (returned, done, right), _ = run_distributed(_hook_future_is_asynchronous, 2)
+    assert right and not done and returned < 2.0, (returned, done, right)

@@ -24,7 +24,8 @@ gather, scatter, all-to-all in the sources read) but not for others (reduce-scat
 this differs between versions (`benchmarks/gloo_cuda_probe.py` tells for the torch at hand). Each rank copies its CUDA
 input into a pinned host tensor (a synchronous copy: it waits for the work queued on the current stream that
 produces the tensor), runs the CPU code path above on the host copies, and copies the results back to the GPU
-when the collective is waited for, synchronously too, so they are in place for every stream once `wait()`
+when the collective is waited for (for a DDP hook's future: when it completes, so backward overlaps the transfer),
+synchronously too, so they are in place for every stream once `wait()`
 returns. Only what a rank needs crosses the PCIe bus: a broadcast's source copies out, its receivers copy in; a
 reduce's senders copy out, its root copies out and back; the sum is done on the host, in rank order, as on CPU.
 Each copy is counted in `comm_stats` as kind ``cpu_staging`` (its bytes as payload, 0 on the wire). NCCL takes
@@ -34,6 +35,7 @@ CUDA tensors directly and stages nothing.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict, defaultdict
 
 import torch
@@ -271,6 +273,7 @@ class _HostStaging:
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lock = threading.Lock()
 
     def host(self, tensor: torch.Tensor, copy_in: bool = True, copy_back: bool = False) -> torch.Tensor:
         """A contiguous host tensor like `tensor` (pinned for CUDA), holding its values when `copy_in`."""
@@ -284,11 +287,13 @@ class _HostStaging:
         return out
 
     def finish(self) -> None:
-        """Copies every result back to its device tensor, synchronously: once this returns, any stream sees it."""
-        for tensor, host in self._back:
+        """Copies every result back to its device tensor, synchronously: once this returns, any stream sees it.
+        Once only, whichever thread calls it first (the caller's `wait`, or a future's callback)."""
+        with self._lock:
+            back, self._back = self._back, []
+        for tensor, host in back:
             tensor.copy_(host)
             self._count(host)
-        self._back = []
 
     def _count(self, host: torch.Tensor) -> None:
         _record("cpu_staging", self.group, nbytes(host), sent=0.0)
@@ -297,14 +302,19 @@ class _HostStaging:
 class _StagedWork:
     """An async collective on host copies: `wait()` waits for it, then copies the results back to the device.
 
-    `get_future()` (what a DDP communication hook returns) waits first, then gives a completed future of the
-    device tensors: the copies back are synchronous, so the values are in place on every stream.
+    `get_future()` (what a DDP communication hook returns) returns at once: its future completes when the
+    collective has and the results are copied back (by the callback, synchronously, so they are in place on every
+    stream), so backward goes on computing while the bucket travels.
     """
 
     def __init__(self, work: Work | None, staging: _HostStaging, outputs: list[torch.Tensor]) -> None:
         self.work, self.staging, self.outputs = work, staging, outputs
+        self._future: torch.futures.Future | None = None
 
     def wait(self) -> bool:
+        if self._future is not None:
+            self._future.wait()
+            return True
         if self.work is not None:
             self.work.wait()  # type: ignore[attr-defined]
             self.work = None
@@ -312,10 +322,20 @@ class _StagedWork:
         return True
 
     def get_future(self) -> torch.futures.Future:
-        self.wait()
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self.outputs)
-        return future
+        if self._future is None:
+            if self.work is None:
+                self.staging.finish()
+                self._future = torch.futures.Future()
+                self._future.set_result(self.outputs)
+            else:
+                work, self.work = self.work, None
+
+                def copy_back(_: torch.futures.Future) -> list[torch.Tensor]:
+                    self.staging.finish()
+                    return self.outputs
+
+                self._future = work.get_future().then(copy_back)  # type: ignore[attr-defined]
+        return self._future
 
 
 def _finish_staged(

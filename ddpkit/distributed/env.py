@@ -69,11 +69,19 @@ def backend_name(group: ProcessGroup | None = None, device_type: str = "cpu") ->
     return ""
 
 
-def comm_device(group: ProcessGroup | None = None) -> torch.device:
+def comm_device(group: ProcessGroup | None = None, data_device: torch.device | None = None) -> torch.device:
     """The device on which small control tensors (norms, flags, sizes) must live for `group`'s backend: the CPU
-    wherever the group can take CPU tensors, else the current CUDA device (NCCL alone)."""
+    wherever the group can take CPU tensors; else (NCCL alone) the device of the data they belong to
+    (`data_device`: a rank whose model is on cuda:3 uses cuda:3 even if it never called ``set_device``), else the
+    device the group was bound to (``init_process_group(device_id=...)``), else the current CUDA device."""
     if backend_name(group, "cpu"):
         return torch.device("cpu")
+    if data_device is not None and data_device.type != "cpu":
+        return data_device
+    pg = dist.distributed_c10d._get_default_group() if group is None or group is dist.group.WORLD else group
+    bound = getattr(pg, "bound_device_id", None)
+    if isinstance(bound, torch.device):
+        return bound
     return torch.device("cuda", torch.cuda.current_device())
 
 

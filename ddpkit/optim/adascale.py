@@ -332,7 +332,9 @@ class AdaScale(WrappedOptimizer):
     def _reduce_norms(self) -> tuple[list[float], list[float]]:
         """Per group: ``sum_i ||g_i||^2`` over all micro-gradients and ``||mean_i g_i||^2`` (one all-reduce)."""
         n_groups = len(self.param_groups)
-        device = comm_device(self._group) if self._world_size > 1 else torch.device("cpu")
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        data = first.device if first is not None else None
+        device = comm_device(self._group, data) if self._world_size > 1 else torch.device("cpu")
         norms = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
         self._meter.totals_into(norms)
         for i, group in enumerate(self.param_groups):

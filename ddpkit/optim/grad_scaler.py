@@ -126,7 +126,8 @@ class ShardedGradScaler(GradScaler):
         """
         flags = _found_inf_flags(self, optimizer)
         communicate = self._must_communicate()
-        device = comm_device(self.process_group) if communicate else torch.device(self._device_type)
+        data = next(iter(flags.values())).device if flags else None
+        device = comm_device(self.process_group, data) if communicate else torch.device(self._device_type)
         found = torch.zeros(1, dtype=torch.float32, device=device)
         for flag in flags.values():
             found = torch.maximum(found, flag.reshape(1).to(device))

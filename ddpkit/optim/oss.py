@@ -353,7 +353,8 @@ class OSS(Optimizer):
             params = list(filter_params_fn(params))
         self._own_new_trainable()
         counted = self.owned_grads(params)  # every element by exactly one rank
-        total = _local_norm_term(counted, norm_type, comm_device(self.group))
+        data = params[0].device if params else None
+        total = _local_norm_term(counted, norm_type, comm_device(self.group, data))
         if norm_type == float("inf"):
             comm.all_reduce(total, self.group, op=dist.ReduceOp.MAX)
         else:
