@@ -183,3 +183,20 @@ def test_measuring_and_workloads_load_without_the_trainer():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+COLLECTIVES = {"all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv", "all_gather", "barrier",
+               "all_to_all", "all_to_all_single", "gather", "scatter", "reduce_scatter", "new_group"}  # fmt: skip
+
+
+def test_only_the_transport_layer_issues_collectives():
+    """Above `distributed/`, torch.distributed serves for types, ReduceOp and rank queries: every collective goes
+    through ddpkit's transport, where it is counted and named in the ledger."""
+    direct = []
+    for module, path in MODULES.items():
+        if module.startswith("ddpkit.distributed"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and ast.unparse(node.value) == "dist":
+                direct.append(f"{module}: dist.{node.attr} (line {node.lineno})")
+    assert direct == []

@@ -223,7 +223,7 @@ OTHER_BLOCKS: dict[tuple[str, str], str] = {  # (language, first line) -> its te
     ("toml", "# run.toml: ddpkit train --config run.toml"): (
         "test_train_line (the --config run.toml line), test_the_toml_example_trains_to_a_useful_accuracy"
     ),
-    ("", "ddpkit/distributed/   the only code that calls torch.distributed: env.py (ranks, groups, checks),"): (
+    ("", "ddpkit/distributed/   the only code that issues collectives (tested): env.py (ranks, groups, checks),"): (
         "test_layout_names_files_that_exist"
     ),
     (
