@@ -113,6 +113,7 @@ QUICK_ALL_SECONDS = 1500  # every benchmark at smoke size: 3-5 minutes idle, far
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(QUICK_ALL_SECONDS + 120)  # beyond the suite's 300 s, which this test always needed
 def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     began = time.time()

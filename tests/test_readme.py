@@ -786,6 +786,7 @@ def test_slow_link_training_on_two_machines(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # tests/test_train_cli.py runs the same comparison in the default tier
 def test_bench_compares_every_strategy(tmp_path):
     text = command("ddpkit bench --nproc-per-node 2 --json bench.json")
     out = run_command(argv(text, "bench"), tmp_path)
@@ -795,6 +796,7 @@ def test_bench_compares_every_strategy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("line", [c for c, runner in COMMANDS.items() if runner == "test_bench_line"])
 def test_bench_line(tmp_path, line):
     write_mypkg(tmp_path)

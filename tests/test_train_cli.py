@@ -374,7 +374,12 @@ def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
     assert torch.equal(states[0]["outer_synced"], states[1]["outer_synced"])
 
 
-@pytest.mark.parametrize("name", ["sharded", "slowmo", "sgp", "diloco", "adascale"])
+LONG = pytest.mark.long
+
+
+@pytest.mark.parametrize(
+    "name", ["sharded", "slowmo", pytest.param("sgp", marks=LONG), "diloco", pytest.param("adascale", marks=LONG)]
+)
 def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale
     state restored; for SlowMo the replicas differ between ranks at the checkpoint: 45 steps, averaging every 4)."""
@@ -648,6 +653,7 @@ def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs
     assert not wait_gone(ranks[0].seen | ranks[1].seen), "processes outlived the job"
 
 
+@pytest.mark.long
 def test_a_stopped_rank_on_another_machine_is_ended_by_its_launcher(tmp_path, procs):
     """Two machines on loopback; rank 1's process is stopped (SIGSTOP): rank 0's machine fails within --timeout,
     and rank 1's launcher, whose only rank never ends by itself, ends it once it has been stopped past --timeout
