@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.stats import comm_stats
+from ddpkit.distributed.comm import nbytes
+from ddpkit.distributed.stats import comm_stats, wire_bytes
 
 POLL_SECONDS = 0.02
 
@@ -202,7 +203,7 @@ def heal(quorum: Quorum, tensors: list[torch.Tensor]) -> bool:
         return False
     root = quorum.members.index(sources[0])
     for tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
+        size = nbytes(tensor)
         sent = (len(quorum.members) - 1) * size if quorum.index == root else 0.0
         comm_stats.record("broadcast", "quorum", size, float(sent))
         quorum.group.broadcast([tensor], root).wait()
@@ -217,14 +218,11 @@ def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:
     weight = torch.tensor([1.0 if counts else 0.0], dtype=torch.float64)
     if not counts:
         flat.zero_()
-    comm_stats.record("all_reduce", "quorum", flat.numel() * flat.element_size(), _ring(flat, len(quorum.members)))
-    comm_stats.record("all_reduce", "quorum", 8, _ring(weight, len(quorum.members)))
+    n = len(quorum.members)
+    for tensor in (flat, weight):
+        comm_stats.record("all_reduce", "quorum", nbytes(tensor), wire_bytes("all_reduce", nbytes(tensor), n))
     quorum.group.allreduce([flat]).wait()
     quorum.group.allreduce([weight]).wait()
     if weight.item() < 1:
         raise TooFewReplicas(f"round {quorum.round}: no member holds live state (every member just joined)")
     flat.div_(weight.item())
-
-
-def _ring(tensor: torch.Tensor, n: int) -> float:
-    return 2.0 * (n - 1) / n * tensor.numel() * tensor.element_size()
