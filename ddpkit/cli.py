@@ -125,6 +125,13 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     where.add_argument("--timeout", type=float, help="seconds before a stuck rendezvous/collective fails")
 
 
+def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
+    ft = p.add_argument_group("keeping on through lost ranks (--strategy ddp or slowmo)")
+    ft.add_argument("--fault-tolerant", action="store_true", help="survivors train on; a rank started again rejoins")
+    ft.add_argument("--min-replicas", type=int, metavar="N", help="fewest live ranks to go on with")
+    ft.add_argument("--quorum-timeout", type=float, metavar="S", help="seconds a round waits for a missing rank")
+
+
 # defaults that are not a TrainConfig field's value (computed, or set by the command line)
 TRAIN_DEFAULTS = {
     "lr": "0.05 for sgd, 0.001 for adam and adamw",
@@ -175,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model data-parallel", argument_default=argparse.SUPPRESS)
     _add_training_flags(train)
     _add_placement_flags(train)
+    _add_fault_tolerance_flags(train)
     out = train.add_argument_group("outputs")
     out.add_argument("--config", help="TOML file of settings (flags override it)")
     out.add_argument(

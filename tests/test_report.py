@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _summary(**changes: Any) -> dict[str, Any]:
-    """A summary as `ddpkit train` builds it (ddpkit.train.loop.run.summarize), written out by hand."""
+    """A summary as `ddpkit train` builds it (ddpkit.train.loop.summary.summarize), written out by hand."""
     settings = {
         "optimizer": "adam", "optimizer_arguments": {"lr": 0.001}, "batch_size_per_process": 16, "world_size": 2,
         "grad_accum": 1, "samples_per_step": 32, "amp": "off", "adascale": False, "slowmo": None, "model": "mlp",

@@ -261,8 +261,17 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def spawn(worker: Callable[..., Any], nprocs: int, args: tuple, stopped_limit: float | None = None) -> None:
+def spawn(
+    worker: Callable[..., Any],
+    nprocs: int,
+    args: tuple,
+    stopped_limit: float | None = None,
+    independent: bool = False,
+) -> list[str]:
     """Runs ``worker(local_rank, *args)`` in `nprocs` spawned processes and waits for all of them.
+
+    With `independent` (a fault-tolerant job: the others train on without a lost rank) a failed process leaves the
+    others running, and the returned list says how each failed one ended; otherwise it is empty and:
 
     If one fails, the others are stopped (within 2 x `STOP_GRACE_SECONDS`) and a LaunchError names it; Ctrl-C
     (SIGINT, even when the shell that started this process ignored it, as it does for background jobs) stops every
@@ -282,6 +291,8 @@ def spawn(worker: Callable[..., Any], nprocs: int, args: tuple, stopped_limit: f
     try:
         context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
         processes = list(context.processes)
+        if independent:
+            return _wait_for_all(processes, context.error_files)
         failed, stopped = _wait_for_first_failure(processes, stopped_limit)
         if stopped:
             _stop(processes)
@@ -304,6 +315,14 @@ def spawn(worker: Callable[..., Any], nprocs: int, args: tuple, stopped_limit: f
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sweep_stale(min_age=0)
+    return []
+
+
+def _wait_for_all(processes: list[Any], error_files: list[str]) -> list[str]:
+    """Waits for every process; returns a line for each that failed."""
+    for p in processes:
+        p.join()
+    return [_describe_exit(i, p, error_files[i]) for i, p in enumerate(processes) if p.exitcode != 0]
 
 
 def _wait_for_first_failure(processes: list[Any], stopped_limit: float | None) -> tuple[int | None, bool]:

@@ -1,32 +1,37 @@
 """Who takes part in each synchronisation of a fault-tolerant job: quorums through a key-value store.
 
-A fault-tolerant job (issue 24's first piece) has no fixed world: ranks ``0..max_world-1`` may die and come back.
-Instead of one process group for the whole job, each synchronisation (a round, numbered alike on every rank: the
-n-th outer sync) forms a quorum through a store every rank can reach (torch's TCPStore, hosted where no rank's
-death takes it down, such as the launcher):
+A fault-tolerant job (issue 24) has no fixed world: ranks ``0..max_world-1`` may die and come back. Instead of one
+process group for the whole job, each synchronisation (a round, numbered alike on every rank: the n-th step of
+DDP, the n-th outer sync of local SGD) forms a quorum through a store every rank can reach (torch's TCPStore,
+hosted where no rank's death takes it down, such as the launcher):
 
-1. **Arrive**: each live rank writes its arrival key for the round. It then waits until every rank it expects has
-   arrived (the last quorum's members and the ranks that announced they joined since), or `quorum_timeout`
-   seconds have passed: a rank lost since the last round costs that timeout once, not every round.
-2. **Decide**: the first rank to finish waiting writes the member list with an atomic compare-and-set; every rank
-   reads that same list. A rank that arrived too late is not a member: it skips the round and tries the next.
-   Fewer members than `min_replicas` raises `TooFewReplicas` on every rank.
+1. **Arrive**: each rank writes its arrival key for the round. A *live* rank (a member of the previous round, or
+   any rank at round 0) then waits until every rank it expects has arrived (the previous round's members and the
+   ranks that announced they join), or `quorum_timeout` seconds have passed (`start_timeout` at round 0, when
+   ranks are still starting): a rank lost since the last round costs that timeout once, not every round.
+2. **Decide**: the first live rank to finish waiting writes the member list with an atomic compare-and-set; every
+   rank reads that same list. A rank that is not live (it starts late, restarts, or stalled past a round) never
+   decides: it waits for the live ranks' decision (up to `join_timeout`), so it cannot form a quorum of its own
+   while they are still training towards the round. A rank that arrived too late skips the round and is expected
+   in the next. Fewer members than `min_replicas` raises `TooFewReplicas` on every rank.
 3. **Group**: the members build a gloo process group of their own for the round (on the store, under the round's
    prefix, with `quorum_timeout` as its timeout), so a collective that a member never joins fails within that time
-   instead of hanging, and the dead never hold up the living.
+   instead of hanging. When the members are those of the previous round and it committed, its group is reused:
+   nothing is connected while nothing changes.
 4. **Commit**: after the round's work each member says whether it succeeded; the first verdict written (all
-   succeeded, or not) is everyone's, so a sync that failed anywhere is dropped everywhere (`Quorum.commit`).
+   succeeded, or not) is everyone's, so a round that failed anywhere is dropped everywhere (`Quorum.commit`).
 
-A rank that starts late or restarts calls `announce_join` and waits for the next round after the latest decided
-one (`next_round`); the quorum tells the others it `joined`, and the caller sends it the live state over the
-round's group (for example `heal`: a broadcast from the lowest member that was in the previous quorum).
+A rank that starts late or restarts calls `announce_join` and takes part from the next round after the latest
+decided one; the quorum tells the others it `joined`, and the members send it the live state over the round's
+group (`heal`, `heal_object`: a broadcast from the lowest member that was in the previous quorum).
 
-What it costs when nothing fails: per round, a few store round trips per rank and a new gloo group (a connection
-per pair of members). Memory: the store keeps a few bytes per rank and round.
+What it costs when nothing fails: per round about ten store round trips per rank (about 15 us each on one host)
+and no new connection. Memory: the store keeps a few bytes per rank and round.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from dataclasses import dataclass, field
@@ -39,8 +44,6 @@ import torch.distributed as dist
 from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 
-POLL_SECONDS = 0.02
-
 
 class TooFewReplicas(RuntimeError):
     """Fewer ranks than `min_replicas` reached a quorum in time."""
@@ -49,7 +52,8 @@ class TooFewReplicas(RuntimeError):
 @dataclass
 class Quorum:
     """One round's decision: its `members` (global ranks, sorted), who `joined` or `left` since the previous
-    quorum, and on members the round's `group` and this rank's `index` in it (None on a rank left out)."""
+    quorum, and on members the round's `group` and this rank's `index` in it (None on a rank left out).
+    `waited`: seconds this rank spent from its arrival to the decision."""
 
     round: int
     members: list[int]
@@ -59,11 +63,16 @@ class Quorum:
     group: Any = None
     index: int | None = None
     committed: bool | None = None  # the round's verdict, once `commit` returned
+    waited: float = 0.0
     _membership: Membership | None = field(default=None, repr=False)
 
     @property
     def is_member(self) -> bool:
         return self.index is not None
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.joined or self.left)
 
     def commit(self, ok: bool) -> bool:
         """Every member's verdict on the round's work: True only if it succeeded on every member (module doc)."""
@@ -82,6 +91,9 @@ class Membership:
         min_replicas: int = 1,
         quorum_timeout: float = 10.0,
         prefix: str = "ddpkit/ft/",
+        *,
+        start_timeout: float | None = None,
+        join_timeout: float = 300.0,
     ) -> None:
         if not 0 <= rank < max_world:
             raise ValueError(f"Membership: rank must be in [0, max_world={max_world}), got {rank}")
@@ -91,6 +103,10 @@ class Membership:
             raise ValueError(f"Membership: quorum_timeout must be > 0 seconds, got {quorum_timeout}")
         self.store, self.rank, self.max_world = store, rank, max_world
         self.min_replicas, self.timeout, self.prefix = min_replicas, quorum_timeout, prefix
+        self.start_timeout = max(quorum_timeout, start_timeout or 0.0)
+        self.join_timeout = join_timeout
+        self.joining = False  # announced a join and not yet a member
+        self.last: Quorum | None = None  # the last round this rank was a member of
 
     def _key(self, round_: int, *parts: object) -> str:
         return f"{self.prefix}r{round_}/" + "/".join(map(str, parts))
@@ -98,10 +114,13 @@ class Membership:
     # -- joining -------------------------------------------------------------------------------------------------
 
     def announce_join(self) -> int:
-        """Says this rank (re)joins, and returns the round to take part in next (after the latest decided one)."""
+        """Says this rank (re)joins without live state, and returns the round to take part in next (after the
+        latest decided one); it counts as joined in the first round it is a member of."""
+        self.last = None
         latest = self.latest_round()
         for round_ in (latest + 1, latest + 2):  # the next round may be deciding already
             self._expect(round_)
+        self.joining = True
         return latest + 1
 
     def _expect(self, round_: int) -> None:
@@ -119,41 +138,89 @@ class Membership:
             return set()
         return {int(r) for r in self.store.get(key).decode().split(",") if r}
 
+    def _live(self, round_: int) -> bool:
+        """Whether this rank holds live state for `round_`: it was a member of the round before (or it is round 0
+        and this rank did not announce a join)."""
+        if self.last is not None and self.last.round == round_ - 1:
+            return True
+        return round_ == 0 and not self.joining
+
     # -- a round -------------------------------------------------------------------------------------------------
 
     def quorum(self, round_: int) -> Quorum:
         """Arrives at round `round_`, waits, and returns the decided quorum (module doc, steps 1-3)."""
-        self.store.set(self._key(round_, "in", self.rank), "1")
-        expected = self._expected(round_)
-        deadline = time.monotonic() + self.timeout
-        arrived = self._arrived(round_)
-        while not expected <= arrived and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS)
-            arrived = self._arrived(round_)
-        members = self._decide(round_, sorted(arrived))
-        previous = self._decided(round_ - 1)  # the same list on every rank, unlike what each rank last saw
-        joined = sorted(set(members) - set(previous)) if previous is not None else []
+        arrival = time.monotonic()
+        live = self._live(round_)
+        self.store.set(self._key(round_, "in", self.rank), "live" if live else "joining")
+        previous = self._previous(round_)
+        if live and self._decided(round_) is None:
+            arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
+            members = self._decide(round_, sorted(arrived))
+        else:
+            members = self._await_decision(round_)
+        joined = self._joined(round_, members) if previous is not None else []
         left = sorted(set(previous) - set(members)) if previous is not None else []
+        quorum = Quorum(round_, members, joined, left, previous, waited=time.monotonic() - arrival, _membership=self)
         if self.rank not in members:
             self._expect(round_ + 1)  # late: the next round waits for this rank
+            self.joining = True
         if len(members) < self.min_replicas:
-            raise TooFewReplicas(
+            message = (
                 f"round {round_}: {len(members)} of {self.max_world} ranks reached the quorum within "
                 f"{self.timeout:g} s (members {members}), fewer than min_replicas={self.min_replicas}"
             )
-        quorum = Quorum(round_, members, joined, left, previous, _membership=self)
+            self.store.compare_set(f"{self.prefix}ended", "", message)  # ranks waiting to join stop too
+            raise TooFewReplicas(message)
         if self.rank in members:
+            self.store.set(f"{self.prefix}latest", str(round_))
             quorum.index = members.index(self.rank)
-            try:
-                quorum.group = self._group(round_, quorum.index, len(members))
-            except RuntimeError:  # a member vanished before connecting: the round fails (see `commit`)
-                quorum.group = None
+            quorum.group = self._group_for(quorum)
+            self.joining = False
+            self.last = quorum
         return quorum
 
-    def _expected(self, round_: int) -> set[int]:
-        previous = self._decided(round_ - 1)
+    def _previous(self, round_: int) -> list[int] | None:
+        """The members of the round before `round_` (the same list on every rank)."""
+        if self.last is not None and self.last.round == round_ - 1:
+            return self.last.members
+        return self._decided(round_ - 1)
+
+    def _joined(self, round_: int, members: list[int]) -> list[int]:
+        """The members of `round_` that arrived without live state (they said so on arrival)."""
+        states = self.store.multi_get([self._key(round_, "in", r) for r in members])
+        return [r for r, state in zip(members, states, strict=True) if state != b"live"]
+
+    def _expected(self, round_: int, previous: list[int] | None) -> set[int]:
         base = set(previous) if previous is not None else set(range(self.max_world))
         return base | self._joiners(round_) | {self.rank}
+
+    def _await_arrivals(self, round_: int, expected: set[int], since: float) -> set[int]:
+        """The ranks that arrived at `round_` once all of `expected` did or the round's timeout passed."""
+        limit = self.start_timeout if round_ == 0 else self.timeout
+        keys = [self._key(round_, "in", r) for r in sorted(expected)]
+        try:
+            self.store.wait(keys, timedelta(seconds=max(1e-3, since + limit - time.monotonic())))
+            return expected  # (a rank that was not expected announced itself too late: it is expected next round)
+        except dist.DistStoreError:
+            pass  # someone is missing: the quorum is whoever is here now
+        return {r for r in range(self.max_world) if self.store.check([self._key(round_, "in", r)])}
+
+    def _await_decision(self, round_: int) -> list[int]:
+        """The members of `round_` as the live ranks decide them; TooFewReplicas if none does in `join_timeout`."""
+        key, ended = self._key(round_, "members"), f"{self.prefix}ended"
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=min(1.0, max(1e-3, deadline - time.monotonic()))))
+                return json.loads(self.store.get(key))
+            except dist.DistStoreError:
+                if self.store.check([ended]):
+                    raise TooFewReplicas(f"the job ended: {self.store.get(ended).decode()}") from None
+                if time.monotonic() > deadline:
+                    raise TooFewReplicas(
+                        f"round {round_}: no live rank decided its quorum within {self.join_timeout:g} s (is any "
+                        "rank of the job still training?)"
+                    ) from None
 
     def _decided(self, round_: int) -> list[int] | None:
         key = self._key(round_, "members")
@@ -161,20 +228,20 @@ class Membership:
             return None
         return json.loads(self.store.get(key))
 
-    def _arrived(self, round_: int) -> set[int]:
-        return {r for r in range(self.max_world) if self.store.check([self._key(round_, "in", r)])}
-
     def _decide(self, round_: int, arrived: list[int]) -> list[int]:
-        decided = self.store.compare_set(self._key(round_, "members"), "", json.dumps(arrived))
-        members = json.loads(decided)
-        latest = self.latest_round()
-        if round_ > latest:
-            self.store.set(f"{self.prefix}latest", str(round_))
-        return members
+        return json.loads(self.store.compare_set(self._key(round_, "members"), "", json.dumps(arrived)))
 
-    def _group(self, round_: int, index: int, size: int) -> Any:
-        store = dist.PrefixStore(self._key(round_, "pg") + "/", self.store)
-        return dist.ProcessGroupGloo(store, index, size, timedelta(seconds=self.timeout))
+    def _group_for(self, quorum: Quorum) -> Any:
+        """The round's process group: the previous round's when it committed with the same members, else a new
+        one (None if a member vanished before connecting: the round then fails, see `commit`)."""
+        last = self.last
+        if last is not None and last.round == quorum.round - 1 and last.committed and last.members == quorum.members:
+            return last.group
+        store = dist.PrefixStore(self._key(quorum.round, "pg") + "/", self.store)
+        try:
+            return dist.ProcessGroupGloo(store, quorum.index, len(quorum.members), timedelta(seconds=self.timeout))
+        except RuntimeError:
+            return None
 
     # -- commit ----------------------------------------------------------------------------------------------------
 
@@ -183,46 +250,81 @@ class Membership:
         the round's verdict, which the first member to decide wrote for all."""
         self.store.set(self._key(quorum.round, "ok", self.rank), "1" if ok else "0")
         keys = [self._key(quorum.round, "ok", r) for r in quorum.members]
-        deadline = time.monotonic() + self.timeout
-        while not self.store.check(keys) and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS)
-        seen = all(self.store.check([k]) and self.store.get(k) == b"1" for k in keys)
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+            seen = all(value == b"1" for value in self.store.multi_get(keys))
+        except dist.DistStoreError:
+            seen = False  # a member never said: it died or stalled during the round
         verdict = self.store.compare_set(self._key(quorum.round, "verdict"), "", "1" if seen else "0")
         quorum.committed = verdict == b"1"
+        if not quorum.committed and quorum.group is not None:
+            quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
         return quorum.committed
 
 
+def _heal_root(quorum: Quorum) -> int | None:
+    """The index of the member that sends live state to this round's joiners (the lowest member that holds it),
+    or None when nobody joined (or nobody holds live state)."""
+    if not quorum.is_member or not quorum.joined:
+        return None
+    sources = [r for r in quorum.members if r not in quorum.joined]
+    return quorum.members.index(sources[0]) if sources else None
+
+
+def _broadcast(quorum: Quorum, tensor: torch.Tensor, root: int) -> None:
+    size = nbytes(tensor)
+    sent = (len(quorum.members) - 1) * size if quorum.index == root else 0.0
+    comm_stats.record("broadcast", "quorum", size, float(sent))
+    quorum.group.broadcast(tensor, root).wait()
+
+
+def broadcast_from_first(quorum: Quorum, tensor: torch.Tensor) -> None:
+    """`tensor` as the round's first member holds it, on every member (the start of a job: one model for all)."""
+    _broadcast(quorum, tensor, 0)
+
+
 def heal(quorum: Quorum, tensors: list[torch.Tensor]) -> bool:
-    """Sends `tensors` (the live state, the same shapes on every member) from the lowest member that was in the
-    previous quorum to every member of this one, over the round's group, when someone joined; True if it did.
+    """Sends `tensors` (the live state, the same shapes on every member) from the lowest member that holds live
+    state to every member of this one, over the round's group, when someone joined; True if it did.
     A collective of the members (they all decide alike: the quorum is the same on each)."""
-    if not quorum.is_member or not quorum.joined or quorum.previous is None:
+    root = _heal_root(quorum)
+    if root is None:
         return False
-    sources = [r for r in quorum.members if r in quorum.previous]
-    if not sources:
-        return False
-    root = quorum.members.index(sources[0])
     for tensor in tensors:
-        size = nbytes(tensor)
-        sent = (len(quorum.members) - 1) * size if quorum.index == root else 0.0
-        comm_stats.record("broadcast", "quorum", size, float(sent))
-        quorum.group.broadcast([tensor], root).wait()
+        _broadcast(quorum, tensor, root)
     return True
+
+
+def heal_object(quorum: Quorum, obj: Any) -> Any:
+    """`obj` (any `torch.save`-able state: an optimizer's state dict, counters) as the heal root has it, on every
+    member, when someone joined this round; else `obj` unchanged. Two broadcasts: the length, then the bytes."""
+    root = _heal_root(quorum)
+    if root is None:
+        return obj
+    payload = torch.empty(0, dtype=torch.uint8)
+    if quorum.index == root:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    _broadcast(quorum, length, root)
+    if quorum.index != root:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    _broadcast(quorum, payload, root)
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
 
 
 def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:
     """In place on every member: the mean of `flat` over the members whose `counts` is True (the others, such as
-    ranks that just joined, send zeros and receive the mean). One all-reduce of `flat` and one of a count, over
-    the round's group; counted in `comm_stats` under the group label ``quorum``."""
+    ranks that just joined, send zeros and receive the mean). One all-reduce of `flat` with the count appended,
+    over the round's group; counted in `comm_stats` under the group label ``quorum``."""
     assert quorum.is_member
-    weight = torch.tensor([1.0 if counts else 0.0], dtype=torch.float64)
-    if not counts:
-        flat.zero_()
+    both = torch.cat([flat.detach().reshape(-1) if counts else torch.zeros_like(flat).reshape(-1),
+                      torch.ones(1, dtype=flat.dtype) if counts else torch.zeros(1, dtype=flat.dtype)])  # fmt: skip
     n = len(quorum.members)
-    for tensor in (flat, weight):
-        comm_stats.record("all_reduce", "quorum", nbytes(tensor), wire_bytes("all_reduce", nbytes(tensor), n))
-    quorum.group.allreduce([flat]).wait()
-    quorum.group.allreduce([weight]).wait()
-    if weight.item() < 1:
+    comm_stats.record("all_reduce", "quorum", nbytes(both), wire_bytes("all_reduce", nbytes(both), n))
+    quorum.group.allreduce([both]).wait()
+    weight = both[-1].item()
+    if weight < 0.5:
         raise TooFewReplicas(f"round {quorum.round}: no member holds live state (every member just joined)")
-    flat.div_(weight.item())
+    flat.copy_(both[:-1].reshape(flat.shape).div_(weight))

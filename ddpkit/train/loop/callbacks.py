@@ -81,7 +81,9 @@ class MetricsRecorder(Callback):
         self._rows = carried.setdefault("steps", [])
         self._heldout = carried.setdefault("heldout", [])
         self._base = {**self._base, **carried.get("totals", {})}  # (checkpoints before 0.1.0's eval_seconds lack it)
-        self._epoch_steps = [StepRecord(**r) for r in self._rows if r["epoch"] == trainer.state.epoch]
+        fields = {f.name for f in dataclasses.fields(StepRecord)}  # rows may carry more columns (annotate_last)
+        rows = [r for r in self._rows if r["epoch"] == trainer.state.epoch]
+        self._epoch_steps = [StepRecord(**{k: v for k, v in r.items() if k in fields}) for r in rows]
         self.resumed = trainer.state.step > 0
         self._start = time.perf_counter()
 
@@ -92,6 +94,11 @@ class MetricsRecorder(Callback):
         self._rows.append(dataclasses.asdict(trainer.last))
         if self.eval_every and trainer.state.step % self.eval_every == 0:
             self._evaluate(trainer, trainer.last.epoch)
+
+    def annotate_last(self, **columns: Any) -> None:
+        """Adds `columns` to the last step's row of steps.csv (a fault-tolerant job's members, for example)."""
+        if self._rows:
+            self._rows[-1].update(columns)
 
     def _evaluate(self, trainer: Trainer, epoch: int) -> tuple[float, float]:
         """This replica's (held-out accuracy, loss) now, added to the held-out series; an evaluation at this step

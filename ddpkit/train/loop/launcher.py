@@ -6,7 +6,9 @@ import dataclasses
 import os
 import time
 
-from ddpkit.distributed.launch import exit_without_teardown, free_port, from_torchrun, spawn
+from ddpkit.distributed import job_store
+from ddpkit.distributed.launch import LaunchError, exit_without_teardown, free_port, from_torchrun, spawn
+from ddpkit.distributed.rank_guard import say
 from ddpkit.train.loop.run import process_main, run_placed
 from ddpkit.train.settings.config import TrainConfig, validate
 
@@ -36,6 +38,15 @@ def launch_training(cfg: TrainConfig) -> None:
     if cfg.debug:
         os.environ["DDPKIT_DEBUG"] = "1"  # the ranks inherit it
     placement = from_torchrun()
+    if cfg.fault_tolerant:
+        if placement is not None:
+            raise ValueError(
+                "--fault-tolerant starts its ranks itself: run `ddpkit train --fault-tolerant` on each machine "
+                "(--nnodes/--node-rank/--master-addr or --world-size/--rank/--host) instead of under torchrun, whose "
+                "agents restart every worker when one fails"
+            )
+        launch_fault_tolerant(cfg, started)
+        return
     if placement is not None:  # torchrun (or a scheduler) already started one process per rank
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         cfg = dataclasses.replace(
@@ -49,3 +60,20 @@ def launch_training(cfg: TrainConfig) -> None:
         port = free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
     # a rank stopped this long is past every peer's --timeout (and its ledger diagnosis): end it, say so
     spawn(process_main, cfg.nproc_per_node, (cfg, port, started), stopped_limit=cfg.timeout + STOPPED_GRACE_SECONDS)
+
+
+def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
+    """Starts this machine's ranks of a fault-tolerant job; node 0 also hosts the job's store and keeps it up
+    until the job is over (`ddpkit.distributed.job_store`). A lost local rank leaves the others training; this
+    returns normally if any local rank finished the job, else raises the first failure."""
+    port = cfg.master_port
+    if port is None:
+        port = free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
+    store = job_store.host(port, cfg.timeout) if cfg.node_rank == 0 else None
+    failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started), independent=True)
+    if store is not None:  # the other machines' ranks may still be training
+        job_store.wait_until_finished(store, max(300.0, cfg.timeout), alive=lambda: False)
+    if len(failures) == cfg.nproc_per_node:
+        raise LaunchError(failures[0])
+    for line in failures:
+        say(f"ddpkit: {line} (fault-tolerant: the job went on without it)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -37,19 +36,14 @@ from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.loop.report import (
     format_summary,
-    gather_digests,
-    gather_per_rank,
-    last_epoch_train_loss,
-    peak_memory_mb,
-    run_settings,
     write_metrics,
 )
 from ddpkit.train.loop.strategies import build_strategy
+from ddpkit.train.loop.summary import summarize
 from ddpkit.train.loop.trainer import Trainer
 from ddpkit.train.settings.agreement import check_job_agrees
 from ddpkit.train.settings.config import TrainConfig
 from ddpkit.train.workloads.sampler import ResumableSampler
-from ddpkit.train.workloads.text import bits_per_byte
 from ddpkit.train.workloads.workload import build_workload
 
 DIAGNOSIS_SECONDS = 3.0
@@ -130,18 +124,6 @@ def train(cfg: TrainConfig, placement: Placement, backend: str, started: float |
     return summary
 
 
-def title_settings(cfg: TrainConfig, world_size: int) -> str:
-    """The settings a plot title names, e.g. "adam lr 0.001, batch 32 x 2, amp bf16"."""
-    text = f"{cfg.optimizer} lr {cfg.learning_rate:g}, batch {cfg.batch_size} x {world_size}"
-    if cfg.grad_accum > 1:
-        text += f" x {cfg.grad_accum} accumulated"
-    if cfg.amp != "off":
-        text += f", amp {cfg.amp}"
-    if cfg.strategy == "slowmo":
-        text += f", localsgd every {cfg.localsgd_frequency}, slowmo every {cfg.slowmo_frequency}"
-    return text
-
-
 def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
     """Whether this torchrun job restarts with fault tolerance (``--max-restarts`` > 0, or already restarted) and
     --out holds a complete checkpoint, as rank 0 sees it (a collective): then every rank resumes from it."""
@@ -154,60 +136,24 @@ def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
     return bool(broadcast_object(found, 0))
 
 
-def summarize(
-    cfg: TrainConfig,
-    placement: Placement,
-    backend: str,
-    trainer: Trainer,
-    recorder: MetricsRecorder,
-    started: float,
-) -> dict[str, Any]:
-    """The run's figures, gathered over ranks (a collective). `started`: when the command began (``time.time()``
-    on rank 0's machine: its wall time is rank 0's)."""
-    steps = recorder.steps
-    sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
-    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
-    totals = recorder.totals()  # the whole run, across resumes
-    training = totals["wall_seconds"] - totals["eval_seconds"]  # the loop without its held-out evaluations
-    memory = gather_per_rank(peak_memory_mb())
-    module = getattr(trainer.model, "module", trainer.model)
-    digests = gather_digests(module)
-    accuracy, test_loss = trainer.evaluate(recorder.test_loader)
-    history = trainer.state.history
-    extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
-    parameters = sum(p.numel() for p in module.parameters())
-    return {
-        "workload": f"{cfg.model} on {cfg.data}",
-        "title": title_settings(cfg, placement.world_size),
-        "strategy": cfg.strategy,
-        "world_size": placement.world_size,
-        "backend": backend,
-        "device": str(next(trainer.model.parameters()).device.type),
-        "epochs": cfg.epochs,
-        "epochs_completed": trainer.state.epoch,
-        "last_epoch": history[-1]["epoch"] if history else 0,
-        "steps_per_epoch": math.ceil(len(trainer.train_loader) / cfg.grad_accum),
-        "stopped_by_max_steps": trainer.state.epoch < cfg.epochs,
-        "steps": trainer.state.step,
-        "test_accuracy": accuracy,
-        "test_loss": test_loss,
-        "train_loss": last_epoch_train_loss(history),
-        "wall_seconds": time.time() - started,
-        "training_seconds": training,
-        "evaluation_seconds": totals["eval_seconds"],
-        "resumed": recorder.resumed,
-        "samples_per_second": totals["samples"] / max(training, 1e-9),
-        "sent_bytes_per_step": statistics.fmean(sent_per_step),
-        "sent_bytes_total": totals["sent_bytes"],
-        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
-        "peak_memory_mb": memory,
-        "replicas_equal": len(set(digests)) == 1,
-        "parameter_digests": digests,
-        "settings": run_settings(cfg, placement.world_size, backend, parameters),
-        "fp16_skipped_steps": sum(h.get("fp16_skipped_steps", 0) for h in history) if cfg.amp == "fp16" else None,
-        "adascale_gain_per_epoch": [h.get("adascale_gain", math.nan) for h in history] if cfg.adascale else None,
-        **extra,
-    }
+def run_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float | None) -> dict[str, Any] | None:
+    """`run_placed` for ``--fault-tolerant``: no job-wide group to join; fewer live ranks than --min-replicas, or
+    the job's store gone, end this rank with a message."""
+    from ddpkit.distributed.membership import TooFewReplicas
+    from ddpkit.train.loop.fault_tolerant_run import train_fault_tolerant
+
+    try:
+        return train_fault_tolerant(cfg, placement, time.time() if started is None else started)
+    except TooFewReplicas as exc:
+        say(f"ddpkit: rank {placement.rank} stops: {exc} (--min-replicas {cfg.min_replicas})")
+        sys.exit(1)
+    except Exception as exc:
+        if debug_mode():
+            raise
+        say(f"ddpkit: rank {placement.rank} failed: {explain_failure(exc, cfg.timeout)}")
+        sys.exit(1)
+    finally:
+        leave()
 
 
 def process_main(local_rank: int, cfg: TrainConfig, master_port: int, started: float | None = None) -> None:
@@ -223,7 +169,7 @@ def process_main(local_rank: int, cfg: TrainConfig, master_port: int, started: f
     exit_without_teardown()  # done and the group left: torch's teardown at exit may abort (see its docstring)
 
 
-def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = None) -> dict[str, Any]:
+def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = None) -> dict[str, Any] | None:
     """Joins, trains and leaves; any failure ends this process with a message naming the rank. `started`: when
     the command began (``time.time()``), for the summary's wall time; None: now.
 
@@ -235,6 +181,8 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
     faulthandler.enable()
     share_cores(cfg.nproc_per_node)  # until the job's layout is known
     backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
+    if cfg.fault_tolerant:
+        return run_fault_tolerant(cfg, placement, started)
     try:
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         share_cores_with_peers()  # ranks started apart may share this machine's cores

@@ -97,6 +97,10 @@ class TrainConfig:
     backend: str = "auto"
     device: str = "auto"  # auto: CUDA with NCCL, else CPU; "cuda" with gloo puts the model on GPUs too
     timeout: float = 60.0
+    # keeping on through lost ranks (ddpkit.train.loop.fault_tolerant_run)
+    fault_tolerant: bool = False
+    min_replicas: int = 1
+    quorum_timeout: float = 5.0
     # outputs
     out: str | None = None
     resume: bool = False
@@ -194,10 +198,11 @@ INT_MINIMA |= {"depth": 1, "slowmo_frequency": 1, "localsgd_frequency": 1, "synt
 INT_MINIMA |= {"synthetic_features": 1, "synthetic_classes": 2, "node_rank": 0, "seed": 0}
 INT_MINIMA |= {"gpt_layers": 1, "gpt_width": 1, "gpt_heads": 1, "context": 1, "keep": 1}
 INT_MINIMA |= {"peers_per_itr": 1, "synch_freq": 0}
-INT_MINIMA |= {"slowmo_compression_block": 1, "slowmo_fragments": 1, "slowmo_sync_delay": 0}
+INT_MINIMA |= {"slowmo_compression_block": 1, "slowmo_fragments": 1, "slowmo_sync_delay": 0, "min_replicas": 1}
 # (low, high, open_low): every float setting, checked finite
 FLOAT_RANGES = {"lr": (0.0, math.inf, True), "momentum": (0.0, 1.0, False), "weight_decay": (0.0, math.inf, False)}
 FLOAT_RANGES |= {"timeout": (0.0, math.inf, True), "slowmo_momentum": (0.0, 1.0, False)}
+FLOAT_RANGES |= {"quorum_timeout": (0.0, math.inf, True)}
 FLOAT_RANGES |= {"slowmo_lr": (0.0, math.inf, True), "slowmo_merge_alpha": (0.0, math.inf, False)}  # and <= 1
 
 
@@ -333,10 +338,43 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         changed = [flag(n) for n in (*SLOW_LINK_FLAGS, *SGP_FLAGS) if getattr(cfg, n) != getattr(TrainConfig, n)]
         if changed:
             raise ValueError(f"{', '.join(changed)} need --strategy slowmo (got {cfg.strategy})")
+    if cfg.fault_tolerant:
+        _check_fault_tolerant(cfg)
+    elif (cfg.min_replicas, cfg.quorum_timeout) != (TrainConfig.min_replicas, TrainConfig.quorum_timeout):
+        raise ValueError("--min-replicas and --quorum-timeout need --fault-tolerant")
     if cfg.resume and not cfg.out:
         raise ValueError("--resume needs --out DIR (where the checkpoint was written)")
     if cfg.resume:
         _check_resumable(cfg)
+
+
+def _check_fault_tolerant(cfg: TrainConfig) -> None:
+    """What --fault-tolerant supports today (ddpkit.train.loop.fault_tolerant_sync), refused by flag otherwise."""
+    if cfg.strategy not in ("ddp", "slowmo"):
+        raise ValueError(
+            f"--fault-tolerant works with --strategy ddp (a round per step) or slowmo (a round per outer sync); got "
+            f"--strategy {cfg.strategy} (a sharded optimizer state would have to be re-split whenever a rank leaves)"
+        )
+    if not 1 <= cfg.min_replicas <= cfg.world_size:
+        raise ValueError(f"--min-replicas must be in [1, the world size {cfg.world_size}]; got {cfg.min_replicas}")
+    unsupported = {
+        "--slowmo-base sgp": cfg.slowmo_base != "localsgd",
+        "--slowmo-compression/--slowmo-fragments/--slowmo-sync-delay": cfg.slowmo_compression != "none"
+        or cfg.slowmo_fragments > 1
+        or cfg.slowmo_sync_delay > 0,
+        "--slowmo-nprocs-per-node > 1": (cfg.nprocs_per_node_slowmo or 1) > 1,
+        "--adascale": cfg.adascale,
+        "--amp fp16": cfg.amp == "fp16",
+        "--resume": cfg.resume,
+        "--checkpoint-every": cfg.checkpoint_every is not None,
+        "--device cuda / --backend nccl": cfg.device == "cuda" or cfg.backend == "nccl",
+    }
+    given = [name for name, on in unsupported.items() if on]
+    if given:
+        raise ValueError(
+            f"--fault-tolerant does not combine with {', '.join(given)} yet: the live state it hands to a rank that "
+            "rejoins covers parameters, a torch optimizer, slow momentum and the data position on the CPU"
+        )
 
 
 HELDOUT_TEXT_BYTES = (

@@ -1,0 +1,200 @@
+"""fault_tolerance: what `ddpkit train --fault-tolerant` costs when nothing fails, and what a lost rank costs.
+
+Two measurements, each running the real command (`python -m ddpkit train`) on this machine:
+
+* **overhead**: the same run (`--max-steps` steps on 2 local processes, held-out evaluations only at the end)
+  plain and with ``--fault-tolerant``, alternated for `--rounds` rounds, for ``ddp`` (a quorum, an average and a
+  commit every step) and ``slowmo`` (local SGD averaging every `--outer-every` steps, the DiLoCo family's period).
+  The figure is each run's training time per step (the loop's wall time without evaluations, from metrics.json);
+  the ratio fault-tolerant / plain per round, and its median.
+* **a lost rank**: two ranks, each started by its own launcher as on two machines (loopback), with
+  ``--fault-tolerant``; after `--kill-after` rounds the second one's launcher and rank get SIGKILL (the machine is
+  gone) and the same command is started again at once. Against an uninterrupted run of the same length: the
+  survivor's extra training time, the seconds it waited for the lost rank, whether the two replicas end
+  bit-identical, the held-out loss of both runs, and the bytes sent per step.
+
+torchft's side of the comparison (the same schedule under torchft's Manager) is not measured by this benchmark
+yet: the table says so (see README.md, "Keeping on through a lost rank").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from benchmarks.lib import plotting
+from benchmarks.lib.cli import progress
+from benchmarks.lib.tables import markdown, num
+
+QUESTION = "fault_tolerance: what does --fault-tolerant cost per step when nothing fails, and per lost rank?"
+QUICK = {"rounds": 1, "steps": 60, "kill_steps": 400, "kill_after": 40}
+MODES = ("ddp", "slowmo")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=3, help="plain/fault-tolerant pairs per mode")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each overhead run")
+    parser.add_argument("--outer-every", type=int, default=50, help="slowmo: steps between averagings (H)")
+    parser.add_argument("--kill-steps", type=int, default=3000, help="steps of each lost-rank run")
+    parser.add_argument("--kill-after", type=int, default=300, help="rounds before the second rank is killed")
+    parser.add_argument("--quorum-timeout", type=float, default=5.0, help="--quorum-timeout of the runs")
+
+
+def _mode_flags(mode: str, outer_every: int) -> list[str]:
+    if mode == "ddp":
+        return ["--strategy", "ddp", "--lr", "0.01"]
+    return ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05", "--localsgd-frequency", str(outer_every),
+            "--slowmo-frequency", str(outer_every), "--slowmo-momentum", "0.0"]  # fmt: skip
+
+
+COMMON = ["--epochs", "1000", "--batch-size", "16", "--no-progress", "--eval-every", "0", "--timeout", "60"]
+
+
+def _train(flags: list[str], out: Path, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    with open(log, "w") as sink:
+        return subprocess.Popen([sys.executable, "-m", "ddpkit", "train", *flags, "--out", str(out)], env=env,
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
+    if proc.wait(timeout) != 0:
+        raise RuntimeError(f"ddpkit train failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "metrics.json").read_text())["summary"]
+
+
+def _per_step_ms(summary: dict[str, Any]) -> float:
+    return 1000 * summary["training_seconds"] / max(summary["steps"], 1)
+
+
+def overhead(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    rows = []
+    runs = [(mode, r) for mode in MODES for r in range(args.rounds)]
+    for mode, r in progress(runs, desc="overhead"):
+        flags = [*_mode_flags(mode, args.outer_every), *COMMON, "--nproc-per-node", "2", "--max-steps",
+                 str(args.steps)]  # fmt: skip
+        times = {}
+        for kind, extra in (("plain", []), ("fault_tolerant", ["--fault-tolerant"])):
+            out = work / f"{mode}-{kind}-{r}"
+            _finish(_train([*flags, *extra], out, work / f"{out.name}.log"), work / f"{out.name}.log")
+            summary = _summary(out)
+            times[kind] = (_per_step_ms(summary), summary["sent_bytes_per_step"])
+        rows.append({"mode": mode, "round": r, "plain_ms": times["plain"][0], "fault_tolerant_ms":
+                     times["fault_tolerant"][0], "ratio": times["fault_tolerant"][0] / times["plain"][0],
+                     "plain_bytes": times["plain"][1], "fault_tolerant_bytes": times["fault_tolerant"][1]})  # fmt: skip
+    return rows
+
+
+def _latest_round(store: Any) -> int:
+    return int(store.get("ddpkit/ft/latest")) if store.check(["ddpkit/ft/latest"]) else -1
+
+
+def _two_nodes(flags: list[str], work: Path, name: str, kill_after: int | None) -> dict[str, Any]:
+    """A 2-rank fault-tolerant job, one launcher per rank; with `kill_after`, the second is killed after that many
+    rounds and started again. Returns the survivor's summary (it writes the outputs)."""
+    from ddpkit.distributed.launch import free_port
+
+    port = free_port()
+    where = ["--fault-tolerant", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", str(port)]  # fmt: skip
+    procs = [_train([*flags, *where, "--node-rank", str(n)], work / f"{name}-{n}", work / f"{name}-{n}.log")
+             for n in range(2)]  # fmt: skip
+    if kill_after is not None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        deadline = time.monotonic() + 600
+        while _latest_round(store) < kill_after:
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise RuntimeError(f"{name}: the job did not reach round {kill_after}")
+            time.sleep(0.1)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        again = work / f"{name}-1-again"
+        procs[1] = _train([*flags, *where, "--node-rank", "1"], again, work / f"{again.name}.log")
+    for n, proc in enumerate(procs):
+        _finish(proc, work / f"{name}-{n}.log" if n == 0 or kill_after is None else work / f"{name}-1-again.log")
+    return _summary(work / f"{name}-0")
+
+
+def lost_rank(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    rows = []
+    for mode in progress(MODES, desc="lost rank"):
+        flags = [*_mode_flags(mode, args.outer_every), *COMMON, "--max-steps", str(args.kill_steps),
+                 "--quorum-timeout", str(args.quorum_timeout)]  # fmt: skip
+        kill_after = args.kill_after if mode == "ddp" else max(1, args.kill_after // args.outer_every)
+        calm = _two_nodes(flags, work, f"{mode}-calm", None)
+        hit = _two_nodes(flags, work, f"{mode}-killed", kill_after)
+        events = hit["membership"]
+        rows.append({
+            "mode": mode,
+            "killed_after_round": kill_after,
+            "calm_training_s": calm["training_seconds"],
+            "killed_training_s": hit["training_seconds"],
+            "extra_s": hit["training_seconds"] - calm["training_seconds"],
+            "waited_s": sum(e["waited_seconds"] for e in events),
+            "left": [e["round"] for e in events if e["left"]],
+            "joined": [e["round"] for e in events if e["joined"]],
+            "dropped_rounds": sum(1 for e in events if e["committed"] is False),
+            "replicas_equal": hit["replicas_equal"],
+            "calm_test_loss": calm["test_loss"],
+            "killed_test_loss": hit["test_loss"],
+            "bytes_per_step": hit["sent_bytes_per_step"],
+        })  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="ddpkit-ft-bench-") as tmp:
+        work = Path(tmp)
+        figures = {"overhead": overhead(args, work), "lost_rank": lost_rank(args, work)}
+    figures["torchft"] = "not measured by this benchmark yet"
+    return figures
+
+
+def _median_ratio(rows: list[dict[str, Any]], mode: str) -> float:
+    return statistics.median(r["ratio"] for r in rows if r["mode"] == mode)
+
+
+def table(report: dict[str, Any]) -> str:
+    figures = report["figures"]
+    rows = [[mode, num(statistics.median(r["plain_ms"] for r in figures["overhead"] if r["mode"] == mode)),
+             num(statistics.median(r["fault_tolerant_ms"] for r in figures["overhead"] if r["mode"] == mode)),
+             num(_median_ratio(figures["overhead"], mode), ".3f"),
+             " ".join(num(r["ratio"], ".3f") for r in figures["overhead"] if r["mode"] == mode)]
+            for mode in MODES]  # fmt: skip
+    first = markdown(["mode", "plain ms/step", "fault-tolerant ms/step", "median ratio", "ratio per round"], rows)
+    lost = [[r["mode"], r["killed_after_round"], num(r["calm_training_s"], ".1f"), num(r["killed_training_s"], ".1f"),
+             num(r["extra_s"], ".1f"), num(r["waited_s"], ".1f"), r["dropped_rounds"],
+             "yes" if r["replicas_equal"] else "NO", num(r["calm_test_loss"], ".4f"), num(r["killed_test_loss"], ".4f"),
+             num(r["bytes_per_step"] / 1e3, ".1f")] for r in figures["lost_rank"]]  # fmt: skip
+    header = ["mode", "killed after round", "calm s", "with a loss s", "extra s", "waited s", "dropped rounds",
+              "replicas equal", "calm held-out loss", "held-out loss", "kB/step"]  # fmt: skip
+    return f"{first}\n\n{markdown(header, lost)}\n\ntorchft: {figures['torchft']}"
+
+
+def plot(report: dict[str, Any], out_dir: Path) -> None:
+    plt = plotting.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rows = report["figures"]["overhead"]
+    for i, mode in enumerate(MODES):
+        ratios = [r["ratio"] for r in rows if r["mode"] == mode]
+        ax.scatter([i] * len(ratios), ratios, label=mode)
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_xticks(range(len(MODES)), MODES)
+    ax.set_ylabel("fault-tolerant / plain time per step")
+    ax.set_title(plotting.title("digits MLP, --fault-tolerant vs plain", 2, report), fontsize=8)
+    plotting.save(fig, "fault_tolerance", out_dir)

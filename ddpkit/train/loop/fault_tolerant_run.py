@@ -1,0 +1,163 @@
+"""One process of `ddpkit train --fault-tolerant`: train with whoever is alive, rejoin from live state, report.
+
+The process joins no job-wide process group: it reaches the job's store (`ddpkit.distributed.job_store`), trains
+its own replica and meets the others in rounds (`ddpkit.train.loop.fault_tolerant_sync`). Locally it runs a
+process group of one (so the trainer's own bookkeeping works unchanged). If the job is already under way (a
+round was decided), the process joins from live state instead of starting. At the end the lowest member of the
+final quorum that never had to rejoin writes the outputs, with every member's figures from the store and every
+membership change (metrics.json's ``membership``, steps.csv's ``members`` and ``membership_change``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ddpkit.algorithms.slow_momentum import SlowMoRule
+from ddpkit.distributed import job_store
+from ddpkit.distributed.launch import Placement
+from ddpkit.distributed.membership import Membership
+from ddpkit.distributed.rank_guard import say
+from ddpkit.train.checkpoints.out_lock import claim_out
+from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar
+from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, FellBehind, OuterSchedule
+from ddpkit.train.loop.report import format_summary, parameter_digest, peak_memory_mb, write_metrics
+from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, optimizer_arguments
+from ddpkit.train.loop.summary import summarize as summarize_run
+from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.settings.config import TrainConfig
+from ddpkit.train.workloads.sampler import ResumableSampler
+from ddpkit.train.workloads.workload import build_workload
+
+
+def outer_schedule(cfg: TrainConfig) -> OuterSchedule | None:
+    """None for per-step rounds (--strategy ddp), else SlowMo's sync schedule and slow-momentum rule."""
+    if cfg.strategy == "ddp":
+        return None
+    slow = cfg.slowmo_momentum != 0 or cfg.slowmo_lr != 1 or cfg.slowmo_nesterov
+    rule = SlowMoRule(cfg.slowmo_momentum, cfg.slowmo_lr, cfg.slowmo_nesterov) if slow else None
+    return OuterSchedule(cfg.localsgd_frequency, cfg.slowmo_frequency, rule)
+
+
+def local_group() -> None:
+    """A process group of this process alone, for the trainer's bookkeeping (its all-gathers become copies)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float) -> dict[str, Any] | None:
+    """Trains this rank of a fault-tolerant job; returns the summary on the rank that wrote it, else None."""
+    local_group()
+    store = job_store.connect(placement.master_addr, placement.master_port, cfg.timeout)
+    waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
+    membership = Membership(
+        store, placement.rank, placement.world_size, cfg.min_replicas, cfg.quorum_timeout, job_store.PREFIX, **waits
+    )
+    torch.manual_seed(cfg.seed)
+    work = build_workload(cfg, torch.device("cpu"))
+    if cfg.out:
+        claim_out(cfg.out, placement.rank)
+    optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
+    sampler = ResumableSampler(work.train, placement.world_size, placement.rank, seed=cfg.seed)
+    loader = DataLoader(work.train, batch_size=cfg.batch_size, sampler=sampler)
+    total = cfg.epochs * math.ceil(len(loader) / cfg.grad_accum)
+    total = min(total, cfg.max_steps or total)
+    heldout = DataLoader(work.heldout, batch_size=64 if cfg.data == "text" else 512)
+    recorder = MetricsRecorder(heldout, eval_every=cfg.eval_every or 0)
+    sync = FaultTolerantSync(membership, work.module, optimizer, recorder, total, outer_schedule(cfg))
+    label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
+    bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
+    amp = {"off": None, "bf16": torch.bfloat16}[cfg.amp]
+    trainer = Trainer(work.module, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
+                      callbacks=[bar, recorder, sync])  # fmt: skip
+    if membership.latest_round() >= 0:
+        say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")
+        sync.rejoin(trainer)
+    while True:
+        try:
+            trainer.fit(cfg.epochs, cfg.max_steps)
+            break
+        except FellBehind as exc:
+            say(f"ddpkit: {exc}; taking the live state again")
+            sync.rejoin(trainer)
+    final = sync.finish(trainer)
+    return report(cfg, placement, store, trainer, recorder, sync, final.members, started)
+
+
+def report(
+    cfg: TrainConfig,
+    placement: Placement,
+    store: Any,
+    trainer: Trainer,
+    recorder: MetricsRecorder,
+    sync: FaultTolerantSync,
+    members: list[int],
+    started: float,
+) -> dict[str, Any] | None:
+    """Leaves this rank's figures in the store; the writer (module doc) gathers them and writes the outputs."""
+    steps = recorder.steps
+    mine = {
+        "sent_bytes_per_step": statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0,
+        "sent_bytes": sum(r.sent_bytes for r in steps),
+        "samples": sum(r.samples for r in steps),
+        "training_seconds": sum(r.seconds for r in steps),
+        "peak_memory_mb": peak_memory_mb(),
+        "digest": parameter_digest(trainer.model),
+        "rejoined": sync.rejoined,
+        "last_epoch": trainer.state.history[-1] if trainer.state.history else None,
+    }
+    job_store.finish(store, placement.rank, members, mine)
+    reports = job_store.reports(store, members, cfg.quorum_timeout)
+    never_rejoined = [r for r in sorted(reports) if reports[r]["rejoined"] == 0]
+    writer = (never_rejoined or sorted(reports) or [placement.rank])[0]
+    summary = None
+    if writer == placement.rank:
+        summary = summarize(cfg, placement, trainer, recorder, sync, reports, members, started)
+        print(format_summary(summary), flush=True)
+        if cfg.out:
+            paths = write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows(),
+                                  recorder.heldout_rows())  # fmt: skip
+            for path in paths:
+                print(f"wrote {path}")
+    job_store.done(store, placement.rank)
+    return summary
+
+
+def summarize(
+    cfg: TrainConfig,
+    placement: Placement,
+    trainer: Trainer,
+    recorder: MetricsRecorder,
+    sync: FaultTolerantSync,
+    reports: dict[int, dict[str, Any]],
+    members: list[int],
+    started: float,
+) -> dict[str, Any]:
+    """`ddpkit train`'s summary for a fault-tolerant job: the members' figures (`reports`) and the membership."""
+    summary = summarize_run(cfg, placement, "gloo", trainer, recorder, started)
+    ranks = sorted(reports)
+    digests = [reports[r]["digest"] for r in ranks]
+    training = max((reports[r]["training_seconds"] for r in ranks), default=0.0)
+    epochs = [reports[r]["last_epoch"] for r in ranks if reports[r]["last_epoch"]]
+    samples = sum(e["samples"] for e in epochs)
+    summary.update(
+        {
+            "strategy": f"{cfg.strategy} (fault-tolerant)",
+            "final_members": members,
+            "membership": [event.__dict__ for event in sync.events],
+            "peak_memory_mb": [reports[r]["peak_memory_mb"] for r in ranks],
+            "sent_bytes_per_step": statistics.fmean(reports[r]["sent_bytes_per_step"] for r in ranks),
+            "sent_bytes_total": sum(reports[r]["sent_bytes"] for r in ranks),
+            "samples_per_second": sum(reports[r]["samples"] for r in ranks) / max(training, 1e-9),
+            "parameter_digests": digests,
+            "replicas_equal": len(set(digests)) == 1,
+            "train_loss": sum(e["train_loss"] * e["samples"] for e in epochs) / samples if samples else math.nan,
+        }
+    )
+    summary["settings"].update(fault_tolerant=True, min_replicas=cfg.min_replicas, quorum_timeout=cfg.quorum_timeout)
+    return summary

@@ -1,0 +1,89 @@
+"""The summary of a `ddpkit train` run: its figures gathered over ranks, and the settings a plot title names."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+from ddpkit.distributed.launch import Placement
+from ddpkit.train.loop.callbacks import MetricsRecorder
+from ddpkit.train.loop.report import (
+    gather_digests,
+    gather_per_rank,
+    last_epoch_train_loss,
+    peak_memory_mb,
+    run_settings,
+)
+from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.settings.config import TrainConfig
+from ddpkit.train.workloads.text import bits_per_byte
+
+
+def title_settings(cfg: TrainConfig, world_size: int) -> str:
+    """The settings a plot title names, e.g. "adam lr 0.001, batch 32 x 2, amp bf16"."""
+    text = f"{cfg.optimizer} lr {cfg.learning_rate:g}, batch {cfg.batch_size} x {world_size}"
+    if cfg.grad_accum > 1:
+        text += f" x {cfg.grad_accum} accumulated"
+    if cfg.amp != "off":
+        text += f", amp {cfg.amp}"
+    if cfg.strategy == "slowmo":
+        text += f", localsgd every {cfg.localsgd_frequency}, slowmo every {cfg.slowmo_frequency}"
+    return text
+
+
+def summarize(
+    cfg: TrainConfig,
+    placement: Placement,
+    backend: str,
+    trainer: Trainer,
+    recorder: MetricsRecorder,
+    started: float,
+) -> dict[str, Any]:
+    """The run's figures, gathered over ranks (a collective). `started`: when the command began (``time.time()``
+    on rank 0's machine: its wall time is rank 0's)."""
+    steps = recorder.steps
+    sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
+    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
+    totals = recorder.totals()  # the whole run, across resumes
+    training = totals["wall_seconds"] - totals["eval_seconds"]  # the loop without its held-out evaluations
+    memory = gather_per_rank(peak_memory_mb())
+    module = getattr(trainer.model, "module", trainer.model)
+    digests = gather_digests(module)
+    accuracy, test_loss = trainer.evaluate(recorder.test_loader)
+    history = trainer.state.history
+    extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
+    parameters = sum(p.numel() for p in module.parameters())
+    return {
+        "workload": f"{cfg.model} on {cfg.data}",
+        "title": title_settings(cfg, placement.world_size),
+        "strategy": cfg.strategy,
+        "world_size": placement.world_size,
+        "backend": backend,
+        "device": str(next(trainer.model.parameters()).device.type),
+        "epochs": cfg.epochs,
+        "epochs_completed": trainer.state.epoch,
+        "last_epoch": history[-1]["epoch"] if history else 0,
+        "steps_per_epoch": math.ceil(len(trainer.train_loader) / cfg.grad_accum),
+        "stopped_by_max_steps": trainer.state.epoch < cfg.epochs,
+        "steps": trainer.state.step,
+        "test_accuracy": accuracy,
+        "test_loss": test_loss,
+        "train_loss": last_epoch_train_loss(history),
+        "wall_seconds": time.time() - started,
+        "training_seconds": training,
+        "evaluation_seconds": totals["eval_seconds"],
+        "resumed": recorder.resumed,
+        "samples_per_second": totals["samples"] / max(training, 1e-9),
+        "sent_bytes_per_step": statistics.fmean(sent_per_step),
+        "sent_bytes_total": totals["sent_bytes"],
+        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
+        "peak_memory_mb": memory,
+        "replicas_equal": len(set(digests)) == 1,
+        "parameter_digests": digests,
+        "settings": run_settings(cfg, placement.world_size, backend, parameters),
+        "fp16_skipped_steps": sum(h.get("fp16_skipped_steps", 0) for h in history) if cfg.amp == "fp16" else None,
+        "adascale_gain_per_epoch": [h.get("adascale_gain", math.nan) for h in history] if cfg.adascale else None,
+        **extra,
+    }

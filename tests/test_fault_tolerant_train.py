@@ -1,0 +1,176 @@
+"""`ddpkit train --fault-tolerant` (issue 24): the survivors of a lost rank train on, and the rank started again
+rejoins from their live state.
+
+References, written apart from the code under test: without failures a fault-tolerant run must train exactly as
+torch DDP (``--strategy ddp``) and as SlowMo (``--strategy slowmo``) do with the same flags; with a failure, every
+replica must end bit-identical, the survivor must never stop (every step once in its steps.csv), and the
+membership it records must name who left and who came back. The library-level rounds are checked against a
+one-process simulation of the membership schedule in tests/test_membership.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from test_train_cli import DDPKIT, _env, procs  # noqa: F401  (fixture)
+
+from ddpkit.distributed.launch import free_port
+from ddpkit.train.settings.config import TrainConfig, validate
+
+HERE = Path(__file__).resolve().parent
+ENV = _env(PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+SHORT = ["--epochs", "1", "--max-steps", "30", "--batch-size", "16", "--no-progress", "--timeout", "60"]
+SLOW_RUN = ["--model", "ft_factories:slow_mlp", "--epochs", "20", "--batch-size", "16", "--lr", "0.01"]
+SLOW_RUN += ["--no-progress", "--quorum-timeout", "2", "--timeout", "60"]
+
+
+def _steps(out: Path) -> list[dict[str, str]]:
+    with open(out / "steps.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())["summary"]
+
+
+def _latest_round(store: dist.TCPStore) -> int:
+    return int(store.get("ddpkit/ft/latest")) if store.check(["ddpkit/ft/latest"]) else -1
+
+
+def _wait_for_round(store: dist.TCPStore, round_: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _latest_round(store) < round_:
+        assert time.monotonic() < deadline, f"the job did not reach round {round_} within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def _store(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=90))
+
+
+def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name: str):  # noqa: F811
+    where = ["--nnodes", str(nodes), "--nproc-per-node", "1", "--node-rank", str(rank)]
+    where += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return procs([*DDPKIT, "train", "--fault-tolerant", *where, *flags, "--out", out], name, env=ENV)
+
+
+@pytest.mark.slow
+def test_without_failures_it_trains_exactly_as_ddp_and_slowmo(tmp_path, procs):  # noqa: F811
+    slowmo = ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05"]
+    runs = {"ddp": ["--strategy", "ddp", "--lr", "0.01"], "slowmo": [*slowmo, "--localsgd-frequency", "3"]}
+    runs["slowmo"] += ["--slowmo-frequency", "6"]
+    for name, flags in runs.items():
+        plain = procs([*DDPKIT, "train", *flags, *SHORT, "--out", tmp_path / name], name, env=ENV)
+        ft = procs([*DDPKIT, "train", "--fault-tolerant", *flags, *SHORT, "--out", tmp_path / f"{name}-ft"],
+                   f"{name}-ft", env=ENV)  # fmt: skip
+        for proc in (plain, ft):
+            result = proc.wait(180)
+            assert result.returncode == 0, result
+        reference, tolerant = _steps(tmp_path / name), _steps(tmp_path / f"{name}-ft")
+        assert len(reference) == len(tolerant) == 30
+        for a, b in zip(reference, tolerant, strict=True):
+            assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-6), (name, a, b)
+            assert b["members"] == "2" and b["membership_change"] == ""
+        expected, got = _summary(tmp_path / name), _summary(tmp_path / f"{name}-ft")
+        assert got["test_loss"] == pytest.approx(expected["test_loss"], abs=1e-6), name
+        assert got["replicas_equal"] and got["membership"] == [] and got["final_members"] == [0, 1]
+        assert got["strategy"] == f"{name} (fault-tolerant)" and got["settings"]["fault_tolerant"] is True
+        # the same exchange, plus the count each average carries: 4 bytes more per all-reduce's payload
+        assert got["sent_bytes_total"] == pytest.approx(expected["sent_bytes_total"], rel=1e-3), name
+
+
+@pytest.mark.slow
+def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path, procs):  # noqa: F811
+    port = free_port()
+    flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "360"]
+    survivor = _node(procs, port, 0, 2, tmp_path / "a", *flags, name="node0")
+    lost = _node(procs, port, 1, 2, tmp_path / "b", *flags, name="node1")
+    store = _store(port)
+    _wait_for_round(store, 40, 120)
+    lost.kill()  # SIGKILL to node 1's launcher and rank: its machine is gone
+    killed_at = _latest_round(store)
+    back = _node(procs, port, 1, 2, tmp_path / "b2", *flags, name="node1-again")
+    for proc in (survivor, back):
+        result = proc.wait(240)
+        assert result.returncode == 0, result
+    assert "joins the fault-tolerant job under way" in back.result().stderr
+    summary = _summary(tmp_path / "a")
+    events = summary["membership"]
+    left = [e for e in events if e["left"] == [1]]
+    joined = [e for e in events if e["joined"] == [1]]
+    assert len(left) == 1 and len(joined) == 1, events
+    assert killed_at - 2 <= left[0]["round"] <= killed_at + 3, (killed_at, events)
+    assert left[0]["waited_seconds"] < 2 + 1.5  # one --quorum-timeout, not --timeout
+    assert joined[0]["round"] > left[0]["round"] and joined[0]["members"] == [0, 1]
+    failed = [e for e in events if e["committed"] is False]
+    assert len(failed) <= 1  # at most the step during which rank 1 died, dropped on every member
+    assert summary["final_members"] == [0, 1] and summary["replicas_equal"], summary["parameter_digests"]
+    rows = _steps(tmp_path / "a")
+    assert [int(r["step"]) for r in rows] == list(range(360))  # the survivor never stopped nor restarted
+    members = [int(r["members"]) for r in rows]
+    assert members[0] == 2 and members[-1] == 2 and 1 in members
+    assert {r["membership_change"] for r in rows} == {"", "-1", "+1"}
+    assert summary["test_accuracy"] > 0.85
+
+
+@pytest.mark.slow
+def test_fewer_live_ranks_than_min_replicas_end_the_job_with_a_clear_error(tmp_path, procs):  # noqa: F811
+    port = free_port()
+    flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "2000", "--min-replicas", "2"]
+    survivor = _node(procs, port, 0, 2, tmp_path / "a", *flags, name="node0")
+    lost = _node(procs, port, 1, 2, tmp_path / "b", *flags, name="node1")
+    _wait_for_round(_store(port), 20, 120)
+    lost.kill()
+    killed = time.monotonic()
+    result = survivor.wait(60)
+    assert result.returncode == 1, result
+    assert "fewer than min_replicas=2" in result.stderr and "--min-replicas 2" in result.stderr, result
+    assert time.monotonic() - killed < 2 * 2 + 15  # two quorum timeouts, and the processes' exit
+
+
+@pytest.mark.long
+def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, procs):  # noqa: F811
+    port = free_port()
+    flags = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency", "8", *SLOW_RUN]
+    flags += ["--max-steps", "400"]
+    nodes = [_node(procs, port, r, 4, tmp_path / f"n{r}", *flags, name=f"node{r}") for r in range(4)]
+    store = _store(port)
+    _wait_for_round(store, 10, 180)
+    nodes[2].kill()
+    nodes[3].kill()
+    back = [_node(procs, port, r, 4, tmp_path / f"n{r}-again", *flags, name=f"node{r}-again") for r in (2, 3)]
+    for proc in (nodes[0], nodes[1], *back):
+        result = proc.wait(300)
+        assert result.returncode == 0, result
+    summary = _summary(tmp_path / "n0")
+    events = summary["membership"]
+    assert any(e["left"] == [2, 3] for e in events), events
+    assert {r for e in events for r in e["joined"]} == {2, 3}, events
+    assert summary["final_members"] == [0, 1, 2, 3] and summary["replicas_equal"]
+    assert [int(r["step"]) for r in _steps(tmp_path / "n0")] == list(range(400))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"strategy": "sharded"}, "--fault-tolerant works with --strategy ddp"),
+        ({"adascale": True, "optimizer": "sgd"}, "does not combine with --adascale"),
+        ({"checkpoint_every": 5}, "does not combine with --checkpoint-every"),
+        ({"slowmo_compression": "int8", "strategy": "slowmo"}, "does not combine with --slowmo-compression"),
+        ({"min_replicas": 3}, "--min-replicas must be in [1, the world size 2]"),
+        ({"quorum_timeout": 0.0}, "--quorum-timeout must be a finite number > 0"),
+    ],
+)
+def test_fault_tolerant_flags_are_checked_before_any_process_starts(flags, message):
+    with pytest.raises(ValueError) as error:
+        validate(TrainConfig(fault_tolerant=True, strategy=flags.pop("strategy", "ddp"), nproc_per_node=2, **flags))
+    assert message in str(error.value)
+    with pytest.raises(ValueError, match="--min-replicas and --quorum-timeout need --fault-tolerant"):
+        validate(TrainConfig(min_replicas=2, nproc_per_node=2))
