@@ -37,7 +37,7 @@ from benchmarks.lib.cli import progress
 from benchmarks.lib.tables import markdown, num
 
 QUESTION = "fault_tolerance: what does --fault-tolerant cost per step when nothing fails, and per lost rank?"
-QUICK = {"rounds": 1, "steps": 60, "kill_steps": 400, "kill_after": 40}
+QUICK = {"rounds": 1, "steps": 40, "kill_steps": 300, "kill_after": 30}
 MODES = ("ddp", "slowmo")
 
 
