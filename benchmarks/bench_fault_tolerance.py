@@ -13,8 +13,11 @@ Two measurements, each running the real command (`python -m ddpkit train`) on th
   survivor's extra training time, the seconds it waited for the lost rank, whether the two replicas end
   bit-identical, the held-out loss of both runs, and the bytes sent per step.
 
-torchft's side of the comparison (the same schedule under torchft's Manager) is not measured by this benchmark
-yet: the table says so (see README.md, "Keeping on through a lost rank").
+**torchft** (0.2.0, when it is installed; its rows are left out with the reason otherwise) runs the ``ddp`` case
+of both measurements on the same model, data split and optimizer (`benchmarks/ft_torchft_worker.py`): two
+replica groups of one process, its lighthouse hosted by this process (heartbeat timeout 5 s, as torchft's
+default), its Manager's quorum per step, DistributedDataParallel and OptimizerWrapper; killed and restarted on the
+same schedule.
 """
 
 from __future__ import annotations
@@ -157,11 +160,81 @@ def lost_rank(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _torchft_job(args: argparse.Namespace, work: Path, name: str, steps: int, kill_after: int | None) -> dict:
+    """Two torchft replicas of the ddp case; with `kill_after`, replica 1 is killed after that many steps and
+    started again. Returns replica 0's figures."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=5000)
+    paths = [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+    def start(replica: int, tag: str) -> subprocess.Popen:
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.ft_torchft_worker",
+            str(replica),
+            "2",
+            str(steps),
+            lighthouse.address(),
+            str(work / f"{name}-{replica}{tag}.json"),
+            str(args.quorum_timeout),
+            str(work / f"{name}.go"),
+        ]
+        with open(work / f"{name}-{replica}{tag}.log", "w") as log:
+            return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    try:
+        procs = [start(0, ""), start(1, "")]
+        while not all((work / f"{name}-{r}.json.ready").exists() for r in range(2)):
+            if any(proc.poll() is not None for proc in procs):
+                raise RuntimeError(f"torchft {name}: {(work / f'{name}-0.log').read_text()[-3000:]}")
+            time.sleep(0.05)
+        (work / f"{name}.go").touch()
+        if kill_after is not None:
+            marker, deadline = work / f"{name}-0.json.step", time.monotonic() + 600
+            while not (marker.exists() and marker.read_text() and int(marker.read_text()) >= kill_after):
+                if time.monotonic() > deadline or procs[0].poll() is not None:
+                    raise RuntimeError(f"torchft {name}: replica 0 did not reach step {kill_after}")
+                time.sleep(0.05)
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            procs[1].wait()
+            procs[1] = start(1, "-again")
+        for proc in procs:
+            if proc.wait(900) != 0:
+                raise RuntimeError(f"torchft {name} failed: {(work / f'{name}-0.log').read_text()[-3000:]}")
+    finally:
+        lighthouse.shutdown()
+    return json.loads((work / f"{name}-0.json").read_text())
+
+
+def torchft_figures(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """torchft's ddp case: time per step without failures (`--rounds` runs) and the lost-rank schedule."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"torchft does not import ({exc}); pip install torchft==0.2.0 with torch pinned"}
+    calm_runs = [_torchft_job(args, work, f"torchft-calm{r}", args.steps, None)
+                 for r in progress(range(args.rounds), desc="torchft")]  # fmt: skip
+    calm = _torchft_job(args, work, "torchft-long", args.kill_steps, None)
+    hit = _torchft_job(args, work, "torchft-killed", args.kill_steps, args.kill_after)
+    return {
+        "ms_per_step": [1000 * r["training_seconds"] / r["steps"] for r in calm_runs],
+        "calm_training_s": calm["training_seconds"],
+        "killed_training_s": hit["training_seconds"],
+        "extra_s": hit["training_seconds"] - calm["training_seconds"],
+        "calm_test_loss": calm["test_loss"],
+        "killed_test_loss": hit["test_loss"],
+        "one_participant_steps": sum(1 for n in hit["participants"] if n < 2),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddpkit-ft-bench-") as tmp:
         work = Path(tmp)
         figures = {"overhead": overhead(args, work), "lost_rank": lost_rank(args, work)}
-    figures["torchft"] = "not measured by this benchmark yet"
+        figures["torchft"] = torchft_figures(args, work)
     return figures
 
 
@@ -183,7 +256,18 @@ def table(report: dict[str, Any]) -> str:
              num(r["bytes_per_step"] / 1e3, ".1f")] for r in figures["lost_rank"]]  # fmt: skip
     header = ["mode", "killed after round", "calm s", "with a loss s", "extra s", "waited s", "dropped rounds",
               "replicas equal", "calm held-out loss", "held-out loss", "kB/step"]  # fmt: skip
-    return f"{first}\n\n{markdown(header, lost)}\n\ntorchft: {figures['torchft']}"
+    return f"{first}\n\n{markdown(header, lost)}\n\n{_torchft_table(figures['torchft'])}"
+
+
+def _torchft_table(ft: dict[str, Any]) -> str:
+    if "skipped" in ft:
+        return f"torchft: skipped: {ft['skipped']}"
+    header = ["torchft 0.2.0, ddp case", "ms/step (median)", "calm s", "with a loss s", "extra s",
+              "steps with one replica", "calm held-out loss", "held-out loss"]  # fmt: skip
+    row = [num(statistics.median(ft["ms_per_step"])), num(ft["calm_training_s"], ".1f"),
+           num(ft["killed_training_s"], ".1f"), num(ft["extra_s"], ".1f"), ft["one_participant_steps"],
+           num(ft["calm_test_loss"], ".4f"), num(ft["killed_test_loss"], ".4f")]  # fmt: skip
+    return markdown(header, [["torchft", *row]])
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> None:
