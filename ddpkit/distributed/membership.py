@@ -153,7 +153,7 @@ class Membership:
         live = self._live(round_)
         self.store.set(self._key(round_, "in", self.rank), "live" if live else "joining")
         previous = self._previous(round_)
-        if live and self._decided(round_) is None:
+        if live:  # (a round decided already, without this late rank, is what `_decide` returns)
             arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
             members = self._decide(round_, sorted(arrived))
         else:
@@ -172,7 +172,8 @@ class Membership:
             self.store.compare_set(f"{self.prefix}ended", "", message)  # ranks waiting to join stop too
             raise TooFewReplicas(message)
         if self.rank in members:
-            self.store.set(f"{self.prefix}latest", str(round_))
+            if members.index(self.rank) == 0:
+                self.store.set(f"{self.prefix}latest", str(round_))
             quorum.index = members.index(self.rank)
             quorum.group = self._group_for(quorum)
             self.joining = False
@@ -246,16 +247,24 @@ class Membership:
     # -- commit ----------------------------------------------------------------------------------------------------
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
-        """Module doc, step 4: writes this member's verdict, waits for the others' (or the timeout), and returns
-        the round's verdict, which the first member to decide wrote for all."""
-        self.store.set(self._key(quorum.round, "ok", self.rank), "1" if ok else "0")
-        keys = [self._key(quorum.round, "ok", r) for r in quorum.members]
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
-            seen = all(value == b"1" for value in self.store.multi_get(keys))
-        except dist.DistStoreError:
-            seen = False  # a member never said: it died or stalled during the round
-        verdict = self.store.compare_set(self._key(quorum.round, "verdict"), "", "1" if seen else "0")
+        """Module doc, step 4: the round's verdict, the same on every member. Each member reports in one atomic
+        addition to the round's counter (1 for success, n + 1 for failure: the sum says how many reported and how
+        many failed); the member whose report is the n-th writes the verdict, "1" only if none failed. The others
+        wait for it (a member that failed too, so it never runs ahead into the next round alone); one that waits
+        `quorum_timeout` in vain (a member died or stalled) writes "0". The first verdict written (compare-and-set)
+        is everyone's: 2-3 store round trips per member."""
+        n = len(quorum.members)
+        verdict_key = self._key(quorum.round, "verdict")
+        total = self.store.add(self._key(quorum.round, "reports"), 1 if ok else n + 1)
+        failed, succeeded = divmod(total, n + 1)
+        if failed + succeeded == n:
+            verdict = self.store.compare_set(verdict_key, "", "0" if failed else "1")
+        else:
+            try:
+                self.store.wait([verdict_key], timedelta(seconds=self.timeout))
+                verdict = self.store.get(verdict_key)
+            except dist.DistStoreError:
+                verdict = self.store.compare_set(verdict_key, "", "0")
         quorum.committed = verdict == b"1"
         if not quorum.committed and quorum.group is not None:
             quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
