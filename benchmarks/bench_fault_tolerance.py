@@ -9,8 +9,9 @@ Two measurements, each running the real command (`python -m ddpkit train`) on th
   the ratio fault-tolerant / plain per round, and its median.
 * **a lost rank**: two ranks, each started by its own launcher as on two machines (loopback), with
   ``--fault-tolerant``; after `--kill-after` rounds the second one's launcher and rank get SIGKILL (the machine is
-  gone) and the same command is started again at once. Against an uninterrupted run of the same length: the
-  survivor's extra training time, the seconds it waited for the lost rank, whether the two replicas end
+  gone) and the same command is started again at once (slowmo runs 4x `--kill-steps`: its local steps are so fast
+  that the restarted process would otherwise arrive after the end). Against an uninterrupted run of the same
+  length: the survivor's extra training time, the seconds it waited for the lost rank, whether the two replicas end
   bit-identical, the held-out loss of both runs, and the bytes sent per step.
 
 **torchft** (0.2.0, when it is installed; its rows are left out with the reason otherwise) runs the ``ddp`` case
@@ -128,15 +129,19 @@ def _two_nodes(flags: list[str], work: Path, name: str, kill_after: int | None) 
         procs[1].wait()
         again = work / f"{name}-1-again"
         procs[1] = _train([*flags, *where, "--node-rank", "1"], again, work / f"{again.name}.log")
-    for n, proc in enumerate(procs):
-        _finish(proc, work / f"{name}-{n}.log" if n == 0 or kill_after is None else work / f"{name}-1-again.log")
+    _finish(procs[0], work / f"{name}-0.log")
+    if kill_after is None:
+        _finish(procs[1], work / f"{name}-1.log")
+    else:
+        procs[1].wait(300)  # the rank started again: its rejoining is read from the survivor's record
     return _summary(work / f"{name}-0")
 
 
 def lost_rank(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     rows = []
     for mode in progress(MODES, desc="lost rank"):
-        flags = [*_mode_flags(mode, args.outer_every), *COMMON, "--max-steps", str(args.kill_steps),
+        steps = args.kill_steps * (4 if mode == "slowmo" else 1)  # local steps are fast: time to start again
+        flags = [*_mode_flags(mode, args.outer_every), *COMMON, "--max-steps", str(steps),
                  "--quorum-timeout", str(args.quorum_timeout)]  # fmt: skip
         kill_after = args.kill_after if mode == "ddp" else max(1, args.kill_after // args.outer_every)
         calm = _two_nodes(flags, work, f"{mode}-calm", None)
