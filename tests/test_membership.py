@@ -136,7 +136,7 @@ def test_a_lost_rank_is_dropped_survivors_train_on_and_its_replacement_heals():
     survivor = next(log for rank, _, log, _ in logs if rank == 0)
     assert [e[0] for e in survivor] == list(range(32))  # never stopped, never restarted
     by_round = {e[0]: e for e in survivor}
-    assert [by_round[r][4] for r in range(3)] == [True, False, True], survivor[:4]  # the failed round dropped everywhere
+    assert [by_round[r][4] for r in range(3)] == [True, False, True], survivor[:4]  # dropped everywhere
     assert by_round[3][1] == [0, 1]  # dropped at once in the round it missed
     rejoined = [e for e in survivor if e[2] == [2]]
     assert len(rejoined) == 1 and rejoined[0][0] > 4 and rejoined[0][1] == [0, 1, 2], survivor
