@@ -17,7 +17,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-PREFIX = "ddpkit/ft/"
+from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED, LATEST
+
+PREFIX = DEFAULT_PREFIX
 FINAL_KEY = PREFIX + "final"  # the members of the job's last round, as a JSON list
 
 
@@ -47,18 +49,18 @@ def reports(store: Any, members: list[int], timeout: float) -> dict[int, dict[st
     return {r: json.loads(store.get(k)) for r, k in zip(members, keys, strict=True) if store.check([k])}
 
 
-def wait_until_finished(store: Any, timeout: float, alive: Any) -> None:
-    """Blocks while the job runs: until every member of the final quorum finished, the job ended (fewer ranks
-    than its minimum), or for `timeout` seconds no local rank was alive (`alive()`) and no round was decided
-    anywhere (remote ranks may train on without this machine's)."""
+def wait_until_finished(store: Any, timeout: float) -> None:
+    """Blocks while the job runs (node 0's launcher calls it once its own ranks ended): until every member of the
+    final quorum finished, the job ended (fewer ranks than its minimum), or no round was decided anywhere for
+    `timeout` seconds (other machines' ranks may train on without this machine's)."""
     quiet_since, latest = time.monotonic(), None
-    while not store.check([PREFIX + "ended"]):  # too few ranks were left: every rank stops
+    while not store.check([PREFIX + ENDED]):  # too few ranks were left: every rank stops
         if store.check([FINAL_KEY]):
             members = json.loads(store.get(FINAL_KEY))
             if store.check([f"{PREFIX}done/{r}" for r in members]):
                 return
-        now_latest = store.get(PREFIX + "latest") if store.check([PREFIX + "latest"]) else None
-        if alive() or now_latest != latest:
+        now_latest = store.get(PREFIX + LATEST) if store.check([PREFIX + LATEST]) else None
+        if now_latest != latest:
             quiet_since, latest = time.monotonic(), now_latest
         elif time.monotonic() - quiet_since > timeout:
             return

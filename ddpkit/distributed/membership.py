@@ -44,6 +44,10 @@ import torch.distributed as dist
 from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 
+DEFAULT_PREFIX = "ddpkit/ft/"
+LATEST = "latest"  # key (under the prefix) of the latest decided round
+ENDED = "ended"  # key of the message that ended the job (too few replicas)
+
 
 class TooFewReplicas(RuntimeError):
     """Fewer ranks than `min_replicas` reached a quorum in time."""
@@ -90,7 +94,7 @@ class Membership:
         max_world: int,
         min_replicas: int = 1,
         quorum_timeout: float = 10.0,
-        prefix: str = "ddpkit/ft/",
+        prefix: str = DEFAULT_PREFIX,
         *,
         start_timeout: float | None = None,
         join_timeout: float = 300.0,
@@ -128,9 +132,9 @@ class Membership:
 
     def latest_round(self) -> int:
         """The latest round whose members were decided (-1 before the first)."""
-        if not self.store.check([f"{self.prefix}latest"]):
+        if not self.store.check([self.prefix + LATEST]):
             return -1
-        return int(self.store.get(f"{self.prefix}latest"))
+        return int(self.store.get(self.prefix + LATEST))
 
     def _joiners(self, round_: int) -> set[int]:
         key = self._key(round_, "joiners")
@@ -169,12 +173,12 @@ class Membership:
                 f"round {round_}: {len(members)} of {self.max_world} ranks reached the quorum within "
                 f"{self.timeout:g} s (members {members}), fewer than min_replicas={self.min_replicas}"
             )
-            self.store.compare_set(f"{self.prefix}ended", "", message)  # ranks waiting to join stop too
+            self.store.compare_set(self.prefix + ENDED, "", message)  # ranks waiting to join stop too
             raise TooFewReplicas(message)
         if self.rank in members:
-            if members.index(self.rank) == 0:
-                self.store.set(f"{self.prefix}latest", str(round_))
             quorum.index = members.index(self.rank)
+            if quorum.index == 0:
+                self.store.set(self.prefix + LATEST, str(round_))
             quorum.group = self._group_for(quorum)
             self.joining = False
             self.last = quorum
@@ -208,7 +212,7 @@ class Membership:
 
     def _await_decision(self, round_: int) -> list[int]:
         """The members of `round_` as the live ranks decide them; TooFewReplicas if none does in `join_timeout`."""
-        key, ended = self._key(round_, "members"), f"{self.prefix}ended"
+        key, ended = self._key(round_, "members"), self.prefix + ENDED
         deadline = time.monotonic() + self.join_timeout
         while True:
             try:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
@@ -26,12 +25,12 @@ from ddpkit.distributed.rank_guard import say
 from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, FellBehind, OuterSchedule
+from ddpkit.train.loop.loaders import rank_data
 from ddpkit.train.loop.report import format_summary, parameter_digest, peak_memory_mb, write_metrics
 from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, optimizer_arguments
 from ddpkit.train.loop.summary import summarize as summarize_run
 from ddpkit.train.loop.trainer import Trainer
 from ddpkit.train.settings.config import TrainConfig
-from ddpkit.train.workloads.sampler import ResumableSampler
 from ddpkit.train.workloads.workload import build_workload
 
 
@@ -63,12 +62,9 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     if cfg.out:
         claim_out(cfg.out, placement.rank)
     optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
-    sampler = ResumableSampler(work.train, placement.world_size, placement.rank, seed=cfg.seed)
-    loader = DataLoader(work.train, batch_size=cfg.batch_size, sampler=sampler)
-    total = cfg.epochs * math.ceil(len(loader) / cfg.grad_accum)
-    total = min(total, cfg.max_steps or total)
-    heldout = DataLoader(work.heldout, batch_size=64 if cfg.data == "text" else 512)
-    recorder = MetricsRecorder(heldout, eval_every=cfg.eval_every or 0)
+    data = rank_data(cfg, work, placement.rank, placement.world_size)
+    loader, total = data.loader, data.total_steps
+    recorder = MetricsRecorder(data.heldout, eval_every=cfg.eval_every or 0)
     sync = FaultTolerantSync(membership, work.module, optimizer, recorder, total, outer_schedule(cfg))
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)

@@ -38,6 +38,7 @@ from torch import nn
 
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm_stats
+from ddpkit.distributed.buckets import unflatten_into
 from ddpkit.distributed.membership import Membership, Quorum, broadcast_from_first, heal_object, quorum_mean
 from ddpkit.train.loop.callbacks import MetricsRecorder
 from ddpkit.train.loop.trainer import Callback, Trainer, TrainerState
@@ -119,11 +120,8 @@ class FaultTolerantSync(Callback):
         return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
 
     def _set_params(self, flat: torch.Tensor) -> None:
-        offset = 0
         with torch.no_grad():
-            for p in self.params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            unflatten_into(flat, self.params)
 
     def _live_state(self, trainer: Trainer, final: bool) -> dict[str, Any]:
         slow = {k: v.clone() for k, v in self.slow.state().items()} if self.slow is not None else None

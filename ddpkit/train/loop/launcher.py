@@ -55,24 +55,27 @@ def launch_training(cfg: TrainConfig) -> None:
         validate(cfg)
         run_placed(cfg, placement, started)
         exit_without_teardown()  # this process is torchrun's worker: done, and the group left
-    port = cfg.master_port
-    if port is None:
-        port = free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
+    port = job_port(cfg)
     # a rank stopped this long is past every peer's --timeout (and its ledger diagnosis): end it, say so
     spawn(process_main, cfg.nproc_per_node, (cfg, port, started), stopped_limit=cfg.timeout + STOPPED_GRACE_SECONDS)
+
+
+def job_port(cfg: TrainConfig) -> int:
+    """--master-port, else a free port on one machine and torchrun's 29500 across machines."""
+    if cfg.master_port is not None:
+        return cfg.master_port
+    return free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
 
 
 def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     """Starts this machine's ranks of a fault-tolerant job; node 0 also hosts the job's store and keeps it up
     until the job is over (`ddpkit.distributed.job_store`). A lost local rank leaves the others training; this
     returns normally if any local rank finished the job, else raises the first failure."""
-    port = cfg.master_port
-    if port is None:
-        port = free_port() if cfg.nnodes == 1 else DEFAULT_MULTINODE_PORT
+    port = job_port(cfg)
     store = job_store.host(port, cfg.timeout) if cfg.node_rank == 0 else None
     failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started), independent=True)
     if store is not None:  # the other machines' ranks may still be training
-        job_store.wait_until_finished(store, max(300.0, cfg.timeout), alive=lambda: False)
+        job_store.wait_until_finished(store, max(300.0, cfg.timeout))
     if len(failures) == cfg.nproc_per_node:
         raise LaunchError(failures[0])
     for line in failures:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import faulthandler
-import math
 import os
 import sys
 import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from ddpkit.distributed import ledger, shared_memory
 from ddpkit.distributed.launch import (
@@ -34,6 +32,7 @@ from ddpkit.train.checkpoints.checkpoint import load_checkpoint
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
+from ddpkit.train.loop.loaders import rank_data
 from ddpkit.train.loop.report import (
     format_summary,
     write_metrics,
@@ -43,7 +42,6 @@ from ddpkit.train.loop.summary import summarize
 from ddpkit.train.loop.trainer import Trainer
 from ddpkit.train.settings.agreement import check_job_agrees
 from ddpkit.train.settings.config import TrainConfig
-from ddpkit.train.workloads.sampler import ResumableSampler
 from ddpkit.train.workloads.workload import build_workload
 
 DIAGNOSIS_SECONDS = 3.0
@@ -76,13 +74,10 @@ def train(cfg: TrainConfig, placement: Placement, backend: str, started: float |
     if cfg.out:
         claim_out(cfg.out, placement.rank)  # before anything is written: a second job on this --out stops here
     strategy = build_strategy(cfg, work.module, device)
-    sampler = ResumableSampler(work.train, placement.world_size, placement.rank, seed=cfg.seed)
-    loader = DataLoader(work.train, batch_size=cfg.batch_size, sampler=sampler)
-    total_steps = cfg.epochs * math.ceil(len(loader) / cfg.grad_accum)
-    total_steps = min(total_steps, cfg.max_steps or total_steps)
+    data = rank_data(cfg, work, placement.rank, placement.world_size)
+    loader, total_steps = data.loader, data.total_steps
     every = cfg.eval_every if cfg.eval_every is not None else default_eval_every(total_steps)
-    heldout = DataLoader(work.heldout, batch_size=64 if cfg.data == "text" else 512)
-    recorder = MetricsRecorder(heldout, eval_every=every)
+    recorder = MetricsRecorder(data.heldout, eval_every=every)
     label = f"{cfg.strategy} x{placement.world_size}"
     callbacks = [
         ProgressBar(total_steps, placement.rank, placement.world_size, label, cfg.progress),
