@@ -64,10 +64,16 @@ def _mode_flags(mode: str, outer_every: int) -> list[str]:
 COMMON = ["--epochs", "1000", "--batch-size", "16", "--no-progress", "--eval-every", "0", "--timeout", "60"]
 
 
-def _train(flags: list[str], out: Path, log: Path) -> subprocess.Popen:
+def _env() -> dict[str, str]:
+    """The children's environment: this repository importable (the torchft worker), no torchrun variables."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
+    return env
+
+
+def _train(flags: list[str], out: Path, log: Path) -> subprocess.Popen:
     with open(log, "w") as sink:
-        return subprocess.Popen([sys.executable, "-m", "ddpkit", "train", *flags, "--out", str(out)], env=env,
+        return subprocess.Popen([sys.executable, "-m", "ddpkit", "train", *flags, "--out", str(out)], env=_env(),
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
@@ -171,8 +177,6 @@ def _torchft_job(args: argparse.Namespace, work: Path, name: str, steps: int, ki
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=5000)
-    paths = [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
     def start(replica: int, tag: str) -> subprocess.Popen:
         command = [
@@ -188,7 +192,7 @@ def _torchft_job(args: argparse.Namespace, work: Path, name: str, steps: int, ki
             str(work / f"{name}.go"),
         ]
         with open(work / f"{name}-{replica}{tag}.log", "w") as log:
-            return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
         procs = [start(0, ""), start(1, "")]
