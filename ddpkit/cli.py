@@ -1,4 +1,4 @@
-"""The `ddpkit` command: `ddpkit train` and `ddpkit bench`."""
+"""The `ddpkit` command: `ddpkit train`, `ddpkit bench` and `ddpkit store` (a fault-tolerant job's store)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ EXAMPLES = """examples:
   ddpkit train --model gpt --data text --max-steps 200  # a byte-level GPT on the stdlib's source
   ddpkit train --model mypkg.models:build --data mypkg.data:load --loss mse   # your own model and data
   ddpkit bench --nproc-per-node 2                      # every strategy on one synthetic workload
+  ddpkit store --port 29510   # then on machine k: torchrun --nnodes 1 --max-restarts 3 -m ddpkit train \
+      --fault-tolerant --nnodes 2 --node-rank k --master-addr <store's address> --master-port 29510
   ddpkit bench --model gpt --link-mbit 1000            # which strategy for a GPT over a 1 Gbit/s link
 """
 
@@ -223,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", help="write the results as JSON here")
     bench.add_argument("--plot", help="bar chart PNG path")
     _show_defaults(bench, BENCH_DEFAULTS)
+    store = sub.add_parser(
+        "store", help="host the store of a fault-tolerant job whose machines each run torchrun (see README)"
+    )
+    store.add_argument("--port", type=int, required=True, help="TCP port, given to every machine as --master-port")
+    store.add_argument(
+        "--timeout", type=float, default=600.0, help="give up after this many seconds without a round (default: 600)"
+    )
     return parser
 
 
@@ -274,6 +283,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             from ddpkit.train.loop.launcher import launch_training
 
             launch_training(make_config(args))
+        elif args.command == "store":
+            from ddpkit.train.loop.launcher import host_job_store
+
+            if not 1 <= args.port <= 65535:
+                raise ValueError(f"--port must be in 1..65535; got {args.port}")
+            cfgmod.check_number("timeout", args.timeout, 0.0, open_low=True)
+            host_job_store(args.port, args.timeout)
         else:
             from ddpkit.train.loop.bench import run_bench
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -118,6 +120,68 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
     assert members[0] == 2 and members[-1] == 2 and 1 in members
     assert {r["membership_change"] for r in rows} == {"", "-1", "+1"}
     assert summary["test_accuracy"] > 0.85
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def _wait_for_worker(agent: int, other_than: int | None, timeout: float) -> int:
+    """The pid of torchrun `agent`'s worker (a new one when `other_than` is the old one's)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = [c for c in _children(agent) if c != other_than]
+        if workers:
+            return workers[0]
+        assert time.monotonic() < deadline, "torchrun started no worker"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_lost_worker_is_restarted_by_torchrun_and_rejoins(tmp_path, procs):  # noqa: F811
+    """One torchrun per machine (--nnodes 1 --max-restarts 1) meeting at `ddpkit store`: torchrun starts the killed
+    worker again, it rejoins from live state; the other machine's worker never stops."""
+    port = free_port()
+    store_proc = procs([*DDPKIT, "store", "--port", str(port), "--timeout", "60"], "store", env=ENV)
+    flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "300", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    flags += ["--master-port", str(port)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    torchrun += ["--max-restarts", "1", "-m", "ddpkit", "train", "--fault-tolerant", *flags]
+    agents = [procs([*torchrun, "--node-rank", str(k), "--out", tmp_path / f"m{k}"], f"torchrun{k}", env=ENV)
+              for k in range(2)]  # fmt: skip
+    store = _store(port)
+    _wait_for_round(store, 40, 120)
+    worker = _wait_for_worker(agents[1].popen.pid, None, 10)
+    os.kill(worker, signal.SIGKILL)  # the worker only: its torchrun starts it again
+    _wait_for_worker(agents[1].popen.pid, worker, 60)
+    for proc in (*agents, store_proc):
+        result = proc.wait(240)
+        assert result.returncode == 0, result
+    assert "joins the fault-tolerant job under way" in agents[1].result().stderr
+    summary = _summary(tmp_path / "m0")
+    assert [e["left"] for e in summary["membership"] if e["left"]] == [[1]], summary["membership"]
+    assert [e["joined"] for e in summary["membership"] if e["joined"]] == [[1]], summary["membership"]
+    assert summary["final_members"] == [0, 1] and summary["replicas_equal"], summary["parameter_digests"]
+    assert [int(r["step"]) for r in _steps(tmp_path / "m0")] == list(range(300))
+    assert "its store stops" in store_proc.result().stderr
+
+
+def test_fault_tolerant_torchrun_across_machines_or_without_a_store_is_refused():
+    from ddpkit.distributed.launch import Placement
+    from ddpkit.train.loop.launcher import fault_tolerant_under_torchrun
+
+    cfg = TrainConfig(fault_tolerant=True, strategy="ddp", nnodes=2, node_rank=1, master_port=29511)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        with pytest.raises(ValueError, match="needs one torchrun per machine"):
+            fault_tolerant_under_torchrun(cfg, Placement(1, 2, 0, "10.0.0.1", 29400))
+        with pytest.raises(ValueError, match="start `ddpkit store --port P`"):
+            fault_tolerant_under_torchrun(TrainConfig(fault_tolerant=True, nnodes=2), Placement(0, 1, 0, "h", 1))
+        cfg, placement = fault_tolerant_under_torchrun(cfg, Placement(0, 1, 0, "127.0.0.1", 29400))
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    assert (placement.rank, placement.world_size, placement.master_port) == (1, 2, 29511) and cfg.nproc_per_node == 1
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
-from ddpkit.distributed.launch import Placement
+from ddpkit.distributed.launch import Placement, choose_gloo_interface
 from ddpkit.distributed.membership import Membership
 from ddpkit.distributed.rank_guard import say
 from ddpkit.train.checkpoints.out_lock import claim_out
@@ -52,6 +52,8 @@ def local_group() -> None:
 def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float) -> dict[str, Any] | None:
     """Trains this rank of a fault-tolerant job; returns the summary on the rank that wrote it, else None."""
     local_group()
+    if cfg.nnodes > 1:  # the rounds' gloo groups must advertise the address that routes to the other machines
+        choose_gloo_interface(placement.master_addr, placement.master_port)
     store = job_store.connect(placement.master_addr, placement.master_port, cfg.timeout)
     waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
     membership = Membership(

@@ -7,7 +7,14 @@ import os
 import time
 
 from ddpkit.distributed import job_store
-from ddpkit.distributed.launch import LaunchError, exit_without_teardown, free_port, from_torchrun, spawn
+from ddpkit.distributed.launch import (
+    LaunchError,
+    Placement,
+    exit_without_teardown,
+    free_port,
+    from_torchrun,
+    spawn,
+)
 from ddpkit.distributed.rank_guard import say
 from ddpkit.train.loop.run import process_main, run_placed
 from ddpkit.train.settings.config import TrainConfig, validate
@@ -38,13 +45,11 @@ def launch_training(cfg: TrainConfig) -> None:
     if cfg.debug:
         os.environ["DDPKIT_DEBUG"] = "1"  # the ranks inherit it
     placement = from_torchrun()
+    if cfg.fault_tolerant and placement is not None:  # one torchrun per machine, meeting at `ddpkit store`
+        cfg, placement = fault_tolerant_under_torchrun(cfg, placement)
+        run_placed(cfg, placement, started)
+        exit_without_teardown()
     if cfg.fault_tolerant:
-        if placement is not None:
-            raise ValueError(
-                "--fault-tolerant starts its ranks itself: run `ddpkit train --fault-tolerant` on each machine "
-                "(--nnodes/--node-rank/--master-addr or --world-size/--rank/--host) instead of under torchrun, whose "
-                "agents restart every worker when one fails"
-            )
         launch_fault_tolerant(cfg, started)
         return
     if placement is not None:  # torchrun (or a scheduler) already started one process per rank
@@ -80,3 +85,39 @@ def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
         raise LaunchError(failures[0])
     for line in failures:
         say(f"ddpkit: {line} (fault-tolerant: the job went on without it)")
+
+
+def fault_tolerant_under_torchrun(cfg: TrainConfig, torchrun: Placement) -> tuple[TrainConfig, Placement]:
+    """This torchrun worker's place in a fault-tolerant job: each machine runs its own torchrun (``--nnodes 1``,
+    ``--max-restarts N`` to start a lost worker again), ddpkit's --nnodes/--node-rank say which machine this is,
+    and --master-addr/--master-port name the job's store, which `ddpkit store` hosts. A torchrun spanning machines
+    is refused: its agents restart every worker of every machine when one fails, so no survivor would go on."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(torchrun.world_size)))
+    if torchrun.world_size != local:
+        raise ValueError(
+            f"--fault-tolerant under torchrun needs one torchrun per machine (torchrun --nnodes 1; this one spans "
+            f"{torchrun.world_size // max(local, 1)} machines, whose agents would restart every worker when one "
+            "fails); give ddpkit --nnodes/--node-rank for the job's machines instead"
+        )
+    if cfg.master_port is None:
+        raise ValueError(
+            "--fault-tolerant under torchrun meets at the job's store: start `ddpkit store --port P` on one "
+            "machine and give every machine's ddpkit --master-addr <its address> --master-port P"
+        )
+    cfg = dataclasses.replace(cfg, nproc_per_node=local)
+    validate(cfg)
+    rank = cfg.node_rank * local + torchrun.local_rank
+    return cfg, Placement(rank, cfg.world_size, torchrun.local_rank, cfg.master_addr, cfg.master_port)
+
+
+def host_job_store(port: int, timeout: float) -> None:
+    """`ddpkit store`: hosts a fault-tolerant job's store on `port` until the job is over (its final quorum
+    finished, it ended with too few ranks, or no round was decided for `timeout` seconds)."""
+    store = job_store.host(port, timeout)
+    say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine")
+    job_store.wait_until_finished(store, timeout)
+    time.sleep(STORE_GRACE_SECONDS)  # ranks still waiting read the end before the store goes
+    say("ddpkit: the fault-tolerant job is over; its store stops")
+
+
+STORE_GRACE_SECONDS = 3.0
