@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _mode_flags(mode: str, outer_every: int) -> list[str]:
     if mode == "ddp":
-        return ["--strategy", "ddp", "--lr", "0.01"]
+        return ["--strategy", "ddp", "--optimizer", "sgd", "--lr", "0.05"]
     return ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05", "--localsgd-frequency", str(outer_every),
             "--slowmo-frequency", str(outer_every), "--slowmo-momentum", "0.0"]  # fmt: skip
 
@@ -71,9 +71,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _train(flags: list[str], out: Path, log: Path) -> subprocess.Popen:
+def _train(flags: list[str], out: Path, log: Path, threads: int | None = None) -> subprocess.Popen:
+    """`ddpkit train` with `flags`; `threads`: OMP_NUM_THREADS of its ranks (None: ddpkit shares the cores)."""
+    env = _env() | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
     with open(log, "w") as sink:
-        return subprocess.Popen([sys.executable, "-m", "ddpkit", "train", *flags, "--out", str(out)], env=_env(),
+        return subprocess.Popen([sys.executable, "-m", "ddpkit", "train", *flags, "--out", str(out)], env=env,
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
@@ -120,7 +122,8 @@ def _two_nodes(flags: list[str], work: Path, name: str, kill_after: int | None) 
     port = free_port()
     where = ["--fault-tolerant", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
              "--master-port", str(port)]  # fmt: skip
-    procs = [_train([*flags, *where, "--node-rank", str(n)], work / f"{name}-{n}", work / f"{name}-{n}.log")
+    # one thread per rank: two launchers on this machine would each take every core (two machines have their own)
+    procs = [_train([*flags, *where, "--node-rank", str(n)], work / f"{name}-{n}", work / f"{name}-{n}.log", 1)
              for n in range(2)]  # fmt: skip
     if kill_after is not None:
         import torch.distributed as dist
@@ -134,7 +137,7 @@ def _two_nodes(flags: list[str], work: Path, name: str, kill_after: int | None) 
         os.killpg(procs[1].pid, signal.SIGKILL)
         procs[1].wait()
         again = work / f"{name}-1-again"
-        procs[1] = _train([*flags, *where, "--node-rank", "1"], again, work / f"{again.name}.log")
+        procs[1] = _train([*flags, *where, "--node-rank", "1"], again, work / f"{again.name}.log", 1)
     _finish(procs[0], work / f"{name}-0.log")
     if kill_after is None:
         _finish(procs[1], work / f"{name}-1.log")
@@ -160,6 +163,7 @@ def lost_rank(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             "killed_training_s": hit["training_seconds"],
             "extra_s": hit["training_seconds"] - calm["training_seconds"],
             "waited_s": sum(e["waited_seconds"] for e in events),
+            "held_up_s": sum(e["blocked_seconds"] for e in events),
             "left": [e["round"] for e in events if e["left"]],
             "joined": [e["round"] for e in events if e["joined"]],
             "dropped_rounds": sum(1 for e in events if e["committed"] is False),
@@ -265,10 +269,11 @@ def table(report: dict[str, Any]) -> str:
             for mode in MODES]  # fmt: skip
     first = markdown(["mode", "plain ms/step", "fault-tolerant ms/step", "median ratio", "ratio per round"], rows)
     lost = [[r["mode"], r["killed_after_round"], num(r["calm_training_s"], ".1f"), num(r["killed_training_s"], ".1f"),
-             num(r["extra_s"], ".1f"), num(r["waited_s"], ".1f"), r["dropped_rounds"],
+             num(r["extra_s"], ".1f"), num(r["waited_s"], ".1f"), num(r["held_up_s"], ".1f"), r["dropped_rounds"],
              "yes" if r["replicas_equal"] else "NO", num(r["calm_test_loss"], ".4f"), num(r["killed_test_loss"], ".4f"),
              num(r["bytes_per_step"] / 1e3, ".1f")] for r in figures["lost_rank"]]  # fmt: skip
-    header = ["mode", "killed after round", "calm s", "with a loss s", "extra s", "waited s", "dropped rounds",
+    header = ["mode", "killed after round", "calm s", "with a loss s", "extra s", "waited s", "held up s",
+              "dropped rounds",
               "replicas equal", "calm held-out loss", "held-out loss", "kB/step"]  # fmt: skip
     return f"{first}\n\n{markdown(header, lost)}\n\n{_torchft_table(figures['torchft'])}"
 

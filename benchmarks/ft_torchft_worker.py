@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddpkit.distributed.launch import free_port
+from ddpkit.train.loop.strategies import optimizer_arguments
 from ddpkit.train.settings.config import TrainConfig
 from ddpkit.train.workloads.sampler import ResumableSampler
 from ddpkit.train.workloads.workload import build_workload
@@ -34,10 +35,10 @@ def main(replica: int, replicas: int, steps: int, lighthouse: str, out: str, quo
     from torchft.process_group import ProcessGroupGloo
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(strategy="ddp", lr=0.01, batch_size=16)
+    cfg = TrainConfig(strategy="ddp", optimizer="sgd", lr=0.05, batch_size=16)  # the bench's ddp flags
     torch.manual_seed(cfg.seed)
     work = build_workload(cfg, torch.device("cpu"))
-    inner = torch.optim.Adam(work.module.parameters(), lr=cfg.learning_rate)
+    inner = torch.optim.SGD(work.module.parameters(), **optimizer_arguments(cfg))
     state: dict[str, Any] = {}
 
     def load(saved: dict[str, Any]) -> None:

@@ -110,6 +110,8 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
     assert len(left) == 1 and len(joined) == 1, events
     assert killed_at - 2 <= left[0]["round"] <= killed_at + 3, (killed_at, events)
     assert left[0]["waited_seconds"] < 2 + 1.5  # one --quorum-timeout, not --timeout
+    # what the change held training up: the failed step's commit and the next quorum, a --quorum-timeout each
+    assert 1.5 < sum(e["blocked_seconds"] for e in events) < 2 * 2 + 2, events
     assert joined[0]["round"] > left[0]["round"] and joined[0]["members"] == [0, 1]
     failed = [e for e in events if e["committed"] is False]
     assert len(failed) <= 1  # at most the step during which rank 1 died, dropped on every member

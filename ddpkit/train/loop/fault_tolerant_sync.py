@@ -29,6 +29,7 @@ and the live state serialised once when someone joins.
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,9 @@ class FellBehind(Exception):
 @dataclass
 class MembershipEvent:
     """A round where the members changed, or that failed: at optimizer step `step` (steps done), who `left` and
-    who `joined`, whether it `committed`, and the seconds this rank waited for the quorum."""
+    who `joined`, whether it `committed`, the seconds this rank waited for the quorum (partly in the background,
+    per step), and the seconds the round held up its training (`blocked_seconds`: the quorum's wait that the step
+    did not hide, the live state sent, the average and the commit): the time the round cost this rank."""
 
     step: int
     round: int
@@ -60,6 +63,7 @@ class MembershipEvent:
     left: list[int]
     committed: bool | None
     waited_seconds: float
+    blocked_seconds: float = 0.0
 
 
 @dataclass
@@ -110,6 +114,7 @@ class FaultTolerantSync(Callback):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
         self._next: Future[Quorum] | None = None  # per step: the next round's quorum, being formed
         self._annotated_round = -1
+        self._blocked = (-1, 0.0)  # (round, seconds its sync held up training on this rank so far)
         self.events: list[MembershipEvent] = []
         self.rejoined = 0  # times this process took the live state from a peer
         self.final = False  # the job's last round is done
@@ -147,8 +152,9 @@ class FaultTolerantSync(Callback):
 
     def _note(self, quorum: Quorum, step: int) -> None:
         if quorum.changed or quorum.committed is False:
+            blocked = self._blocked[1] if self._blocked[0] == quorum.round else 0.0
             event = MembershipEvent(step, quorum.round, quorum.members, quorum.joined, quorum.left,
-                                    quorum.committed, round(quorum.waited, 3))  # fmt: skip
+                                    quorum.committed, round(quorum.waited, 3), round(blocked, 3))  # fmt: skip
             if self.events and self.events[-1].round == quorum.round:
                 self.events[-1] = event
             else:
@@ -230,10 +236,17 @@ class FaultTolerantSync(Callback):
         waits overlap forward and backward); `after_backward` takes it."""
         self._next = self._pool.submit(self.membership.quorum, round_)
 
+    def _count_blocked(self, round_: int, since: float) -> None:
+        """Adds the time since `since` to what round `round_`'s sync held up training on this rank."""
+        held = self._blocked[1] if self._blocked[0] == round_ else 0.0
+        self._blocked = (round_, held + time.monotonic() - since)
+
     def _take_next(self, trainer: Trainer) -> None:
         if self._next is not None:
+            since = time.monotonic()
             future, self._next = self._next, None
             formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
+            self._count_blocked(formed.round, since)
             self._live_round(formed.round, trainer, formed=formed)
 
     def after_backward(self, trainer: Trainer) -> None:
@@ -244,7 +257,10 @@ class FaultTolerantSync(Callback):
         assert quorum is not None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.detach().reshape(-1).to("cpu", torch.float32) for g in grads])
-        if _mean_and_commit(quorum, flat, self.round_ok and quorum.group is not None, counts=True):
+        since = time.monotonic()
+        committed = _mean_and_commit(quorum, flat, self.round_ok and quorum.group is not None, counts=True)
+        self._count_blocked(quorum.round, since)
+        if committed:
             offset = 0
             for p, g in zip(self.params, grads, strict=True):
                 p.grad = flat[offset : offset + p.numel()].view_as(p).to(g.device, g.dtype)
@@ -262,8 +278,9 @@ class FaultTolerantSync(Callback):
                 if step < self.total_steps:
                     self._form_next(step + 1)
             elif self.outer.due(step):
+                since = time.monotonic()
                 quorum, ok = self._live_round(self.outer.rounds_until(step), trainer)
-                self._outer_work(quorum, ok, trainer, counts=True)
+                self._outer_work(quorum, ok, trainer, counts=True, since=since)
         self._annotate(trainer, members, sent.sent_bytes())
 
     def _annotate(self, trainer: Trainer, quorum: Quorum | None, sent: float) -> None:
@@ -281,10 +298,16 @@ class FaultTolerantSync(Callback):
 
     # -- per outer sync ------------------------------------------------------------------------------------------
 
-    def _outer_work(self, quorum: Quorum, ok: bool, trainer: Trainer, counts: bool, slow: bool = True) -> None:
-        """The parameters' mean over the members, committed; then slow momentum when due (and `slow`)."""
+    def _outer_work(
+        self, quorum: Quorum, ok: bool, trainer: Trainer, counts: bool, slow: bool = True, since: float | None = None
+    ) -> None:
+        """The parameters' mean over the members, committed; then slow momentum when due (and `slow`). `since`:
+        when the round began holding up training (its time is counted in the round's `blocked_seconds`)."""
         flat = self._flat_params()
-        if _mean_and_commit(quorum, flat, ok, counts):
+        committed = _mean_and_commit(quorum, flat, ok, counts)
+        if since is not None:
+            self._count_blocked(quorum.round, since)
+        if committed:
             step, outer = trainer.state.step, self.outer
             assert outer is not None
             if slow and self.slow is not None and outer.rule is not None and step % outer.slow_every == 0:
