@@ -1,26 +1,32 @@
 """The key-value store a fault-tolerant job meets in: hosted by the launcher of node 0, outliving every rank.
 
 `ddpkit train --fault-tolerant` forms no process group over the whole job (a lost rank would break it). Its ranks
-meet through a TCPStore that node 0's launcher hosts (`host`) and every rank reaches as a client (`connect`): a
+meet through a TCPStore that node 0's launcher hosts (`host`; `ddpkit store` hosts it instead when each machine
+runs its own torchrun) and every rank reaches as a client (`connect`): a
 rank's death does not take it down, and a rank started again finds the job where it is. The launcher keeps it up
 until the job is over: every rank of the final quorum has said it finished (`finish`, `wait_until_finished`), or
-no rank is left. Losing node 0's launcher (its machine) ends the job, as losing torchft's lighthouse does.
+no rank is left (each live rank beats a heartbeat into the store every second: `heartbeat`). Losing node 0's
+launcher (its machine) ends the job, as losing torchft's lighthouse does.
 Memory: the keys of the quorums (`ddpkit.distributed.membership`), a few bytes per rank and round.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED, LATEST
+from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED
 
 PREFIX = DEFAULT_PREFIX
 FINAL_KEY = PREFIX + "final"  # the members of the job's last round, as a JSON list
+HEARTBEAT_KEY = PREFIX + "heartbeats"  # a counter every live rank adds to every HEARTBEAT_SECONDS
+HEARTBEAT_SECONDS = 1.0
+SILENCE_SECONDS = 20.0  # no heartbeat for this long: no rank is left, the store's host stops waiting
 
 
 def host(port: int, timeout: float) -> dist.TCPStore:
@@ -49,22 +55,45 @@ def reports(store: Any, members: list[int], timeout: float) -> dict[int, dict[st
     return {r: json.loads(store.get(k)) for r, k in zip(members, keys, strict=True) if store.check([k])}
 
 
-def wait_until_finished(store: Any, timeout: float) -> None:
-    """Blocks while the job runs (node 0's launcher calls it once its own ranks ended): until every member of the
-    final quorum finished, the job ended (fewer ranks than its minimum), or no round was decided anywhere for
-    `timeout` seconds (other machines' ranks may train on without this machine's)."""
-    quiet_since, latest = time.monotonic(), None
+def wait_until_finished(store: Any, start_timeout: float, silence: float = SILENCE_SECONDS) -> str:
+    """Blocks while the job runs (node 0's launcher calls it once its own ranks ended; `ddpkit store` at once) and
+    says why it returned: every member of the final quorum finished ("finished"), the job ended with fewer ranks
+    than its minimum ("ended"), no rank's heartbeat came for `silence` seconds (every rank is gone: "silent"), or
+    none came at all within `start_timeout` seconds ("never started")."""
+    started, beats, last_beat = time.monotonic(), None, None
     while not store.check([PREFIX + ENDED]):  # too few ranks were left: every rank stops
         if store.check([FINAL_KEY]):
             members = json.loads(store.get(FINAL_KEY))
             if store.check([f"{PREFIX}done/{r}" for r in members]):
-                return
-        now_latest = store.get(PREFIX + LATEST) if store.check([PREFIX + LATEST]) else None
-        if now_latest != latest:
-            quiet_since, latest = time.monotonic(), now_latest
-        elif time.monotonic() - quiet_since > timeout:
-            return
+                return "finished"
+        now_beats = store.get(HEARTBEAT_KEY) if store.check([HEARTBEAT_KEY]) else None
+        if now_beats != beats:
+            beats, last_beat = now_beats, time.monotonic()
+        elif last_beat is not None and time.monotonic() - last_beat > silence:
+            return "silent"
+        elif last_beat is None and time.monotonic() - started > start_timeout:
+            return "never started"
         time.sleep(0.2)
+    return "ended"
+
+
+def heartbeat(address: str, port: int, timeout: float) -> threading.Event:
+    """Starts a daemon thread that tells the store every `HEARTBEAT_SECONDS` that this rank lives, on its own
+    connection (the rounds' long waits would hold up a shared one); set the returned event to stop it. The store's
+    host ends the job once no rank has beaten for `SILENCE_SECONDS` (`wait_until_finished`)."""
+    stop = threading.Event()
+    client = connect(address, port, timeout)
+
+    def beat() -> None:
+        while not stop.is_set():
+            try:
+                client.add(HEARTBEAT_KEY, 1)
+            except (RuntimeError, dist.DistError):
+                return  # the store is gone: the rank learns it from its next round
+            stop.wait(HEARTBEAT_SECONDS)
+
+    threading.Thread(target=beat, name="ddpkit-heartbeat", daemon=True).start()
+    return stop
 
 
 def done(store: Any, rank: int) -> None:

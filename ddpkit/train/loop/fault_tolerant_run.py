@@ -55,6 +55,7 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     if cfg.nnodes > 1:  # the rounds' gloo groups must advertise the address that routes to the other machines
         choose_gloo_interface(placement.master_addr, placement.master_port)
     store = job_store.connect(placement.master_addr, placement.master_port, cfg.timeout)
+    job_store.heartbeat(placement.master_addr, placement.master_port, cfg.timeout)  # until this process ends
     waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
     membership = Membership(
         store, placement.rank, placement.world_size, cfg.min_replicas, cfg.quorum_timeout, job_store.PREFIX, **waits

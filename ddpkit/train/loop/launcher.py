@@ -79,10 +79,12 @@ def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     port = job_port(cfg)
     store = job_store.host(port, cfg.timeout) if cfg.node_rank == 0 else None
     failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started), independent=True)
+    why = None
     if store is not None:  # the other machines' ranks may still be training
-        job_store.wait_until_finished(store, max(300.0, cfg.timeout))
+        why = job_store.wait_until_finished(store, max(300.0, cfg.timeout))
     if len(failures) == cfg.nproc_per_node:
-        raise LaunchError(failures[0])
+        gone = f" (and no rank of the job was left: no heartbeat for {job_store.SILENCE_SECONDS:g} s)"
+        raise LaunchError(failures[0] + (gone if why == "silent" else ""))
     for line in failures:
         say(f"ddpkit: {line} (fault-tolerant: the job went on without it)")
 
@@ -115,9 +117,13 @@ def host_job_store(port: int, timeout: float) -> None:
     finished, it ended with too few ranks, or no round was decided for `timeout` seconds)."""
     store = job_store.host(port, timeout)
     say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine")
-    job_store.wait_until_finished(store, timeout)
+    why = job_store.wait_until_finished(store, timeout)
     time.sleep(STORE_GRACE_SECONDS)  # ranks still waiting read the end before the store goes
-    say("ddpkit: the fault-tolerant job is over; its store stops")
+    if why in ("finished", "ended"):
+        say(f"ddpkit: the fault-tolerant job {why}; its store stops")
+        return
+    lost = f"no rank started within --timeout {timeout:g} s" if why == "never started" else "every rank is gone"
+    raise LaunchError(f"the fault-tolerant job's store stops: {lost}")
 
 
 STORE_GRACE_SECONDS = 3.0
