@@ -7,8 +7,9 @@ Two measurements, each running the real command (`python -m ddpkit train`) on th
   step) and ``slowmo`` (local SGD averaging every `--outer-every` steps, the DiLoCo family's period). The figure
   is the time per step once running: each configuration runs `--steps` and 2 x `--steps` steps and the
   difference of their training times (the loop's wall time without evaluations, from metrics.json) is divided by
-  `--steps`, so what a run spends once cancels out (a 600-step plain SlowMo run spent 0.96 s of its 1.8 s outside
-  its steps, the fault-tolerant one 0.29 s); the ratio fault-tolerant / plain per round, and its median.
+  `--steps` (slowmo: 3 x `--steps` and 6 x, its local steps being shorter), so that what a run spends once cancels
+  out (a 600-step plain SlowMo run spent 0.96 s of its 1.8 s outside its steps, the fault-tolerant one 0.29 s);
+  the ratio fault-tolerant / plain per round, and its median. torchft's figure is its whole runs' time per step.
 * **a lost rank**: two ranks, each started by its own launcher as on two machines (loopback), with
   ``--fault-tolerant``; after `--kill-after` rounds the second one's launcher and rank get SIGKILL (the machine is
   gone) and the same command is started again at once (slowmo runs 4x `--kill-steps`: its local steps are so fast
@@ -49,7 +50,7 @@ MODES = ("ddp", "slowmo")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="plain/fault-tolerant pairs per mode")
-    parser.add_argument("--steps", type=int, default=600, help="overhead: runs of N and 2N steps, the rate from both")
+    parser.add_argument("--steps", type=int, default=2000, help="overhead: runs of N and 2N steps (slowmo 3N, 6N)")
     parser.add_argument("--outer-every", type=int, default=50, help="slowmo: steps between averagings (H)")
     parser.add_argument("--kill-steps", type=int, default=3000, help="steps of each lost-rank run")
     parser.add_argument("--kill-after", type=int, default=300, help="rounds before the second rank is killed")
@@ -111,7 +112,8 @@ def overhead(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         flags = [*_mode_flags(mode, args.outer_every), *COMMON, "--nproc-per-node", "2"]
         times = {}
         for kind, extra in (("plain", []), ("fault_tolerant", ["--fault-tolerant"])):
-            times[kind] = _marginal_ms([*flags, *extra], args.steps, work / f"{mode}-{kind}-{r}")
+            steps = args.steps * (3 if mode == "slowmo" else 1)  # local steps are short: as long a run as ddp's
+            times[kind] = _marginal_ms([*flags, *extra], steps, work / f"{mode}-{kind}-{r}")
         rows.append({"mode": mode, "round": r, "plain_ms": times["plain"][0], "fault_tolerant_ms":
                      times["fault_tolerant"][0], "ratio": times["fault_tolerant"][0] / times["plain"][0],
                      "plain_bytes": times["plain"][1], "fault_tolerant_bytes": times["fault_tolerant"][1]})  # fmt: skip
