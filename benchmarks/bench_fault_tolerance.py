@@ -9,7 +9,10 @@ Two measurements, each running the real command (`python -m ddpkit train`) on th
   difference of their training times (the loop's wall time without evaluations, from metrics.json) is divided by
   `--steps` (slowmo: 3 x `--steps` and 6 x, its local steps being shorter), so that what a run spends once cancels
   out (a 600-step plain SlowMo run spent 0.96 s of its 1.8 s outside its steps, the fault-tolerant one 0.29 s);
-  the ratio fault-tolerant / plain per round, and its median. torchft's figure is its whole runs' time per step.
+  the ratio fault-tolerant / plain per round, and its median. The plain runs have ``--no-checkpoints``: with
+  `--out` they would write a checkpoint at every epoch end (45 steps), which fault-tolerant runs do not, and
+  which grows with the run (0.064 s per epoch over 33 epochs, 0.127 s over 133). torchft's figure is its whole
+  runs' time per step.
 * **a lost rank**: two ranks, each started by its own launcher as on two machines (loopback), with
   ``--fault-tolerant``; after `--kill-after` rounds the second one's launcher and rank get SIGKILL (the machine is
   gone) and the same command is started again at once (slowmo runs 4x `--kill-steps`: its local steps are so fast
@@ -111,7 +114,8 @@ def overhead(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     for mode, r in progress(runs, desc="overhead"):
         flags = [*_mode_flags(mode, args.outer_every), *COMMON, "--nproc-per-node", "2"]
         times = {}
-        for kind, extra in (("plain", []), ("fault_tolerant", ["--fault-tolerant"])):
+        # plain runs would also write a checkpoint at every epoch end (45 steps here), which --fault-tolerant does not
+        for kind, extra in (("plain", ["--no-checkpoints"]), ("fault_tolerant", ["--fault-tolerant"])):
             steps = args.steps * (3 if mode == "slowmo" else 1)  # local steps are short: as long a run as ddp's
             times[kind] = _marginal_ms([*flags, *extra], steps, work / f"{mode}-{kind}-{r}")
         rows.append({"mode": mode, "round": r, "plain_ms": times["plain"][0], "fault_tolerant_ms":

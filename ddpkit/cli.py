@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--keep", type=int, metavar="K", help="checkpoints kept, the newest")
     out.add_argument("--checkpoint-every", type=int, metavar="N", help="also checkpoint every N steps")
     out.add_argument(
+        "--no-checkpoints", dest="checkpoints", action="store_false", help="--out gets the metrics, no checkpoint"
+    )
+    out.add_argument(
         "--eval-every",
         type=int,
         metavar="N",

@@ -1,6 +1,6 @@
 """Ranks that disagree (settings, parameter shapes, dtypes, order, hyper-parameters) fail at construction with an
-error naming the first difference and the ranks, on every rank, after one 8-byte all-gather; never a hang, a
-crash in a collective, or a shared-memory error."""
+error naming the first difference and the ranks, on every rank, after one 16-byte all-gather; never a hang, a
+crash in a collective, or a shared-memory error. Param-group entries the optimizer does not take only warn."""
 
 from __future__ import annotations
 
@@ -96,6 +96,18 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
             seen[f"slowmo_{key}"] = _error(SlowMoDistributedDataParallel, _mlp(8), 1, **kwargs)
         seen["slowmo_width"] = _error(SlowMoDistributedDataParallel, _mlp(12 if other else 8), 1)
     seen["settings"] = _error(check_same_across_ranks, {"--lr": 0.01, "--hidden": 64 + rank}, what="train")
+    # issue 25: a param-group key the optimizer does not take may differ (fairscale's tests pass `rank`): a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        per_rank = [{"params": list(_mlp(8).parameters()), "rank": rank, "lr": 0.1}]
+        seen["oss_rank_key"] = _error(OSS, per_rank, optim=torch.optim.SGD)
+    seen["oss_rank_key_warning"] = " | ".join(str(w.message) for w in caught)
+    # ... but a hyper-parameter torch's SGD takes, set per group, must agree
+    momentum = [{"params": list(_mlp(8).parameters()), "momentum": 0.9 if other else 0.0}]
+    seen["oss_group_momentum"] = _error(OSS, momentum, optim=torch.optim.SGD, lr=0.1)
+    with comm_stats.measure() as unchecked:  # the opt-out: no check, no collective
+        OSS(_mlp(8).parameters(), optim=torch.optim.SGD, lr=0.2 if other else 0.1, check_agreement=False)
+    seen["unchecked_calls"] = repr(unchecked.calls())
     return seen
 
 
@@ -104,10 +116,11 @@ def two_ranks() -> list[dict[str, str]]:
     return run_distributed(_two_ranks, 2)
 
 
-def test_agreeing_ranks_exchange_one_eight_byte_all_gather(two_ranks):
+def test_agreeing_ranks_exchange_one_sixteen_byte_all_gather(two_ranks):
     for seen in two_ranks:
-        # OSS's construction: nothing but the check (1 call, 8 bytes payload per rank)
-        assert seen["agree_calls"] == repr((1, 1, 8))
+        # OSS's construction: nothing but the check (1 call; two 8-byte digests per rank)
+        assert seen["agree_calls"] == repr((1, 1, 16))
+        assert seen["unchecked_calls"] == "0"  # check_agreement=False
         # a disagreement costs the digest all-gather and the settings' exchange (objects: more all-gathers)
         assert seen["failing_kinds"] == repr(["all_gather"])
 
@@ -134,6 +147,15 @@ def test_every_rank_names_the_first_difference_and_its_ranks(two_ranks):
         assert "parameter 0: 0.weight: shape (8, 4)" in seen["slowmo_width"]
         assert seen["settings"].endswith("--hidden: 64 on rank 0; 65 on rank 1")
         assert "--lr" not in seen["settings"]
+
+
+def test_per_rank_entries_of_a_param_group_warn_and_known_hyperparameters_refuse(two_ranks):
+    for rank, seen in enumerate(two_ranks):
+        assert seen["oss_rank_key"] == ""  # accepted, as fairscale does
+        assert "param group 0 rank: 0 on rank 0; 1 on rank 1" in seen["oss_rank_key_warning"]
+        assert f"seen from rank {rank}" in seen["oss_rank_key_warning"]
+        assert "check_agreement=False" in seen["oss_rank_key_warning"]
+        assert "param group 0 momentum: 0.0 on rank 0; 0.9 on rank 1" in seen["oss_group_momentum"]
 
 
 def test_disagreement_is_not_reported_as_a_shared_memory_error(two_ranks):

@@ -58,6 +58,7 @@ def error_of(argv: list[str]) -> str:
         (["--model", "cnn", "--data", "synthetic", "--synthetic-features", "10"], "needs a square"),
         (["--backend", "nccl"], "--backend nccl needs CUDA GPUs"),
         (["--slowmo-base", "sgp"], "--slowmo-base sgp needs --strategy slowmo (got sharded)"),
+        (["--no-checkpoints", "--checkpoint-every", "5"], "--no-checkpoints cannot be combined with --resume or"),
         (["--strategy", "slowmo", "--slowmo-base", "sgp", "--peers-per-itr", "0"], "--peers-per-itr must be an"),
         (["--strategy", "slowmo", "--slowmo-base", "sgp", "--synch-freq=-1"], "--synch-freq must be an integer >= 0"),
         (

@@ -397,11 +397,25 @@ def _api_and_errors(rank, world):
         ShardedDataParallel(mixed, OSS([p for p in mixed.parameters() if p.device.type == "cpu"], lr=0.1))
     except ValueError as exc:
         errors["mixed_devices"] = str(exc)
+    # DDP's attributes, against torch's DDP on the same model
+    ddp = DDP(_mlp())
+    errors["attributes"] = repr((sdp.is_multi_device_module, sdp.device_type))
+    errors["ddp_attributes"] = repr((ddp.is_multi_device_module, ddp.device_type))
+    # a gradient that itself requires grad (create_graph=True): a RuntimeError, as torch's DDP raises
+    for label, wrapped in (("sdp_create_graph", sdp), ("ddp_create_graph", ddp)):
+        x, _ = _batch(rank, 0)
+        try:
+            wrapped(x).pow(2).sum().backward(create_graph=True)
+        except RuntimeError as exc:
+            errors[label] = str(exc)
     return errors
 
 
 def test_api_and_clear_errors():
     errors = run_distributed(_api_and_errors, 2)[0]
+    assert errors["attributes"] == errors["ddp_attributes"] == repr((False, "cpu"))
+    assert "only works with gradients that do not require grad" in errors["sdp_create_graph"]
+    assert "ddp_create_graph" in errors  # the reference raises too
     assert "must be a ddpkit.optim.OSS" in errors["plain_optimizer"] and "TypeError" in errors["plain_optimizer"]
     assert "torch.nn.Module" in errors["not_a_module"]
     assert "reduce_buffer_size" in errors["bad_buffer_size"]

@@ -6,15 +6,17 @@ collective that depends on it hangs, crashes in the backend, or, worse, trains o
 disagree. `check_same_across_ranks` turns that into an error on every rank, before the first such collective,
 that names the first setting that differs and which ranks hold which value.
 
-What is communicated: one all-gather of an 8-byte digest (SHA-256 of the ranks' settings, in order) per check.
-Only when the digests differ, which every rank sees alike, do the ranks all-gather their settings as objects to
-name the difference; then every rank raises `RanksDisagree`. Memory: the settings' text, a few bytes per entry.
+What is communicated: one all-gather of two 8-byte digests (SHA-256 of the ranks' settings, in order, and of the
+entries that may differ) per check. Only when the digests differ, which every rank sees alike, do the ranks
+all-gather their settings as objects to name the difference; then every rank raises `RanksDisagree` (or warns,
+for entries that may differ). Memory: the settings' text, a few bytes per entry.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -77,35 +79,56 @@ def describe_differences(per_rank: list[dict[str, str]], limit: int = MAX_NAMED)
     return lines
 
 
+def _texts(settings: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, str]]:
+    items = settings.items() if isinstance(settings, Mapping) else settings
+    return [(str(k), v if isinstance(v, str) else canonical(v)) for k, v in items]
+
+
 def check_same_across_ranks(
-    settings: Mapping[str, Any] | Iterable[tuple[str, Any]], group: ProcessGroup | None = None, what: str = "job"
+    settings: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    group: ProcessGroup | None = None,
+    what: str = "job",
+    advisory: Iterable[tuple[str, Any]] = (),
 ) -> None:
     """Raises `RanksDisagree` on every rank of `group` unless every rank passed equal `settings` (a collective).
 
     `settings` maps a name ("--lr", "parameter 3") to a value; values are compared by `canonical` text and in
     order. The error names up to `MAX_NAMED` differing settings, the first one first, with each value's ranks.
+    `advisory` entries may differ (a per-rank entry of a param group that no optimizer reads): when they do, every
+    rank warns, naming them and their ranks. Both digests travel in the one all-gather.
     """
-    items = settings.items() if isinstance(settings, Mapping) else settings
-    entries = [(str(k), v if isinstance(v, str) else canonical(v)) for k, v in items]
+    entries, optional = _texts(settings), _texts(advisory)
     if not dist.is_initialized() or group_size(group) < 2:
         return
     device = comm_device(group)
-    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(group_size(group))]
-    comm.all_gather(digests, torch.tensor([_digest(entries)], dtype=torch.int64, device=device), group)
-    if len({int(d.item()) for d in digests}) == 1:
+    digests = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(group_size(group))]
+    mine = torch.tensor([_digest(entries), _digest(optional)], dtype=torch.int64, device=device)
+    comm.all_gather(digests, mine, group)
+    required_differ = len({int(d[0].item()) for d in digests}) > 1
+    optional_differ = len({int(d[1].item()) for d in digests}) > 1
+    if not required_differ and not optional_differ:
         return
-    everyone = gather_objects(dict(entries), dst=-1, group=group)
+    everyone = gather_objects(dict(entries if required_differ else optional), dst=-1, group=group)
     assert everyone is not None
     lines = describe_differences(everyone) or ["the same settings in another order"]
     me = group_rank(group)
-    raise RanksDisagree(f"{what}: ranks disagree (seen from rank {me}): " + " | ".join(lines))
+    if required_differ:
+        raise RanksDisagree(f"{what}: ranks disagree (seen from rank {me}): " + " | ".join(lines))
+    warnings.warn(
+        f"{what}: param group entries that the optimizer does not read differ across ranks (seen from rank {me}): "
+        + " | ".join(lines)
+        + "; accepted (pass check_agreement=False to skip the check)",
+        stacklevel=3,
+    )
 
 
 def parameter_settings(
     params: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    known_keys: Collection[str] | None = None,
 ) -> list[tuple[str, str]]:
     """What must agree about `params`: their number, and per position its name (when a module gives names),
-    shape, dtype and whether it is trained; for param groups also each group's size and hyper-parameters."""
+    shape, dtype and whether it is trained; for param groups also each group's size and hyper-parameters (with
+    `known_keys`, only those keys: the others are `param_group_extras`)."""
     if isinstance(params, nn.Module):
         named: list[tuple[str | None, torch.Tensor]] = [(n, p) for n, p in params.named_parameters()]
         groups: list[dict[str, Any]] = []
@@ -121,9 +144,19 @@ def parameter_settings(
         entries.append((f"parameter {index}", f"{name}: {text}" if name else text))
     for index, group in enumerate(groups):
         entries.append((f"param group {index} size", str(len(group["params"]))))
-        for key in sorted(k for k in group if k != "params"):
+        for key in sorted(k for k in group if k != "params" and (known_keys is None or k in known_keys)):
             entries.append((f"param group {index} {key}", canonical(group[key])))
     return entries
+
+
+def param_group_extras(groups: Iterable[dict[str, Any]], known_keys: Collection[str]) -> list[tuple[str, str]]:
+    """The entries of param `groups` outside `known_keys` (the optimizer's hyper-parameters): a per-rank `rank`
+    or a name that may differ between ranks without harm."""
+    return [
+        (f"param group {index} {key}", canonical(group[key]))
+        for index, group in enumerate(groups)
+        for key in sorted(k for k in group if k != "params" and k not in known_keys)
+    ]
 
 
 def check_parameters_agree(
@@ -131,9 +164,14 @@ def check_parameters_agree(
     group: ProcessGroup | None = None,
     what: str = "parameters",
     extra: Mapping[str, Any] | None = None,
+    known_keys: Collection[str] | None = None,
 ) -> None:
     """Raises `RanksDisagree` on every rank unless all ranks of `group` hold parameters of the same number, shapes,
     dtypes and order (and names, for a module; sizes and hyper-parameters, for param groups), and equal `extra`
-    settings: one all-gather of 8 bytes per rank (a collective). `what` names the caller in the error."""
-    entries: list[tuple[str, Any]] = [*(extra or {}).items(), *parameter_settings(params)]
-    check_same_across_ranks(entries, group, what)
+    settings: one all-gather of 16 bytes per rank (a collective). `what` names the caller in the error. With
+    `known_keys` (an optimizer's hyper-parameters), other keys of param groups only warn when they differ."""
+    entries: list[tuple[str, Any]] = [*(extra or {}).items(), *parameter_settings(params, known_keys)]
+    advisory: list[tuple[str, str]] = []
+    if known_keys is not None and not isinstance(params, nn.Module):
+        advisory = param_group_extras([g for g in params if isinstance(g, dict)], known_keys)
+    check_same_across_ranks(entries, group, what, advisory)

@@ -151,6 +151,10 @@ class ShardedDataParallel(ModuleWrapper):
         self.find_unused_parameters = find_unused_parameters
         self.world_size = group_size(self.process_group)
         self.rank = group_rank(self.process_group)
+        # DDP's attributes that code written for DDP reads (Lightning, accelerate): one device type (checked above)
+        devices = {p.device for p in module.parameters()}
+        self.is_multi_device_module = len(devices) > 1
+        self.device_type = next(iter(devices)).type if devices else "cpu"
         self._grad_sync_enabled = True
         self._sync_this_backward = True
         self._callback_queued = False
@@ -268,6 +272,11 @@ class ShardedDataParallel(ModuleWrapper):
     # -- backward: reduce each gradient to its owner ---------------------------------------------------------------
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is not None and param.grad.requires_grad:
+            raise RuntimeError(
+                "ShardedDataParallel only works with gradients that do not require grad (as torch's DDP): a "
+                "backward with create_graph=True made one; take higher-order gradients outside the wrapper"
+            )
         if not self._sync_this_backward:
             self._unreduced = True  # accumulated under no_sync(): `reduce()` has work to do
             return

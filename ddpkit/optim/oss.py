@@ -41,8 +41,11 @@ class OSS(Optimizer):
     LR schedulers write) into that local optimizer, which updates the shard; then each owner broadcasts its
     updated parameters to all ranks.
 
-    Communication at construction: one all-gather of an 8-byte digest of every rank's parameter shapes, dtypes,
+    Communication at construction: one all-gather of two 8-byte digests of every rank's parameter shapes, dtypes,
     order and param-group hyper-parameters (`ddpkit.distributed.agreement`; a mismatch is named on every rank).
+    Keys of a param group that `optim` does not take (a per-rank ``rank`` or name) may differ: every rank then
+    warns, naming them (fairscale accepts them silently); ``check_agreement=False`` skips the check and its
+    collective, for users who know their ranks agree.
     Communication per `step()`: one broadcast per (owner, device, dtype) of the owner's trainable parameters,
     all in flight together, i.e. every trainable parameter crosses the network once (in fp16 with
     `broadcast_fp16`: the owner keeps its own fp32 values). At the first step (world size > 1) each such group
@@ -96,6 +99,7 @@ class OSS(Optimizer):
         force_broadcast_object: bool = False,
         split_params: bool | None = None,
         hierarchical: bool | None = None,
+        check_agreement: bool = True,
         **defaults: Any,
     ) -> None:
         require_initialized("OSS")
@@ -125,7 +129,9 @@ class OSS(Optimizer):
         self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16, hierarchical)
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
-        check_parameters_agree(self.param_groups, self.group, what="OSS")  # before any collective that needs it
+        if check_agreement:  # before any collective that needs it
+            known = hyperparameter_names(optim) | set(defaults)
+            check_parameters_agree(self.param_groups, self.group, what="OSS", known_keys=known)
         self._assign_new_trainable()
         self._auto_fused = _may_use_fused(optim, self.param_groups)
         # Per group: True where OSS (not the user) picked the fused kernel; checkpoints do not record that choice.
@@ -477,6 +483,13 @@ def _unfused_where_state_is_mixed(optim: Optimizer) -> Iterator[None]:
 
 
 _NUMERIC_HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "eps", "alpha", "lr_decay", "rho")
+
+
+def hyperparameter_names(optim: type[Optimizer]) -> set[str]:
+    """The param-group keys `optim` reads: its constructor's arguments (lr, momentum, fused, ...) and what torch's
+    schedulers add (initial_lr). Ranks must agree on these; other keys of a group only warn when they differ."""
+    names = set(inspect.signature(optim.__init__).parameters) - {"self", "params", "args", "kwargs"}
+    return names | {"initial_lr"}
 
 
 def _check_numeric_hyperparameters(defaults: dict[str, Any]) -> None:

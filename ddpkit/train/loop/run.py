@@ -85,7 +85,7 @@ def train(cfg: TrainConfig, placement: Placement, backend: str, started: float |
         RunEvents(strategy.scaler, strategy.optimizer if cfg.adascale else None),  # after recorder: adds to epochs
     ]
     settings = resume_settings(cfg)
-    if cfg.out:
+    if cfg.out and cfg.checkpoints:
         every, size = cfg.checkpoint_every, len(work.train)
         callbacks.append(
             Checkpointer(cfg.out, strategy, recorder, settings, keep=cfg.keep, every=every, epoch_size=size)

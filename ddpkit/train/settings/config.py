@@ -106,6 +106,7 @@ class TrainConfig:
     resume: bool = False
     progress: bool = True
     keep: int = 2  # checkpoints kept (the newest)
+    checkpoints: bool = True  # False (--no-checkpoints): --out gets the metrics only
     checkpoint_every: int | None = None  # also checkpoint every N optimizer steps (besides every epoch)
     eval_every: int | None = None  # held-out evaluation every N optimizer steps and at each epoch's end; None:
     # about 15 per run (ddpkit.train.loop.run.default_eval_every); 0: at epoch ends only
@@ -344,6 +345,8 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         raise ValueError("--min-replicas and --quorum-timeout need --fault-tolerant")
     if cfg.resume and not cfg.out:
         raise ValueError("--resume needs --out DIR (where the checkpoint was written)")
+    if not cfg.checkpoints and (cfg.resume or cfg.checkpoint_every is not None):
+        raise ValueError("--no-checkpoints cannot be combined with --resume or --checkpoint-every")
     if cfg.resume:
         _check_resumable(cfg)
 
