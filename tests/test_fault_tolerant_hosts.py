@@ -160,7 +160,7 @@ def test_a_lost_host_of_four_costs_seconds_and_comes_back_bit_identical(tmp_path
           f"run's {reference['test_loss']:.4f}; training {summary['training_seconds']:.1f} s against "
           f"{reference['training_seconds']:.1f} s")  # fmt: skip
     # the goal's 2% holds for DDP here (0.6% measured); local SGD with an outer Nesterov step moved further
-    # (9%, lower) on this small run, whose seed-to-seed spread is 0.055-0.12: it is held to 15%
+    # (-9% and +8.5% in two runs) on this small run, whose seed-to-seed spread is 0.055-0.12: held to 15%
     assert summary["test_loss"] == pytest.approx(reference["test_loss"], rel=0.02 if mode == "ddp" else 0.15)
     assert summary["test_accuracy"] > 0.85
     # nothing left behind: no process in any host, no shared-memory file
