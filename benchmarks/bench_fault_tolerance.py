@@ -113,10 +113,10 @@ def overhead(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     runs = [(mode, r) for mode in MODES for r in range(args.rounds)]
     for mode, r in progress(runs, desc="overhead"):
         flags = [*_mode_flags(mode, args.outer_every), *COMMON, "--nproc-per-node", "2"]
+        steps = args.steps * (3 if mode == "slowmo" else 1)  # local steps are short: as long a run as ddp's
         times = {}
         # plain runs would also write a checkpoint at every epoch end (45 steps here), which --fault-tolerant does not
         for kind, extra in (("plain", ["--no-checkpoints"]), ("fault_tolerant", ["--fault-tolerant"])):
-            steps = args.steps * (3 if mode == "slowmo" else 1)  # local steps are short: as long a run as ddp's
             times[kind] = _marginal_ms([*flags, *extra], steps, work / f"{mode}-{kind}-{r}")
         rows.append({"mode": mode, "round": r, "plain_ms": times["plain"][0], "fault_tolerant_ms":
                      times["fault_tolerant"][0], "ratio": times["fault_tolerant"][0] / times["plain"][0],

@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -87,23 +88,20 @@ def _host(procs, hosts, k: int, out: Path, flags: list[str], name: str):  # noqa
     return procs(command, name, env=ENV)
 
 
+def _pids(namespace: str) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+    return [int(pid) for pid in listed.split()]
+
+
 def _kill_host(hosts, k: int) -> None:
     """SIGKILL to every process in host `k`'s namespace: the machine is gone."""
-    import subprocess
-
-    listed = subprocess.run(["ip", "netns", "pids", hosts.namespaces[k]], capture_output=True, text=True).stdout
-    for pid in listed.split():
+    for pid in _pids(hosts.namespaces[k]):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
 
 
-def _namespace_pids(hosts) -> list[str]:
-    import subprocess
-
-    found = []
-    for namespace in hosts.namespaces:
-        found += subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
-    return found
+def _namespace_pids(hosts) -> list[int]:
+    return [pid for namespace in hosts.namespaces for pid in _pids(namespace)]
 
 
 def _summary(out: Path) -> dict:
@@ -117,7 +115,8 @@ def _steps(out: Path) -> list[int]:
 
 def _run_all(procs, hosts, out: Path, flags: list[str], *, kill: int | None = None):  # noqa: F811
     """The four hosts' run; with `kill`, that host's processes get SIGKILL once the job is about a quarter
-    through, and the host is started again at once. Returns (survivors' outs, the killed host's outs)."""
+    through, and the host is started again at once. Returns the hosts' last commands (the restarted one's for
+    `kill`)."""
     started = [_host(procs, hosts, k, out / f"h{k}", flags, f"{out.name}-h{k}") for k in range(4)]
     if kill is not None:
         store = _in_namespace(hosts.namespaces[0], lambda: dist.TCPStore(

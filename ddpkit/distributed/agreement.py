@@ -170,6 +170,8 @@ def check_parameters_agree(
     dtypes and order (and names, for a module; sizes and hyper-parameters, for param groups), and equal `extra`
     settings: one all-gather of 16 bytes per rank (a collective). `what` names the caller in the error. With
     `known_keys` (an optimizer's hyper-parameters), other keys of param groups only warn when they differ."""
+    if not isinstance(params, nn.Module):
+        params = list(params)  # read twice below: an iterator would be empty the second time
     entries: list[tuple[str, Any]] = [*(extra or {}).items(), *parameter_settings(params, known_keys)]
     advisory: list[tuple[str, str]] = []
     if known_keys is not None and not isinstance(params, nn.Module):

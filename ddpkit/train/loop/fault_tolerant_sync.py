@@ -246,8 +246,8 @@ class FaultTolerantSync(Callback):
             since = time.monotonic()
             future, self._next = self._next, None
             formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
-            self._count_blocked(formed.round, since)
             self._live_round(formed.round, trainer, formed=formed)
+            self._count_blocked(formed.round, since)  # the wait and the live state sent to joiners
 
     def after_backward(self, trainer: Trainer) -> None:
         if self.outer is not None:
