@@ -2,10 +2,10 @@
 rejoins from their live state.
 
 References, written apart from the code under test: without failures a fault-tolerant run must train exactly as
-torch DDP (``--strategy ddp``) and as SlowMo (``--strategy slowmo``) do with the same flags; with a failure, every
-replica must end bit-identical, the survivor must never stop (every step once in its steps.csv), and the
-membership it records must name who left and who came back. The library-level rounds are checked against a
-one-process simulation of the membership schedule in tests/test_membership.py.
+torch DDP (``--strategy ddp``), SlowMo (``--strategy slowmo``) and SGP (``--slowmo-base sgp``) do with the same
+flags; with a failure, every replica must end bit-identical, the survivor must never stop (every step once in its
+steps.csv), and the membership it records must name who left and who came back. The library-level rounds are
+checked against a one-process simulation of the membership schedule in tests/test_membership.py.
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name:
 
 
 @pytest.mark.slow
-def test_without_failures_it_trains_exactly_as_ddp_and_slowmo(tmp_path, procs):  # noqa: F811
+def test_without_failures_it_trains_exactly_as_ddp_slowmo_and_sgp(tmp_path, procs):  # noqa: F811
     slowmo = ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05"]
     runs = {"ddp": ["--strategy", "ddp", "--lr", "0.01"], "slowmo": [*slowmo, "--localsgd-frequency", "3"]}
     runs["slowmo"] += ["--slowmo-frequency", "6"]
+    runs["sgp"] = [*slowmo, "--slowmo-base", "sgp", "--slowmo-frequency", "6"]
     for name, flags in runs.items():
         plain = procs([*DDPKIT, "train", *flags, *SHORT, "--out", tmp_path / name], name, env=ENV)
         ft = procs([*DDPKIT, "train", "--fault-tolerant", *flags, *SHORT, "--out", tmp_path / f"{name}-ft"],
@@ -84,15 +85,20 @@ def test_without_failures_it_trains_exactly_as_ddp_and_slowmo(tmp_path, procs): 
         expected, got = _summary(tmp_path / name), _summary(tmp_path / f"{name}-ft")
         assert got["test_loss"] == pytest.approx(expected["test_loss"], abs=1e-6), name
         assert got["replicas_equal"] and got["membership"] == [] and got["final_members"] == [0, 1]
-        assert got["strategy"] == f"{name} (fault-tolerant)" and got["settings"]["fault_tolerant"] is True
+        assert got["strategy"] == f"{flags[1]} (fault-tolerant)" and got["settings"]["fault_tolerant"] is True
         # the same exchange, plus the count each average carries: 4 bytes more per all-reduce's payload
         assert got["sent_bytes_total"] == pytest.approx(expected["sent_bytes_total"], rel=1e-3), name
 
 
+SGP = ["--strategy", "slowmo", "--slowmo-base", "sgp", "--slowmo-frequency", "12"]
+
+
 @pytest.mark.slow
-def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path, procs):  # noqa: F811
+@pytest.mark.parametrize("strategy", [["--strategy", "ddp"], SGP], ids=["ddp", "sgp"])
+def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path, procs, strategy):  # noqa: F811
+    """Per step: DDP's gradient average, and SGP's gossip (its last round averages exactly: replicas end equal)."""
     port = free_port()
-    flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "360"]
+    flags = [*strategy, *SLOW_RUN, "--max-steps", "360"]
     survivor = _node(procs, port, 0, 2, tmp_path / "a", *flags, name="node0")
     lost = _node(procs, port, 1, 2, tmp_path / "b", *flags, name="node1")
     store = _store(port)
@@ -263,6 +269,8 @@ def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, pro
         ({"adascale": True, "optimizer": "sgd"}, "does not combine with --adascale"),
         ({"checkpoint_every": 5}, "does not combine with --checkpoint-every"),
         ({"slowmo_compression": "int8", "strategy": "slowmo"}, "does not combine with --slowmo-compression"),
+        ({"slowmo_base": "sgp", "overlap": True, "strategy": "slowmo"}, "does not combine with --overlap"),
+        ({"slowmo_base": "sgp", "push_sum": False, "strategy": "slowmo"}, "does not combine with --no-push-sum"),
         ({"min_replicas": 3}, "--min-replicas must be in [1, the world size 2]"),
         ({"quorum_timeout": 0.0}, "--quorum-timeout must be a finite number > 0"),
     ],

@@ -9,6 +9,7 @@ that were already in step average exactly, joiners take that mean, rounds that f
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.algorithms import fault_tolerant
-from ddpkit.algorithms.fault_tolerant import FaultTolerantLocalSGD
+from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip, FaultTolerantLocalSGD
 from ddpkit.distributed.membership import Membership, TooFewReplicas
 
 pytestmark = pytest.mark.slow
@@ -65,10 +66,36 @@ def _worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
         out.put((rank, settings.get("rejoin", False), log, f"TooFewReplicas: {error}"))
 
 
-def _start(ctx, rank: int, port: int, settings: dict, out: mp.Queue):
-    p = ctx.Process(target=_worker, args=(rank, port, settings, out), daemon=True)
+def _start(ctx, rank: int, port: int, settings: dict, out: mp.Queue, worker=_worker):
+    p = ctx.Process(target=worker, args=(rank, port, settings, out), daemon=True)
     p.start()
     return p
+
+
+def _lose_rank_2_and_replace_it(settings: dict, after_round: int, worker=_worker) -> list[tuple]:
+    """World 3: rank 2 dies at round 3 and round 1 fails on rank 1 alone (an injected error); once the survivors
+    are past `after_round`, a replacement for rank 2 starts. Returns the four processes' logs, checked for the
+    plain facts: who ended how, the survivor at every round, round 1 dropped everywhere, rank 2 gone at round 3."""
+    ctx = mp.get_context("spawn")
+    store = _store()
+    out = ctx.Queue()
+    faults = {2: {"die_at": 3}, 1: {"fail_at": 1}}
+    procs = [_start(ctx, r, store.port, {**settings, **faults.get(r, {})}, out, worker) for r in range(3)]
+    deadline = time.monotonic() + 120
+    while int(store.get("ddpkit/ft/latest") if store.check(["ddpkit/ft/latest"]) else -1) < after_round:
+        assert time.monotonic() < deadline, f"the survivors did not get past round {after_round}"
+        time.sleep(0.05)
+    procs.append(_start(ctx, 2, store.port, {**settings, "rejoin": True}, out, worker))
+    logs = _collect(out, 4, 180)
+    for p in procs:
+        p.join(30)
+    ends = {(rank, rejoin): end for rank, rejoin, _, end in logs}
+    assert ends == {(0, False): "done", (1, False): "done", (2, False): "died", (2, True): "done"}, ends
+    survivor = next(log for rank, _, log, _ in logs if rank == 0)
+    assert [e[0] for e in survivor] == list(range(settings["rounds"]))  # never stopped, never restarted
+    assert [e[4] for e in survivor[:3]] == [True, False, True], survivor[:4]  # dropped everywhere
+    assert survivor[3][1] == [0, 1]  # dropped at once in the round it missed
+    return logs
 
 
 def _simulate(logs: list[tuple]) -> dict[tuple[int, bool], list[list[float]]]:
@@ -116,28 +143,10 @@ def _store():
 
 def test_a_lost_rank_is_dropped_survivors_train_on_and_its_replacement_heals():
     """Also: round 1 fails on rank 1 alone (an injected error), and is dropped on every member."""
-    ctx = mp.get_context("spawn")
-    store = _store()
-    out = ctx.Queue()
-    settings = {"world": 3, "rounds": 32, "sleep": 0.3}  # long enough for a replacement to start (torch import)
     started = time.monotonic()
-    procs = [_start(ctx, r, store.port, {**settings, "die_at": 3 if r == 2 else None, "fail_at": 1 if r == 1 else None},
-                    out) for r in range(3)]  # fmt: skip
-    deadline = time.monotonic() + 120
-    while int(store.get("ddpkit/ft/latest") if store.check(["ddpkit/ft/latest"]) else -1) < 4:
-        assert time.monotonic() < deadline, "the survivors did not get past round 4"
-        time.sleep(0.05)
-    procs.append(_start(ctx, 2, store.port, {**settings, "rejoin": True}, out))
-    logs = _collect(out, 4, 180)
-    for p in procs:
-        p.join(30)
-    ends = {(rank, rejoin): end for rank, rejoin, _, end in logs}
-    assert ends == {(0, False): "done", (1, False): "done", (2, False): "died", (2, True): "done"}, ends
+    # 0.3 s per round: long enough for a replacement to start (torch import)
+    logs = _lose_rank_2_and_replace_it({"world": 3, "rounds": 32, "sleep": 0.3}, after_round=4)
     survivor = next(log for rank, _, log, _ in logs if rank == 0)
-    assert [e[0] for e in survivor] == list(range(32))  # never stopped, never restarted
-    by_round = {e[0]: e for e in survivor}
-    assert [by_round[r][4] for r in range(3)] == [True, False, True], survivor[:4]  # dropped everywhere
-    assert by_round[3][1] == [0, 1]  # dropped at once in the round it missed
     rejoined = [e for e in survivor if e[2] == [2]]
     assert len(rejoined) == 1 and rejoined[0][0] > 4 and rejoined[0][1] == [0, 1, 2], survivor
     final = [log[-1][5] for _, _, log, end in logs if end == "done"]
@@ -183,6 +192,113 @@ def test_fewer_survivors_than_the_minimum_end_the_job_with_a_clear_error():
     assert ends[1] == "died"
     assert ends[0].startswith("TooFewReplicas: round 2: 1 of 2 ranks reached the quorum"), ends
     assert "min_replicas=2" in ends[0]
+
+
+# -- SGP: push-sum gossip over each round's members ----------------------------------------------------------------
+
+EXACT_EVERY = 5  # rounds r with r % 5 == 4 are exact averages (sum x / sum w), the others gossip
+
+
+def _gossip_worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    membership = Membership(store, rank, settings["world"], 1, TIMEOUT)
+    rejoin = settings.get("rejoin", False)
+    flat = torch.zeros(2, dtype=torch.float32)
+    ft = FaultTolerantGossip(flat, "npeer-exponential", 1, membership, rejoining=rejoin)
+    log = []
+    while ft.round < settings["rounds"]:
+        r = ft.round
+        if settings.get("die_at") == r:
+            out.put((rank, rejoin, log, "died"))
+            out.close()
+            out.join_thread()
+            os._exit(1)
+        flat += torch.tensor([_progress(rank, r), 1.0])
+        time.sleep(settings.get("sleep", 0.1))
+        real = fault_tolerant.quorum_exchange
+        if settings.get("fail_at") == r:
+
+            def failing(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("injected failure")
+
+            fault_tolerant.quorum_exchange = failing
+        try:
+            q = ft.sync(flat, exact=r % EXACT_EVERY == EXACT_EVERY - 1)
+        finally:
+            fault_tolerant.quorum_exchange = real
+        log.append((q.round, q.members, q.joined, q.is_member, q.committed, flat.tolist()))
+    out.put((rank, rejoin, log, "done"))
+
+
+def _simulate_push_sum(logs: list[tuple]) -> dict[tuple[int, bool], list[list[float]]]:
+    """Each process's model after each of its rounds, from the rounds' quorums and verdicts alone (SGP's push-sum,
+    Assran et al. 2019: [x, w] per node, model x / w; each gossip round a node keeps half and sends half to the
+    member 2**(t mod L) places on, L = floor(log2(n - 1)) + 1, t counting the gossip rounds; an exact round sets
+    x to sum x / sum w and w to 1; a joiner and the lowest member that was there share that member's [x, w]
+    equally; a failed round changes nothing but t; a process only adds its progress while it is in step)."""
+    decided: dict[int, tuple] = {}
+    for _, _, log, _ in logs:
+        for round_, members, joined, is_member, committed, _ in log:
+            if is_member:
+                decided[round_] = (members, joined, committed)
+    keys = [(rank, rejoin) for rank, rejoin, _, _ in logs]
+    rounds = {(rank, rejoin): [entry[0] for entry in log] for rank, rejoin, log, _ in logs}
+    state = {key: [0.0, 0.0, 1.0] for key in keys}  # x (2 numerators), w
+    in_step = {key: not key[1] for key in keys}
+    expected: dict[tuple[int, bool], list[list[float]]] = {key: [] for key in keys}
+    gossip_rounds = 0
+    for round_ in sorted(decided):
+        members, joined, committed = decided[round_]
+        attending = [key for key in keys if round_ in rounds[key]]
+        member_of = {key[0]: key for key in attending if key[0] in members}
+        for key in attending:
+            if in_step[key] and key[0] in members:
+                x0, x1, w = state[key]
+                state[key] = [x0 + _progress(key[0], round_), x1 + 1.0, w]  # x += model' - x / w
+        before = {key: list(value) for key, value in state.items()}
+        source = next((r for r in members if r not in joined), None)
+        if joined and source is not None:
+            share = [v / (len(joined) + 1) for v in state[member_of[source]]]
+            for r in [source, *joined]:
+                state[member_of[r]] = list(share)
+        exact = round_ % EXACT_EVERY == EXACT_EVERY - 1
+        n = len(members)
+        if exact:
+            total = [sum(state[member_of[r]][i] for r in members) for i in range(3)]
+            for r in members:
+                state[member_of[r]] = [total[0] / total[2], total[1] / total[2], 1.0]
+        elif n > 1:
+            hops = 2 ** (gossip_rounds % (math.floor(math.log2(n - 1)) + 1))
+            old = {r: state[member_of[r]] for r in members}
+            for i, r in enumerate(members):
+                sender = members[(i - hops) % n]
+                state[member_of[r]] = [0.5 * a + 0.5 * b for a, b in zip(old[r], old[sender], strict=True)]
+        if not exact:
+            gossip_rounds += 1
+        if not committed:
+            state = before
+        for key in attending:
+            if key[0] in members and (committed or not key[1] or in_step[key]):
+                in_step[key] = True
+            elif key[0] not in members:
+                in_step[key] = False
+            x0, x1, w = state[key]
+            expected[key].append([x0 / w, x1 / w])
+    return expected
+
+
+def test_sgp_loses_a_peer_it_leaves_the_graph_and_a_replacement_takes_a_share_of_the_healer():
+    """world 3: rank 2 dies at round 3, a replacement joins later; round 1 fails on rank 1 alone (dropped on all)."""
+    logs = _lose_rank_2_and_replace_it({"world": 3, "rounds": 25, "sleep": 0.3}, 5, _gossip_worker)
+    survivor = next(log for rank, _, log, _ in logs if rank == 0)
+    assert sum(e[2] == [2] for e in survivor) == 1, survivor
+    expected = _simulate_push_sum(logs)
+    for rank, rejoin, log, _ in logs:
+        got = [value for entry in log for value in entry[5]]
+        want = [value for model in expected[(rank, rejoin)] for value in model]
+        assert got == pytest.approx(want, rel=1e-5), (rank, rejoin, log, expected[(rank, rejoin)])
+    # the last round (24) is exact: everyone in it holds the same model
+    assert len({tuple(log[-1][5]) for _, _, log, end in logs if end == "done"}) == 1
 
 
 def test_membership_arguments_are_checked():

@@ -275,13 +275,19 @@ class Membership:
         return quorum.committed
 
 
-def _heal_root(quorum: Quorum) -> int | None:
-    """The index of the member that sends live state to this round's joiners (the lowest member that holds it),
-    or None when nobody joined (or nobody holds live state)."""
+def heal_source(quorum: Quorum) -> int | None:
+    """The global rank of the member that sends live state to this round's joiners (the lowest member that
+    holds it), or None when nobody joined (or nobody holds live state)."""
     if not quorum.is_member or not quorum.joined:
         return None
     sources = [r for r in quorum.members if r not in quorum.joined]
-    return quorum.members.index(sources[0]) if sources else None
+    return sources[0] if sources else None
+
+
+def _heal_root(quorum: Quorum) -> int | None:
+    """`heal_source` as an index into the round's members (its rank in the round's group)."""
+    source = heal_source(quorum)
+    return None if source is None else quorum.members.index(source)
 
 
 def _broadcast(quorum: Quorum, tensor: torch.Tensor, root: int) -> None:
@@ -341,3 +347,23 @@ def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:
     if weight < 0.5:
         raise TooFewReplicas(f"round {quorum.round}: no member holds live state (every member just joined)")
     flat.copy_(both[:-1].reshape(flat.shape).div_(weight))
+
+
+def quorum_exchange(
+    quorum: Quorum, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+) -> None:
+    """Sends each ``(tensor, member index)`` and receives into each ``(tensor, member index)`` over the round's
+    group (gossip between the members), every receive posted before any send; waits for all of them. A member
+    that never takes part makes it raise a RuntimeError within the group's timeout. Counted in `comm_stats` as
+    ``send`` (its bytes on the wire) and ``recv`` (none) under the group label ``quorum``."""
+    assert quorum.is_member
+    tag = quorum.round % (1 << 20)
+    works = []
+    for tensor, src in recvs:
+        comm_stats.record("recv", "quorum", nbytes(tensor), 0.0)
+        works.append(quorum.group.recv([tensor], src, tag))
+    for tensor, dst in sends:
+        comm_stats.record("send", "quorum", nbytes(tensor), float(nbytes(tensor)))
+        works.append(quorum.group.send([tensor], dst, tag))
+    for work in works:
+        work.wait()

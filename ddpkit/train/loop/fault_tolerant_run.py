@@ -24,7 +24,7 @@ from ddpkit.distributed.membership import Membership
 from ddpkit.distributed.rank_guard import say
 from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar
-from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, FellBehind, OuterSchedule
+from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, FellBehind, GossipSchedule, OuterSchedule
 from ddpkit.train.loop.loaders import rank_data
 from ddpkit.train.loop.report import format_summary, parameter_digest, peak_memory_mb, write_metrics
 from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, optimizer_arguments
@@ -34,13 +34,24 @@ from ddpkit.train.settings.config import TrainConfig
 from ddpkit.train.workloads.workload import build_workload
 
 
-def outer_schedule(cfg: TrainConfig) -> OuterSchedule | None:
-    """None for per-step rounds (--strategy ddp), else SlowMo's sync schedule and slow-momentum rule."""
-    if cfg.strategy == "ddp":
-        return None
+def _slow_rule(cfg: TrainConfig) -> SlowMoRule | None:
     slow = cfg.slowmo_momentum != 0 or cfg.slowmo_lr != 1 or cfg.slowmo_nesterov
-    rule = SlowMoRule(cfg.slowmo_momentum, cfg.slowmo_lr, cfg.slowmo_nesterov) if slow else None
-    return OuterSchedule(cfg.localsgd_frequency, cfg.slowmo_frequency, rule)
+    return SlowMoRule(cfg.slowmo_momentum, cfg.slowmo_lr, cfg.slowmo_nesterov) if slow else None
+
+
+def outer_schedule(cfg: TrainConfig) -> OuterSchedule | None:
+    """SlowMo's sync schedule and slow-momentum rule for local SGD; None for per-step rounds (ddp, sgp)."""
+    if cfg.strategy == "ddp" or cfg.slowmo_base == "sgp":
+        return None
+    return OuterSchedule(cfg.localsgd_frequency, cfg.slowmo_frequency, _slow_rule(cfg))
+
+
+def gossip_schedule(cfg: TrainConfig) -> GossipSchedule | None:
+    """SGP's graph and exact-average schedule for --slowmo-base sgp; None otherwise."""
+    if cfg.strategy != "slowmo" or cfg.slowmo_base != "sgp":
+        return None
+    exact_every = cfg.localsgd_frequency if cfg.slowmo_sgp_average_params else 0
+    return GossipSchedule(cfg.graph, cfg.peers_per_itr, cfg.slowmo_frequency, _slow_rule(cfg), exact_every)
 
 
 def local_group() -> None:
@@ -68,7 +79,9 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     data = rank_data(cfg, work, placement.rank, placement.world_size)
     loader, total = data.loader, data.total_steps
     recorder = MetricsRecorder(data.heldout, eval_every=cfg.eval_every or 0)
-    sync = FaultTolerantSync(membership, work.module, optimizer, recorder, total, outer_schedule(cfg))
+    sync = FaultTolerantSync(
+        membership, work.module, optimizer, recorder, total, outer_schedule(cfg), gossip_schedule(cfg)
+    )
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
     amp = {"off": None, "bf16": torch.bfloat16}[cfg.amp]

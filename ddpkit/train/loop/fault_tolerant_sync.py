@@ -14,16 +14,24 @@ members of its quorum only:
   the parameters are averaged over the members (one all-reduce of the P parameters and a count); once the round
   is committed, slow momentum moves the average when due; a round that failed leaves every member's parameters
   as they were.
+- **per step, gossiping** (``--strategy slowmo --slowmo-base sgp``): SGP's push-sum over a graph rebuilt over
+  each round's members (`ddpkit.algorithms.fault_tolerant.FaultTolerantGossip`): the round of step s is formed
+  while the step computes and run after its optimizer step: a gossip exchange with the round's peers, or on
+  slow-momentum steps (and every ``--localsgd-frequency`` steps with ``--slowmo-sgp-average-params``) the exact
+  push-sum average ``sum x / sum w`` over the members, moved by slow momentum; committed like the others (a
+  round that failed anywhere leaves every member's buffer as it was). A lost member takes its push-sum mass
+  with it; a joiner shares its healer's.
 
 A rank that joins (it started late, was started again, or fell behind a round: `FellBehind`) receives the live
-state from a member in the first round it is part of: parameters, optimizer state, slow-momentum buffers and the
-trainer's counters (epoch, position in the epoch's permutation, step, the metrics so far). Its parameters are then
+state from a member in the first round it is part of: parameters, optimizer state, slow-momentum buffers, SGP's
+push-sum buffer and graph phase, and the trainer's counters (epoch, position in the epoch's permutation, step, the
+metrics so far). Its parameters are then
 bit-identical to the others' and it trains on from there; in the round's average it counts zero. Its data shard
 stays its own (the sampler splits each epoch over ``--world-size`` ranks; the shards of absent ranks are not
 trained while they are away).
 
 Memory: a flat copy of the parameters (and of the gradients per step), the slow buffers (2P) with slow momentum,
-and the live state serialised once when someone joins.
+SGP's push-sum buffer (P + 1) and its copy during a round, and the live state serialised once when someone joins.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm_stats
 from ddpkit.distributed.buckets import unflatten_into
@@ -84,6 +93,21 @@ class OuterSchedule:
         return step // self.every + step // self.slow_every - step // both
 
 
+@dataclass
+class GossipSchedule:
+    """The per-step gossip mode: graph `graph` with `peers_per_itr` peers; an exact average every `slow_every`
+    steps with a slow step (`rule`) on it, and every `exact_every` steps (0: never) without one."""
+
+    graph: str
+    peers_per_itr: int
+    slow_every: int
+    rule: SlowMoRule | None
+    exact_every: int = 0
+
+    def exact(self, step: int) -> bool:
+        return step % self.slow_every == 0 or (self.exact_every > 0 and step % self.exact_every == 0)
+
+
 def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
@@ -92,7 +116,8 @@ def _gcd(a: int, b: int) -> int:
 
 class FaultTolerantSync(Callback):
     """Rounds over the live ranks, per step or per outer sync (module doc). `outer`: None for per step, else the
-    outer schedule. `total_steps`: the run's length (no round is formed for a step that will not come)."""
+    outer schedule; `gossip`: per step, gossiping (SGP) instead of averaging gradients. `total_steps`: the run's
+    length (no round is formed for a step that will not come)."""
 
     def __init__(
         self,
@@ -102,13 +127,18 @@ class FaultTolerantSync(Callback):
         recorder: MetricsRecorder,
         total_steps: int,
         outer: OuterSchedule | None = None,
+        gossip: GossipSchedule | None = None,
     ) -> None:
+        if outer is not None and gossip is not None:
+            raise ValueError("FaultTolerantSync: give an outer schedule (local SGD) or a gossip schedule, not both")
         self.membership, self.module, self.optimizer = membership, module, optimizer
-        self.recorder, self.total_steps, self.outer = recorder, total_steps, outer
+        self.recorder, self.total_steps, self.outer, self.gossip = recorder, total_steps, outer, gossip
         self.params = list(module.parameters())
         with torch.no_grad():
             flat = self._flat_params()
-        self.slow = SlowBuffers(flat, 0, None) if outer is not None and outer.rule is not None else None
+        rule = outer.rule if outer is not None else gossip.rule if gossip is not None else None
+        self.slow = SlowBuffers(flat, 0, None) if rule is not None else None
+        self.push_sum = FaultTolerantGossip(flat, gossip.graph, gossip.peers_per_itr) if gossip is not None else None
         self.quorum: Quorum | None = None
         self.round_ok = True  # whether the current round went well so far (per step: its heal)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
@@ -135,6 +165,7 @@ class FaultTolerantSync(Callback):
             "optimizer": self.optimizer.state_dict(),
             "trainer": dataclasses.asdict(trainer.state),
             "slow": slow,
+            "push_sum": self.push_sum.state() if self.push_sum is not None else None,
             "final": final,
         }
 
@@ -145,6 +176,8 @@ class FaultTolerantSync(Callback):
         if self.slow is not None and state["slow"] is not None:
             self.slow.x0.copy_(state["slow"]["x0"])  # type: ignore[union-attr]
             self.slow.u.copy_(state["slow"]["u"])  # type: ignore[union-attr]
+        if self.push_sum is not None:
+            self.push_sum.load(state["push_sum"])
         self.final = bool(state["final"])
         self.rejoined += 1
 
@@ -194,6 +227,8 @@ class FaultTolerantSync(Callback):
         self._set_params(flat)
         if self.slow is not None:
             self.slow.x0.copy_(flat)  # type: ignore[union-attr]
+        if self.push_sum is not None:
+            self.push_sum.buffer[:-1].copy_(flat)
 
     def rejoin(self, trainer: Trainer) -> None:
         """Takes part in the next round that is decided with this rank in it, as a joiner: receives the live state
@@ -215,7 +250,13 @@ class FaultTolerantSync(Callback):
             self.quorum, self.round_ok = quorum, True
             self._load_state(trainer, state)
             self._note(quorum, trainer.state.step)
-            if self.outer is not None and self.final:
+            if self.gossip is not None:
+                if not self._gossip_work(quorum, True, trainer, joined=True, final=self.final):
+                    round_ = self.membership.announce_join()  # the round failed: the state taken is not the others'
+                    continue
+                if not self.final and trainer.state.step < self.total_steps:
+                    self._form_next(trainer.state.step + 1)
+            elif self.outer is not None and self.final:
                 self._outer_work(quorum, True, trainer, counts=False, slow=False)
             elif self.outer is not None:
                 self._outer_work(quorum, True, trainer, counts=False)
@@ -226,7 +267,7 @@ class FaultTolerantSync(Callback):
     # -- per step ------------------------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: Trainer) -> None:
-        if self.quorum is None:  # a rank that joined has its quorum already
+        if self.quorum is None:  # a rank that joined has its quorum already (and the next one on its way)
             self._start(trainer)
             if self.outer is None and trainer.state.step < self.total_steps:
                 self._form_next(trainer.state.step + 1)
@@ -250,7 +291,7 @@ class FaultTolerantSync(Callback):
             self._count_blocked(formed.round, since)  # the wait and the live state sent to joiners
 
     def after_backward(self, trainer: Trainer) -> None:
-        if self.outer is not None:
+        if self.outer is not None or self.gossip is not None:
             return
         self._take_next(trainer)  # the live state sent to a joiner now is the step's start: nothing stepped yet
         quorum = self.quorum
@@ -274,6 +315,14 @@ class FaultTolerantSync(Callback):
         step = trainer.state.step
         members = self.quorum
         with comm_stats.measure() as sent:  # the step's record is made: what this round sends is added to it
+            if self.gossip is not None:
+                assert self.push_sum is not None
+                self.push_sum.absorb(self._flat_params())  # before the live state goes to a joiner
+                since = time.monotonic()
+                self._take_next(trainer)
+                members = self.quorum
+                assert members is not None
+                self._gossip_work(members, self.round_ok and members.group is not None, trainer, since=since)
             if self.outer is None:
                 if step < self.total_steps:
                     self._form_next(step + 1)
@@ -295,6 +344,36 @@ class FaultTolerantSync(Callback):
             columns |= {"members": len(quorum.members), "membership_change": change}
             self._annotated_round = quorum.round
         self.recorder.annotate_last(**columns)
+
+    # -- per step, gossiping ------------------------------------------------------------------------------------
+
+    def _gossip_work(
+        self,
+        quorum: Quorum,
+        ok: bool,
+        trainer: Trainer,
+        joined: bool = False,
+        final: bool = False,
+        since: float | None = None,
+    ) -> bool:
+        """The round's push-sum work on the buffer the optimizer's step was absorbed into (or, for a rank that
+        `joined`, the one it received), committed; then slow momentum on an exact round when due, and the model
+        ``x / w`` into the parameters. Returns the verdict. The `final` round (the job's last) is an exact
+        average without a slow step (the last step's round made it already when due)."""
+        gossip, push_sum, step = self.gossip, self.push_sum, trainer.state.step
+        assert gossip is not None and push_sum is not None
+        exact = final or gossip.exact(step)
+        committed = push_sum.run(quorum, ok, exact)
+        if since is not None:
+            self._count_blocked(quorum.round, since)
+        slow_due = not final and step % gossip.slow_every == 0
+        if committed and slow_due and self.slow is not None and gossip.rule is not None:
+            x = push_sum.buffer[:-1]  # w is one after an exact round
+            self.slow.local_step(x, float(self.optimizer.param_groups[0]["lr"]), gossip.rule)
+        if committed or not joined:
+            self._set_params(push_sum.model())
+        self._note(quorum, step)
+        return committed
 
     # -- per outer sync ------------------------------------------------------------------------------------------
 
@@ -325,7 +404,10 @@ class FaultTolerantSync(Callback):
             assert self.quorum is not None
             return self.quorum
         step = trainer.state.step
-        if self.outer is None:
+        if self.gossip is not None:  # a last exact average: every replica ends with the same model
+            quorum, ok = self._live_round(step + 1, trainer, final=True)
+            self._gossip_work(quorum, ok, trainer, final=True)
+        elif self.outer is None:
             quorum, ok = self._live_round(step + 1, trainer, final=True)
             quorum.commit(ok)
         else:

@@ -361,7 +361,8 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
     if not 1 <= cfg.min_replicas <= cfg.world_size:
         raise ValueError(f"--min-replicas must be in [1, the world size {cfg.world_size}]; got {cfg.min_replicas}")
     unsupported = {
-        "--slowmo-base sgp": cfg.slowmo_base != "localsgd",
+        "--no-push-sum (PushPull: weights must travel once members change)": not cfg.push_sum,
+        "--overlap": cfg.overlap,
         "--slowmo-compression/--slowmo-fragments/--slowmo-sync-delay": cfg.slowmo_compression != "none"
         or cfg.slowmo_fragments > 1
         or cfg.slowmo_sync_delay > 0,
@@ -376,7 +377,8 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
     if given:
         raise ValueError(
             f"--fault-tolerant does not combine with {', '.join(given)} yet: the live state it hands to a rank that "
-            "rejoins covers parameters, a torch optimizer, slow momentum and the data position on the CPU"
+            "rejoins covers parameters, a torch optimizer, slow momentum, SGP's push-sum buffer and the data "
+            "position on the CPU, and its rounds wait for each gossip exchange"
         )
 
 
