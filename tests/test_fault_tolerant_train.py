@@ -88,13 +88,28 @@ def test_without_failures_it_trains_exactly_as_ddp_slowmo_and_sgp(tmp_path, proc
         assert got["strategy"] == f"{flags[1]} (fault-tolerant)" and got["settings"]["fault_tolerant"] is True
         # the same exchange, plus the count each average carries: 4 bytes more per all-reduce's payload
         assert got["sent_bytes_total"] == pytest.approx(expected["sent_bytes_total"], rel=1e-3), name
+    # checkpoints: 20 steps saving every 10, then --resume to 30 goes on exactly as the uninterrupted DDP run
+    out = tmp_path / "ddp-resumed"
+    for extra in (["--max-steps", "20", "--checkpoint-every", "10"], ["--resume"]):
+        result = procs([*DDPKIT, "train", "--fault-tolerant", *runs["ddp"], *SHORT, *extra, "--out", out],
+                       f"resume{len(extra)}", env=ENV).wait(180)  # fmt: skip
+        assert result.returncode == 0, result
+    assert "resuming from step 20" in result.stderr, result.stderr
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-00000010", "step-00000020"]
+    resumed, reference = _steps(out), _steps(tmp_path / "ddp")
+    assert [int(r["step"]) for r in resumed] == list(range(30))
+    for a, b in zip(reference[20:], resumed[20:], strict=True):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-6), (a, b)
+    assert _summary(out)["test_loss"] == pytest.approx(_summary(tmp_path / "ddp")["test_loss"], abs=1e-6)
 
 
+DDP = ["--strategy", "ddp"]
 SGP = ["--strategy", "slowmo", "--slowmo-base", "sgp", "--slowmo-frequency", "12"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [["--strategy", "ddp"], SGP], ids=["ddp", "sgp"])
+# DDP's kill and rejoin also runs in the torchrun test below; its own run is in the long tier (CI time)
+@pytest.mark.parametrize("strategy", [pytest.param(DDP, marks=pytest.mark.long), SGP], ids=["ddp", "sgp"])
 def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path, procs, strategy):  # noqa: F811
     """Per step: DDP's gradient average, and SGP's gossip (its last round averages exactly: replicas end equal)."""
     port = free_port()
@@ -204,7 +219,7 @@ def _rank_processes(launcher: int) -> list[int]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 31 s of waiting for the heartbeat's silence
 def test_when_every_rank_is_gone_node_0s_launcher_ends_within_the_heartbeat_silence(tmp_path, procs):  # noqa: F811
     """Node 0's launcher hosts the store for the other machines' ranks; once no rank anywhere is alive (here: its
     own rank and the other machine killed) it ends with an error within the heartbeat silence (20 s), instead of
@@ -267,7 +282,7 @@ def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, pro
     [
         ({"strategy": "sharded"}, "--fault-tolerant works with --strategy ddp"),
         ({"adascale": True, "optimizer": "sgd"}, "does not combine with --adascale"),
-        ({"checkpoint_every": 5}, "does not combine with --checkpoint-every"),
+        ({"amp": "fp16"}, "does not combine with --amp fp16"),
         ({"slowmo_compression": "int8", "strategy": "slowmo"}, "does not combine with --slowmo-compression"),
         ({"slowmo_base": "sgp", "overlap": True, "strategy": "slowmo"}, "does not combine with --overlap"),
         ({"slowmo_base": "sgp", "push_sum": False, "strategy": "slowmo"}, "does not combine with --no-push-sum"),

@@ -807,6 +807,7 @@ def test_bench_line(tmp_path, line):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 27 s; tests/test_train_cli.py runs `ddpkit train` on two hosts in the default tier
 def test_bench_on_two_hosts(tmp_path):
     text = command("ddpkit bench --hosts 10.0.0.1,10.0.0.2 --node-rank 0 --model gpt")
     port = str(free_port())  # (--node-rank 1 there)

@@ -378,7 +378,7 @@ LONG = pytest.mark.long
 
 
 @pytest.mark.parametrize(
-    "name", ["sharded", "slowmo", pytest.param("sgp", marks=LONG), "diloco", pytest.param("adascale", marks=LONG)]
+    "name", ["sharded", "slowmo", *(pytest.param(name, marks=LONG) for name in ("sgp", "diloco", "adascale"))]
 )
 def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale

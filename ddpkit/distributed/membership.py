@@ -248,6 +248,17 @@ class Membership:
         except RuntimeError:
             return None
 
+    def continue_at(self, quorum: Quorum, round_: int) -> None:
+        """Makes this member's `quorum` (the first round of a job resumed from a checkpoint) stand for round
+        `round_`, so that the job's rounds go on from there (numbered by step, as before the checkpoint). Its
+        first member records it in the store (the members and the latest round, for ranks that join later);
+        call it on every member before the quorum's commit, so nobody goes on before the record exists."""
+        if quorum.index == 0:
+            self.store.compare_set(self._key(round_, "members"), "", json.dumps(quorum.members))
+            self.store.set(self.prefix + LATEST, str(round_))
+        quorum.round = round_
+        self.last = quorum
+
     # -- commit ----------------------------------------------------------------------------------------------------
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
@@ -318,8 +329,11 @@ def heal_object(quorum: Quorum, obj: Any) -> Any:
     """`obj` (any `torch.save`-able state: an optimizer's state dict, counters) as the heal root has it, on every
     member, when someone joined this round; else `obj` unchanged. Two broadcasts: the length, then the bytes."""
     root = _heal_root(quorum)
-    if root is None:
-        return obj
+    return obj if root is None else broadcast_object_from(quorum, obj, root)
+
+
+def broadcast_object_from(quorum: Quorum, obj: Any, root: int) -> Any:
+    """`obj` (`torch.save`-able) as member index `root` has it, on every member (a collective of the members)."""
     payload = torch.empty(0, dtype=torch.uint8)
     if quorum.index == root:
         buffer = io.BytesIO()

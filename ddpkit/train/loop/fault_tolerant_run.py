@@ -22,6 +22,8 @@ from ddpkit.distributed import job_store
 from ddpkit.distributed.launch import Placement, choose_gloo_interface
 from ddpkit.distributed.membership import Membership
 from ddpkit.distributed.rank_guard import say
+from ddpkit.train.checkpoints.checkpoint_files import resume_settings
+from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, FellBehind, GossipSchedule, OuterSchedule
@@ -79,8 +81,11 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     data = rank_data(cfg, work, placement.rank, placement.world_size)
     loader, total = data.loader, data.total_steps
     recorder = MetricsRecorder(data.heldout, eval_every=cfg.eval_every or 0)
+    checkpoints = None
+    if cfg.out and (cfg.checkpoint_every is not None or cfg.resume):
+        checkpoints = LiveCheckpoints(cfg.out, cfg.checkpoint_every, cfg.keep, resume_settings(cfg), cfg.resume)
     sync = FaultTolerantSync(
-        membership, work.module, optimizer, recorder, total, outer_schedule(cfg), gossip_schedule(cfg)
+        membership, work.module, optimizer, recorder, total, outer_schedule(cfg), gossip_schedule(cfg), checkpoints
     )
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
@@ -90,6 +95,8 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     if membership.latest_round() >= 0:
         say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")
         sync.rejoin(trainer)
+    else:
+        sync.begin(trainer)
     while True:
         try:
             trainer.fit(cfg.epochs, cfg.max_steps)

@@ -30,6 +30,10 @@ bit-identical to the others' and it trains on from there; in the round's average
 stays its own (the sampler splits each epoch over ``--world-size`` ranks; the shards of absent ranks are not
 trained while they are away).
 
+Checkpoints (optional, `LiveCheckpoints`): after a committed round at or past every ``--checkpoint-every`` steps
+the round's lowest member saves the live state; with ``--resume`` the first member of round 0 reads the newest and
+round 0 sends it to every member instead of the first member's fresh parameters.
+
 Memory: a flat copy of the parameters (and of the gradients per step), the slow buffers (2P) with slow momentum,
 SGP's push-sum buffer (P + 1) and its copy during a round, and the live state serialised once when someone joins.
 """
@@ -49,7 +53,17 @@ from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm_stats
 from ddpkit.distributed.buckets import unflatten_into
-from ddpkit.distributed.membership import Membership, Quorum, broadcast_from_first, heal_object, quorum_mean
+from ddpkit.distributed.membership import (
+    Membership,
+    Quorum,
+    broadcast_from_first,
+    broadcast_object_from,
+    heal_object,
+    quorum_mean,
+)
+from ddpkit.distributed.rank_guard import say
+from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
+from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.loop.callbacks import MetricsRecorder
 from ddpkit.train.loop.trainer import Callback, Trainer, TrainerState
 
@@ -128,6 +142,7 @@ class FaultTolerantSync(Callback):
         total_steps: int,
         outer: OuterSchedule | None = None,
         gossip: GossipSchedule | None = None,
+        checkpoints: LiveCheckpoints | None = None,
     ) -> None:
         if outer is not None and gossip is not None:
             raise ValueError("FaultTolerantSync: give an outer schedule (local SGD) or a gossip schedule, not both")
@@ -139,6 +154,8 @@ class FaultTolerantSync(Callback):
         rule = outer.rule if outer is not None else gossip.rule if gossip is not None else None
         self.slow = SlowBuffers(flat, 0, None) if rule is not None else None
         self.push_sum = FaultTolerantGossip(flat, gossip.graph, gossip.peers_per_itr) if gossip is not None else None
+        self.checkpoints = checkpoints
+        self._saved_at = 0  # the step of the last checkpoint (or of the one resumed)
         self.quorum: Quorum | None = None
         self.round_ok = True  # whether the current round went well so far (per step: its heal)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
@@ -169,17 +186,19 @@ class FaultTolerantSync(Callback):
             "final": final,
         }
 
-    def _load_state(self, trainer: Trainer, state: dict[str, Any]) -> None:
+    def _load_state(self, trainer: Trainer, state: dict[str, Any], rejoined: bool = True) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         trainer.state = TrainerState(**state["trainer"])
         if self.slow is not None and state["slow"] is not None:
             self.slow.x0.copy_(state["slow"]["x0"])  # type: ignore[union-attr]
             self.slow.u.copy_(state["slow"]["u"])  # type: ignore[union-attr]
-        if self.push_sum is not None:
+        if self.push_sum is not None and state["push_sum"] is not None:
             self.push_sum.load(state["push_sum"])
+        elif self.push_sum is not None:  # a checkpoint of local SGD: push-sum starts from its model, weight one
+            self.push_sum.load({"buffer": torch.cat([self._flat_params(), torch.ones(1)]), "phase": 0})
         self.final = bool(state["final"])
-        self.rejoined += 1
+        self.rejoined += int(rejoined)
 
     # -- rounds --------------------------------------------------------------------------------------------------
 
@@ -214,8 +233,39 @@ class FaultTolerantSync(Callback):
         return quorum, ok
 
     def _start(self, trainer: Trainer) -> None:
-        """Round 0: every rank starts from the parameters of the first member (as DDP broadcasts rank 0's)."""
+        """Round 0: every rank starts from the parameters of the first member (as DDP broadcasts rank 0's), or
+        with --resume from the live state of the checkpoint the first member reads."""
         quorum, ok = self._live_round(0, trainer)
+        resumed: dict[str, Any] = {}
+        try:
+            if ok and self.checkpoints is not None and self.checkpoints.resume:
+                resumed = broadcast_object_from(quorum, self._read_checkpoint() if quorum.index == 0 else None, 0)
+        except RuntimeError:
+            ok = False
+        if "state" in resumed:
+            self._load_state(trainer, resumed["state"], rejoined=False)
+            step = self._saved_at = trainer.state.step
+            self.membership.continue_at(quorum, self.outer.rounds_until(step) if self.outer is not None else step)
+            if not quorum.commit(ok):
+                raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
+            return
+        if "error" in resumed:  # the same error on every member
+            quorum.commit(False)
+            raise CheckpointError(resumed["error"])
+        self._start_afresh(trainer, quorum, ok)
+
+    def _read_checkpoint(self) -> dict[str, Any]:
+        """The first member's --resume: {"state": the live state} or {"error": why not}."""
+        assert self.checkpoints is not None
+        try:
+            state, notes = self.checkpoints.load()
+        except CheckpointError as exc:
+            return {"error": str(exc)}
+        for note in notes:
+            say(f"ddpkit: {note}")
+        return {"state": state}
+
+    def _start_afresh(self, trainer: Trainer, quorum: Quorum, ok: bool) -> None:
         flat = self._flat_params()
         try:
             if ok:
@@ -266,11 +316,16 @@ class FaultTolerantSync(Callback):
 
     # -- per step ------------------------------------------------------------------------------------------------
 
+    def begin(self, trainer: Trainer) -> None:
+        """The job's first round (`_start`), before `trainer.fit` (so that a resumed state is in place before
+        the other callbacks read it); `fit` calls it itself if it was not called."""
+        self._start(trainer)
+        if self.outer is None and trainer.state.step < self.total_steps:
+            self._form_next(trainer.state.step + 1)
+
     def on_train_start(self, trainer: Trainer) -> None:
         if self.quorum is None:  # a rank that joined has its quorum already (and the next one on its way)
-            self._start(trainer)
-            if self.outer is None and trainer.state.step < self.total_steps:
-                self._form_next(trainer.state.step + 1)
+            self.begin(trainer)
 
     def _form_next(self, round_: int) -> None:
         """Per step: the next step's quorum is formed in the background while the step computes (the store's
@@ -318,8 +373,8 @@ class FaultTolerantSync(Callback):
             if self.gossip is not None:
                 assert self.push_sum is not None
                 self.push_sum.absorb(self._flat_params())  # before the live state goes to a joiner
+                self._take_next(trainer)  # (counts its own wait in the round's blocked seconds)
                 since = time.monotonic()
-                self._take_next(trainer)
                 members = self.quorum
                 assert members is not None
                 self._gossip_work(members, self.round_ok and members.group is not None, trainer, since=since)
@@ -331,6 +386,20 @@ class FaultTolerantSync(Callback):
                 quorum, ok = self._live_round(self.outer.rounds_until(step), trainer)
                 self._outer_work(quorum, ok, trainer, counts=True, since=since)
         self._annotate(trainer, members, sent.sent_bytes())
+        self._checkpoint(trainer)
+
+    def _checkpoint(self, trainer: Trainer) -> None:
+        """After a committed round at or past a multiple of --checkpoint-every: the round's first member saves."""
+        step, quorum, plan = trainer.state.step, self.quorum, self.checkpoints
+        if plan is None or quorum is None or not quorum.committed or not plan.due(self._saved_at, step):
+            return
+        if quorum.round != step if self.outer is None else not self.outer.due(step):
+            return  # not this step's round: replicas differ until their next one (SlowMo), or it failed
+        self._saved_at = step
+        if quorum.index == 0:
+            state = trainer.state
+            state.carried["totals"] = self.recorder.totals()
+            plan.save(self._live_state(trainer, final=False), step, state.epoch, state.epoch_samples)
 
     def _annotate(self, trainer: Trainer, quorum: Quorum | None, sent: float) -> None:
         """steps.csv: the members of the step's round, who joined or left in it, and the bytes of the round sent

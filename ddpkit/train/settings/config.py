@@ -369,16 +369,14 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
         "--slowmo-nprocs-per-node > 1": (cfg.nprocs_per_node_slowmo or 1) > 1,
         "--adascale": cfg.adascale,
         "--amp fp16": cfg.amp == "fp16",
-        "--resume": cfg.resume,
-        "--checkpoint-every": cfg.checkpoint_every is not None,
         "--device cuda / --backend nccl": cfg.device == "cuda" or cfg.backend == "nccl",
     }
     given = [name for name, on in unsupported.items() if on]
     if given:
         raise ValueError(
             f"--fault-tolerant does not combine with {', '.join(given)} yet: the live state it hands to a rank that "
-            "rejoins covers parameters, a torch optimizer, slow momentum, SGP's push-sum buffer and the data "
-            "position on the CPU, and its rounds wait for each gossip exchange"
+            "rejoins (and its checkpoints hold) parameters, a torch optimizer, slow momentum, SGP's push-sum buffer "
+            "and the data position on the CPU, and its rounds wait for each gossip exchange"
         )
 
 

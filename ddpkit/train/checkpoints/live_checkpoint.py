@@ -1,0 +1,68 @@
+"""Checkpoints of a fault-tolerant job (`ddpkit train --fault-tolerant --checkpoint-every N`, `--resume`).
+
+A fault-tolerant job has no job-wide group to save collectively, and needs none: after a committed round at (or
+past) every N-th step, the lowest member of the round writes the *live state* it would send a joiner (model,
+optimizer, slow-momentum buffers, SGP's push-sum buffer, the trainer's counters) as one file, ``live.pt``, in a
+step folder of its own ``--out``, then the folder's commit marker with the file's SHA-256 (the same folder layout
+and marker as `ddpkit.train.checkpoints.checkpoint`, so a torn or damaged checkpoint is passed over the same way).
+With ``--out`` on a shared file system the job keeps one series of checkpoints whichever member writes.
+
+On ``--resume`` the first member of the job's first round reads the newest intact one from its ``--out`` and
+sends it to the others over that round's group (`FaultTolerantSync`), so only that machine needs the file.
+Memory: the live state serialised once per checkpoint. Communication: none here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ddpkit.train.checkpoints import checkpoint_files as files
+from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
+
+LIVE = "live.pt"
+
+
+@dataclass
+class LiveCheckpoints:
+    """Where and how often a fault-tolerant job checkpoints: `out`, every `every` steps (None: never), the newest
+    `keep` kept, `settings` (`checkpoint_files.resume_settings`) recorded; `resume`: start from the newest one."""
+
+    out: str
+    every: int | None
+    keep: int
+    settings: dict[str, Any]
+    resume: bool = False
+
+    def due(self, last_saved: int, step: int) -> bool:
+        """Whether a committed round at `step` should be saved, the last save being at `last_saved`."""
+        return self.every is not None and step // self.every > last_saved // self.every
+
+    def save(self, live_state: dict[str, Any], step: int, epoch: int, epoch_samples: int) -> str:
+        """Writes and commits the checkpoint of `step`; keeps the newest `keep`. Returns its folder."""
+        folder = os.path.join(files.checkpoint_root(self.out), files.folder_name(step))
+        os.makedirs(folder, exist_ok=True)
+        digest = files.save_file(live_state, os.path.join(folder, LIVE))
+        manifest = {"step": step, "epoch": epoch, "epoch_samples": epoch_samples, "files": {LIVE: digest},
+                    "world_size": self.settings["world_size"], "strategy": self.settings["strategy"],
+                    "settings": self.settings, "fault_tolerant": True}  # fmt: skip
+        files.write_marker(folder, manifest)
+        files.prune(self.out, [os.path.basename(f) for _, f in files.committed(self.out)][-self.keep :])
+        return folder
+
+    def load(self) -> tuple[dict[str, Any], list[str]]:
+        """The live state of the newest intact checkpoint and notes on what resuming it changes or skipped; a
+        CheckpointError naming the problem when there is none, or it was not written by a fault-tolerant job."""
+        newest = files.latest(self.out)
+        if newest is not None and LIVE not in files.read_marker(newest)["files"]:
+            raise CheckpointError(
+                f"--resume: {newest} was written by a job without --fault-tolerant; resume it without "
+                "--fault-tolerant (a fault-tolerant job saves and resumes the live state of one replica)"
+            )
+        _, manifest, loaded, skipped = files.newest_intact(self.out, verify=(LIVE,))
+        try:
+            notes = [*skipped, *files.resume_notes(manifest, self.settings)]
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        return loaded[LIVE], notes
