@@ -1,0 +1,220 @@
+"""Lightning strategies that train with ddpkit: ``Trainer(strategy="ddpkit_sharded")`` and its siblings.
+
+Install the extra first (``pip install "ddpkit[lightning]"``), import this module once (it registers the names),
+then pass a name or an instance to Lightning::
+
+    import ddpkit.integrations.lightning  # registers ddpkit_sharded, ddpkit_oss, ddpkit_slowmo
+    trainer = lightning.Trainer(strategy="ddpkit_sharded", accelerator="cpu", devices=2)
+
+What each strategy does around Lightning's own DDP strategy (same launchers, process group, samplers, logging):
+
+- ``ddpkit_sharded`` (`DDPKitShardedStrategy`): ZeRO-2 as fairscale's ``ddp_sharded`` had it. Each optimizer of
+  `configure_optimizers` is rebuilt as an `OSS` over the same param groups (the learning-rate schedulers keep
+  working: they now drive the OSS), and the module is wrapped in `ShardedDataParallel`, which reduces each
+  gradient to the rank that owns it. Communication per step: a reduce of every gradient to its owner (DDP's
+  all-reduce volume halved) and a broadcast of the updated parameters from their owners. Memory: each rank
+  keeps 1/N of the optimizer state and only its own gradients after backward.
+- ``ddpkit_oss`` (`DDPKitOSSStrategy`): ZeRO-1: torch's DDP all-reduces the gradients as ``strategy="ddp"``
+  does, the optimizers are `OSS` (1/N of the optimizer state per rank, a broadcast of the parameters per step).
+- ``ddpkit_slowmo`` (`DDPKitSlowMoStrategy`): `SlowMoDistributedDataParallel` (local SGD or SGP under slow
+  momentum) with ``perform_slowmo`` after every optimizer step. Its own state (slow momentum, the last synced
+  copy) is not in Lightning's checkpoint yet: a resumed run starts it afresh from the resumed parameters.
+
+What Lightning's DDP strategy would get wrong with these wrappers, and what they do instead:
+
+1. Lightning wraps the module before it creates the optimizers; ShardedDataParallel needs its OSS first, so the
+   sharded strategy creates the optimizers inside ``configure_ddp``, before wrapping.
+2. Gradient clipping by norm (``gradient_clip_val``) clips each rank's gradients by the norm of what that rank
+   holds; with a sharded optimizer the strategies clip by the norm over the whole model (`OSS.clip_grad_norm`),
+   as DDP's clipping does.
+3. fp16 (``precision="16-mixed"`` on a GPU, or a `MixedPrecision` plug-in given on the CPU): torch's GradScaler
+   finds an inf in one rank's shard only, so that rank alone would skip its step and the others wait for it;
+   the scaler is replaced by `ShardedGradScaler`, which agrees on the skip across ranks. (Lightning itself turns
+   ``precision="16-mixed"`` on the CPU into bf16; pass ``plugins=[MixedPrecision("16-mixed", "cpu")]`` for fp16.)
+4. Gradient accumulation (``accumulate_grad_batches``) reduces every micro-batch unless the wrapper's
+   ``no_sync`` is used: the strategies use it, as Lightning does for torch's DDP.
+5. Teardown unwraps these wrappers too (so ``validate``/``test``/``predict`` after ``fit`` see the module).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.strategies.strategy import Strategy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError('ddpkit.integrations.lightning needs lightning: pip install "ddpkit[lightning]"') from exc
+
+from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
+from ddpkit.optim import OSS, ShardedGradScaler
+
+__all__ = ["DDPKitOSSStrategy", "DDPKitShardedStrategy", "DDPKitSlowMoStrategy", "as_oss"]
+
+
+def as_oss(optimizer: torch.optim.Optimizer) -> OSS:
+    """`optimizer` as an OSS of its own class over the very same param-group dicts (so a learning-rate
+    scheduler built on `optimizer` keeps changing the OSS's hyper-parameters); an OSS is returned as it is.
+    Raises a TypeError for an optimizer that already holds state (its state would be lost)."""
+    if isinstance(optimizer, OSS):
+        return optimizer
+    if optimizer.state:
+        raise TypeError(
+            f"ddpkit's Lightning strategies shard the optimizers of configure_optimizers before the first step; "
+            f"this {type(optimizer).__name__} already holds state. Return a fresh optimizer (or an ddpkit OSS)"
+        )
+    return OSS(optimizer.param_groups, optim=type(optimizer), **optimizer.defaults)
+
+
+def _clip_by_global_norm(self: Precision, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    """Precision.clip_grad_by_norm for sharded optimizers: the norm over every rank's shard (point 2)."""
+    if isinstance(optimizer, OSS):
+        optimizer.clip_grad_norm(clip_val)
+    else:
+        torch.nn.utils.clip_grad_norm_(list(self.main_params(optimizer)), clip_val)
+
+
+def _for_sharded_optimizers(plugin: Precision) -> Precision:
+    """`plugin`, changed in place for sharded optimizers: global-norm clipping, and a ShardedGradScaler instead
+    of torch's GradScaler (points 2 and 3 of the module doc)."""
+    plugin.clip_grad_by_norm = types.MethodType(_clip_by_global_norm, plugin)  # type: ignore[method-assign]
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+        if not isinstance(plugin.scaler, ShardedGradScaler):
+            torch_scaler = plugin.scaler
+            plugin.scaler = ShardedGradScaler(
+                init_scale=torch_scaler.get_scale(),
+                growth_factor=torch_scaler.get_growth_factor(),
+                backoff_factor=torch_scaler.get_backoff_factor(),
+                growth_interval=torch_scaler.get_growth_interval(),
+                enabled=torch_scaler.is_enabled(),
+                device=plugin.device,
+            )
+    return plugin
+
+
+class _DDPKitStrategy(DDPStrategy):
+    """What the three strategies share: the precision plug-in adjusted for sharded optimizers, ``no_sync`` for
+    any wrapper that has it, and teardown that unwraps ddpkit's wrappers."""
+
+    wrappers: tuple[type[nn.Module], ...] = (ShardedDataParallel, SlowMoDistributedDataParallel)
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return Strategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        Strategy.precision_plugin.fset(self, _for_sharded_optimizers(plugin) if plugin is not None else None)  # type: ignore[attr-defined]
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        no_sync: Callable[[], Any] | None = getattr(self.model, "no_sync", None)
+        if no_sync is None:
+            yield None
+            return
+        with no_sync():
+            yield None
+
+    def teardown(self) -> None:
+        if isinstance(self.model, self.wrappers):
+            self.model = self.lightning_module
+        super().teardown()
+
+
+class DDPKitOSSStrategy(_DDPKitStrategy):
+    """ZeRO-1 in Lightning: torch DDP for the gradients, every optimizer an `OSS` (module doc)."""
+
+    strategy_name = "ddpkit_oss"
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        self.optimizers = [as_oss(optimizer) for optimizer in self.optimizers]
+        _repoint_schedulers(self)
+
+
+class DDPKitShardedStrategy(_DDPKitStrategy):
+    """ZeRO-2 in Lightning (fairscale's ``ddp_sharded``): `OSS` optimizers and `ShardedDataParallel` (module
+    doc). Keyword arguments of ShardedDataParallel (``reduce_buffer_size``, ``broadcast_buffers``, ...) may be
+    given to the constructor with DDPStrategy's own."""
+
+    strategy_name = "ddpkit_sharded"
+    _sdp_keys = ("broadcast_buffers", "reduce_buffer_size", "auto_refresh_trainable", "reduce_fp16")
+    _sdp_keys += ("warn_on_trainable_params_changed", "find_unused_parameters", "cross_host_compression")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._sdp_kwargs = {key: kwargs.pop(key) for key in self._sdp_keys if key in kwargs}
+        super().__init__(*args, **kwargs)
+        self._optimizers_ready = False
+
+    def configure_ddp(self) -> None:
+        trainer = self.lightning_module.trainer
+        self._make_sharded_optimizers(trainer)
+        self.model = ShardedDataParallel(self.model, self.optimizers, **self._sdp_kwargs)
+
+    def _make_sharded_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        self.optimizers = [as_oss(optimizer) for optimizer in self.optimizers]
+        _repoint_schedulers(self)
+        self._optimizers_ready = True
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        if self._optimizers_ready:  # made in configure_ddp, before the wrapper (point 1)
+            return
+        self._make_sharded_optimizers(trainer)
+
+
+class DDPKitSlowMoStrategy(_DDPKitStrategy):
+    """SlowMo in Lightning (module doc): the arguments of `SlowMoDistributedDataParallel` (``slowmo_momentum``,
+    ``slowmo_base_algorithm``, ...) go in `slowmo_kwargs`. ``nprocs_per_node`` defaults to Lightning's devices
+    per node (fairscale's meaning: DDP inside a machine, SlowMo between machines); give 1 to make every process
+    a SlowMo node of its own (local SGD between the processes of one machine)."""
+
+    strategy_name = "ddpkit_slowmo"
+
+    def __init__(self, *args: Any, slowmo_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._slowmo_kwargs = dict(slowmo_kwargs or {})
+        super().__init__(*args, **kwargs)
+
+    def configure_ddp(self) -> None:
+        arguments = {"nprocs_per_node": self.num_processes, **self._slowmo_kwargs}
+        self.model = SlowMoDistributedDataParallel(self.model, **arguments)
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if isinstance(self.model, SlowMoDistributedDataParallel):
+            self.model.perform_slowmo(optimizer)
+        return output
+
+
+def _repoint_schedulers(strategy: DDPStrategy) -> None:
+    """Each learning-rate scheduler of `strategy` now drives the OSS that replaced its optimizer (they share the
+    param-group dicts, so its values are right; this keeps its own bookkeeping on the optimizer it steps)."""
+    for config in strategy.lr_scheduler_configs:
+        scheduler = config.scheduler
+        old = getattr(scheduler, "optimizer", None)
+        for new in strategy.optimizers:
+            if old is not None and new is not old and new.param_groups and new.param_groups[0] is old.param_groups[0]:
+                scheduler.optimizer = new
+
+
+def _register() -> None:
+    for cls in (DDPKitShardedStrategy, DDPKitOSSStrategy, DDPKitSlowMoStrategy):
+        if cls.strategy_name not in StrategyRegistry:
+            StrategyRegistry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").split(":")[0])
+
+
+_register()

@@ -1,0 +1,183 @@
+"""Trains one small LightningModule under several strategies and settings, in one torchrun job (used by
+tests/test_lightning.py): ``torchrun --nproc-per-node N tests/lightning_runs.py OUT RUN[,RUN...]``.
+
+A run is ``STRATEGY:SETTING`` (setting names in SETTINGS). Every rank writes ``OUT/STRATEGY:SETTING.rank{r}.json``:
+its per-step losses, its final parameters (flattened), the bytes of optimizer state it holds, the bytes ddpkit sent
+during `fit`, the learning rates it stepped with, and what `validate` and `predict` gave after `fit`. The data, the
+model and its initial weights are the same for every run (seeded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit.distributed import comm_stats
+from ddpkit.integrations.lightning import DDPKitSlowMoStrategy  # (the import registers the ddpkit_* strategies)
+
+SETTINGS: dict[str, dict] = {
+    "adam": {"optimizer": "adam"},
+    "sgd": {"optimizer": "sgd"},
+    "adam-clip-accum-sched": {"optimizer": "adam", "clip": 0.05, "accumulate": 2, "scheduler": True},
+    "sgd-clip-sched": {"optimizer": "sgd", "clip": 0.5, "scheduler": True},
+    "two-optimizers": {"optimizer": "two", "manual": True},  # Lightning 2 steps several optimizers manually only
+    "manual": {"optimizer": "adam", "manual": True},
+    "adam-bf16": {"optimizer": "adam", "precision": "bf16-mixed"},
+    "sgd-plain": {"optimizer": "sgd-plain"},  # no momentum: local SGD averaging every step is then DDP
+    # fp16 on the CPU (Lightning would turn precision="16-mixed" into bf16 there) from a scale so large that the
+    # first steps overflow and are skipped, on every rank alike
+    "sgd-fp16-skips-clip": {"optimizer": "sgd", "precision": "fp16", "clip": 0.5},
+}
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 16, generator=g)
+    y = (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long()
+    return TensorDataset(x, y)
+
+
+class Net(L.LightningModule):
+    """A two-layer MLP; `setting` chooses optimizers, scheduler and manual optimization."""
+
+    def __init__(self, setting: dict) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3))
+        self.setting = setting
+        self.automatic_optimization = not setting.get("manual", False)
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor | None:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.losses.append(float(loss.detach()))
+        if self.automatic_optimization:
+            return loss
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+        return None
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        return self(batch[0]).argmax(1)
+
+    def on_train_batch_end(self, *args: object) -> None:
+        optimizers = self.optimizers()
+        first = optimizers[0] if isinstance(optimizers, list) else optimizers
+        self.lrs.append(float(first.param_groups[0]["lr"]))
+
+    def configure_optimizers(self):
+        kind = self.setting["optimizer"]
+        if kind == "two":  # one optimizer per layer, stepped together (Lightning calls both each step)
+            first = torch.optim.Adam(self.body[0].parameters(), lr=0.01)
+            second = torch.optim.SGD(self.body[2].parameters(), lr=0.1, momentum=0.9)
+            return [first, second]
+        params = self.parameters()
+        if kind == "adam":
+            optimizer = torch.optim.Adam(params, lr=0.01)
+        else:
+            optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.0 if kind == "sgd-plain" else 0.9)
+        if not self.setting.get("scheduler"):
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    inner = getattr(optimizer, "optim", optimizer)  # an OSS keeps its shard's state in its own optimizer
+    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+STRATEGIES = {  # names that stand for a configured instance
+    "ddpkit_slowmo-every-step": lambda: DDPKitSlowMoStrategy(
+        slowmo_kwargs={"nprocs_per_node": 1, "localsgd_frequency": 1, "slowmo_frequency": 1, "slowmo_momentum": 0.0}
+    ),
+}
+
+
+def _scale(trainer: L.Trainer) -> float | None:
+    """The loss scale the run ended with (None without a scaler)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None else None
+
+
+def run(name: str, devices: int, out: Path) -> None:
+    strategy_name, setting_name = name.split(":")
+    strategy = STRATEGIES[strategy_name]() if strategy_name in STRATEGIES else strategy_name
+    setting = SETTINGS[setting_name]
+    model = Net(setting)
+    precision = {"precision": setting.get("precision", "32-true")}
+    if setting.get("precision") == "fp16":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=4)
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    trainer = L.Trainer(
+        **precision,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=12,
+        gradient_clip_val=setting.get("clip"),
+        accumulate_grad_batches=setting.get("accumulate", 1),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
+    loader = DataLoader(_data(), batch_size=16, shuffle=False)
+    with comm_stats.measure() as sent:  # what ddpkit sent (torch DDP's own all-reduces are not counted)
+        trainer.fit(model, loader)
+    optimizers = trainer.optimizers
+    state = sum(_state_bytes(o) for o in optimizers)
+    validated = trainer.validate(model, loader, verbose=False)  # after fit: the module is unwrapped and evaluates
+    predictions = trainer.predict(model, DataLoader(_data(), batch_size=64), return_predictions=True)
+    rank = trainer.global_rank
+    record = {
+        "losses": model.losses,
+        "lrs": model.lrs,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        "state_bytes": state,
+        "sent_bytes": sent.sent_bytes(),
+        "payload_bytes": sent.payload_bytes(),  # shared memory on one host included
+        "optimizers": [type(o).__name__ for o in optimizers],
+        "val_loss": float(validated[0]["val_loss"]),
+        "predicted": int(sum(len(p) for p in predictions)),
+        "scale": _scale(trainer),
+    }
+    (out / f"{name}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def main() -> None:
+    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
+    devices = int(os.environ["WORLD_SIZE"])
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    torch.set_num_threads(1)
+    for name in names:
+        run(name, devices, out)
+
+
+if __name__ == "__main__":
+    main()

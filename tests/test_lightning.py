@@ -1,0 +1,98 @@
+"""ddpkit's Lightning strategies (issue 25) against Lightning's own ``strategy="ddp"``.
+
+One torchrun job per world size trains the same LightningModule under every strategy and setting
+(tests/lightning_runs.py); the reference is torch's DDP with the same optimizer, run by Lightning itself. The
+sharded strategies must give its losses and parameters to 1e-6 on every rank (Adam and SGD, two optimizers,
+manual optimization, bf16, fp16 with overflow skips, clipping by norm, accumulation, a step-wise scheduler), with
+the optimizer state split over the ranks, one gradient reduction per optimizer step when accumulating, and
+``validate``/``predict`` after ``fit`` evaluating the unwrapped module. SlowMo averaging every step with plain SGD
+and no slow momentum must equal DDP too (the average of the local SGD steps is DDP's step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.distributed.launch import free_port
+
+pytest.importorskip("lightning", reason='the Lightning integration needs the extra: pip install -e ".[lightning]"')
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+ALL = ["adam", "sgd", "adam-clip-accum-sched", "sgd-clip-sched", "two-optimizers", "manual", "adam-bf16"]
+ALL += ["sgd-fp16-skips-clip"]
+RUNS = {"ddp": [*ALL, "sgd-plain"], "ddpkit_sharded": ALL}
+RUNS |= {"ddpkit_oss": ["adam", "sgd-clip-sched", "sgd-fp16-skips-clip"], "ddpkit_slowmo-every-step": ["sgd-plain"]}
+
+
+def _train_all(out: Path, world: int) -> dict[str, list[dict]]:
+    names = [f"{strategy}:{setting}" for strategy, settings in RUNS.items() for setting in settings]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    port = str(free_port())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", port]
+    result = subprocess.run([*command, str(HERE / "lightning_runs.py"), str(out), ",".join(names)],
+                            capture_output=True, text=True, timeout=280, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)] for name in names}
+
+
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.long)], ids=["2procs", "4procs"])
+def runs(request, tmp_path_factory):
+    return _train_all(tmp_path_factory.mktemp(f"lightning{request.param}"), request.param)
+
+
+def _close(a: list[float], b: list[float], tol: float = 1e-6) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("strategy", ["ddpkit_sharded", "ddpkit_oss"])
+def test_sharded_strategies_train_as_lightnings_ddp(runs, strategy):
+    for setting in RUNS[strategy]:
+        references, ranks = runs[f"ddp:{setting}"], runs[f"{strategy}:{setting}"]
+        for rank, (reference, got) in enumerate(zip(references, ranks, strict=True)):  # each rank its own batches
+            where = (strategy, setting, rank)
+            assert _close(got["losses"], reference["losses"]) < 1e-6, where
+            assert _close(got["params"], reference["params"]) < 1e-6, where
+            assert got["lrs"] == reference["lrs"], where  # the scheduler drives the OSS
+            assert got["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-6), where
+            assert got["predicted"] == reference["predicted"] == 512 // len(ranks), where  # its share, unwrapped
+            assert set(got["optimizers"]) == {"OSS"}, where
+        # the optimizer state is split: together the ranks hold DDP's one copy, each a part of it
+        held = [r["state_bytes"] for r in ranks]
+        full = references[0]["state_bytes"]
+        assert sum(held) == full and max(held) < full, (setting, held)
+
+
+def test_the_scheduler_moved_the_learning_rate(runs):
+    lrs = runs["ddpkit_sharded:sgd-clip-sched"][0]["lrs"]
+    assert lrs[0] == 0.1 and lrs[-1] == pytest.approx(0.1 * 0.5**4)  # StepLR(step_size=3, gamma=0.5) by step
+
+
+def test_fp16_overflows_are_skipped_on_every_rank_alike(runs):
+    for strategy in ("ddp", "ddpkit_sharded", "ddpkit_oss"):
+        scale = runs[f"{strategy}:sgd-fp16-skips-clip"][0]["scale"]
+        assert 2.0**12 < scale < 2.0**24, (strategy, scale)  # some steps overflowed and were skipped, not all
+    assert runs["ddpkit_sharded:sgd-fp16-skips-clip"][1]["scale"] == runs["ddp:sgd-fp16-skips-clip"][0]["scale"]
+
+
+def test_accumulation_reduces_the_gradients_once_per_optimizer_step(runs):
+    """12 optimizer steps with and without accumulate_grad_batches=2: the same gradient traffic (no_sync on the
+    first micro-batch; the clipping adds one small all-reduce per step)."""
+    plain, accumulated = runs["ddpkit_sharded:adam"], runs["ddpkit_sharded:adam-clip-accum-sched"]
+    for rank, (one, two) in enumerate(zip(plain, accumulated, strict=True)):
+        assert two["payload_bytes"] < 1.05 * one["payload_bytes"], rank
+
+
+def test_slowmo_averaging_every_step_without_slow_momentum_is_ddp(runs):
+    reference = runs["ddp:sgd-plain"][0]
+    for rank, got in enumerate(runs["ddpkit_slowmo-every-step:sgd-plain"]):
+        assert _close(got["params"], reference["params"]) < 1e-6, rank
+        assert got["sent_bytes"] > 0  # it averaged, through ddpkit
