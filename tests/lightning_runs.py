@@ -37,6 +37,11 @@ SETTINGS: dict[str, dict] = {
     # fp16 on the CPU (Lightning would turn precision="16-mixed" into bf16 there) from a scale so large that the
     # first steps overflow and are skipped, on every rank alike
     "sgd-fp16-skips-clip": {"optimizer": "sgd", "precision": "fp16", "clip": 0.5},
+    # checkpoints: two epochs at once; one epoch saved to OUT/STRATEGY.ckpt; the second epoch resumed from the
+    # checkpoint named by $LIGHTNING_RESUME (default OUT/ddpkit_sharded.ckpt, however many processes wrote it)
+    "adam-2epochs": {"optimizer": "adam", "epochs": 2},
+    "adam-save-after-1": {"optimizer": "adam", "epochs": 1, "save": True},
+    "adam-resume": {"optimizer": "adam", "epochs": 2, "resume": True},
 }
 
 
@@ -138,7 +143,8 @@ def run(name: str, devices: int, out: Path) -> None:
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_steps=12,
+        max_steps=-1 if "epochs" in setting else 12,
+        max_epochs=setting.get("epochs"),
         gradient_clip_val=setting.get("clip"),
         accumulate_grad_batches=setting.get("accumulate", 1),
         enable_progress_bar=False,
@@ -148,8 +154,11 @@ def run(name: str, devices: int, out: Path) -> None:
         num_sanity_val_steps=0,
     )
     loader = DataLoader(_data(), batch_size=16, shuffle=False)
+    resume = os.environ.get("LIGHTNING_RESUME", str(out / "ddpkit_sharded.ckpt")) if setting.get("resume") else None
     with comm_stats.measure() as sent:  # what ddpkit sent (torch DDP's own all-reduces are not counted)
-        trainer.fit(model, loader)
+        trainer.fit(model, loader, ckpt_path=resume)
+    if setting.get("save"):
+        trainer.save_checkpoint(out / f"{strategy_name}.ckpt")  # on every rank: a sharded state is gathered
     optimizers = trainer.optimizers
     state = sum(_state_bytes(o) for o in optimizers)
     validated = trainer.validate(model, loader, verbose=False)  # after fit: the module is unwrapped and evaluates

@@ -30,22 +30,35 @@ ALL = ["adam", "sgd", "adam-clip-accum-sched", "sgd-clip-sched", "two-optimizers
 ALL += ["sgd-fp16-skips-clip"]
 RUNS = {"ddp": [*ALL, "sgd-plain"], "ddpkit_sharded": ALL}
 RUNS |= {"ddpkit_oss": ["adam", "sgd-clip-sched", "sgd-fp16-skips-clip"], "ddpkit_slowmo-every-step": ["sgd-plain"]}
+# checkpoints, in this order: the uninterrupted reference, ddpkit_sharded's first epoch saved, then its second
+# epoch resumed from that checkpoint by ddpkit_sharded and by Lightning's own ddp
+CHECKPOINTS = ["ddp:adam-2epochs", "ddpkit_sharded:adam-save-after-1", "ddpkit_sharded:adam-resume", "ddp:adam-resume"]
 
 
-def _train_all(out: Path, world: int) -> dict[str, list[dict]]:
-    names = [f"{strategy}:{setting}" for strategy, settings in RUNS.items() for setting in settings]
+def _torchrun(out: Path, world: int, names: list[str], resume: Path | None = None) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    if resume is not None:
+        env["LIGHTNING_RESUME"] = str(resume)
     port = str(free_port())
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", port]
     result = subprocess.run([*command, str(HERE / "lightning_runs.py"), str(out), ",".join(names)],
                             capture_output=True, text=True, timeout=280, env=env)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)] for name in names}
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.long)], ids=["2procs", "4procs"])
 def runs(request, tmp_path_factory):
-    return _train_all(tmp_path_factory.mktemp(f"lightning{request.param}"), request.param)
+    """Every run's records at this world size. At 4 processes the resumed runs start from a checkpoint that a
+    2-process job wrote (resuming at another device count)."""
+    world, out = request.param, tmp_path_factory.mktemp(f"lightning{request.param}")
+    names = [f"{strategy}:{setting}" for strategy, settings in RUNS.items() for setting in settings] + CHECKPOINTS
+    resume = None
+    if world != 2:
+        (out / "two").mkdir()
+        _torchrun(out / "two", 2, ["ddpkit_sharded:adam-save-after-1"])
+        resume = out / "two" / "ddpkit_sharded.ckpt"
+    _torchrun(out, world, names, resume)
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)] for name in names}
 
 
 def _close(a: list[float], b: list[float], tol: float = 1e-6) -> float:
@@ -89,6 +102,20 @@ def test_accumulation_reduces_the_gradients_once_per_optimizer_step(runs):
     plain, accumulated = runs["ddpkit_sharded:adam"], runs["ddpkit_sharded:adam-clip-accum-sched"]
     for rank, (one, two) in enumerate(zip(plain, accumulated, strict=True)):
         assert two["payload_bytes"] < 1.05 * one["payload_bytes"], rank
+
+
+def test_a_sharded_checkpoint_resumes_under_ddpkit_and_under_lightnings_ddp(runs):
+    """At 2 processes the resumed second epoch equals the uninterrupted run; at 4 (from a 2-process checkpoint)
+    ddpkit_sharded and Lightning's ddp, both resumed from it, agree."""
+    world = len(runs["ddp:adam-resume"])
+    for rank in range(world):
+        sharded, ddp = runs["ddpkit_sharded:adam-resume"][rank], runs["ddp:adam-resume"][rank]
+        assert _close(sharded["losses"], ddp["losses"]) < 1e-6 and _close(sharded["params"], ddp["params"]) < 1e-6
+        if world == 2:
+            whole = runs["ddp:adam-2epochs"][rank]
+            assert len(sharded["losses"]) == len(whole["losses"]) // 2  # the second epoch only
+            assert _close(sharded["losses"], whole["losses"][len(sharded["losses"]) :]) < 1e-6, rank
+            assert _close(sharded["params"], whole["params"]) < 1e-6, rank
 
 
 def test_slowmo_averaging_every_step_without_slow_momentum_is_ddp(runs):
