@@ -35,15 +35,23 @@ RUNS |= {"ddpkit_oss": ["adam", "sgd-clip-sched", "sgd-fp16-skips-clip"], "ddpki
 CHECKPOINTS = ["ddp:adam-2epochs", "ddpkit_sharded:adam-save-after-1", "ddpkit_sharded:adam-resume", "ddp:adam-resume"]
 
 
-def _torchrun(out: Path, world: int, names: list[str], resume: Path | None = None) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    if resume is not None:
-        env["LIGHTNING_RESUME"] = str(resume)
-    port = str(free_port())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", port]
-    result = subprocess.run([*command, str(HERE / "lightning_runs.py"), str(out), ",".join(names)],
-                            capture_output=True, text=True, timeout=280, env=env)  # fmt: skip
+def _run(args: list, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`args` run with tests/ and the repository on the path; fails the test with its output if it fails."""
+    path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=280, cwd=cwd,
+                            env={**os.environ, "PYTHONPATH": path, **env})  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def _torchrun(world: int, script: Path, *args: object, **env: str) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", world, "--master-port", free_port()]
+    return _run([*launch, script, *args], **env)
+
+
+def _train(out: Path, world: int, names: list[str], resume: Path | None = None) -> None:
+    env = {"LIGHTNING_RESUME": str(resume)} if resume is not None else {}
+    _torchrun(world, HERE / "lightning_runs.py", out, ",".join(names), **env)
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.long)], ids=["2procs", "4procs"])
@@ -55,9 +63,9 @@ def runs(request, tmp_path_factory):
     resume = None
     if world != 2:
         (out / "two").mkdir()
-        _torchrun(out / "two", 2, ["ddpkit_sharded:adam-save-after-1"])
+        _train(out / "two", 2, ["ddpkit_sharded:adam-save-after-1"])
         resume = out / "two" / "ddpkit_sharded.ckpt"
-    _torchrun(out, world, names, resume)
+    _train(out, world, names, resume)
     return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)] for name in names}
 
 
@@ -123,3 +131,22 @@ def test_slowmo_averaging_every_step_without_slow_momentum_is_ddp(runs):
     for rank, got in enumerate(runs["ddpkit_slowmo-every-step:sgd-plain"]):
         assert _close(got["params"], reference["params"]) < 1e-6, rank
         assert got["sent_bytes"] > 0  # it averaged, through ddpkit
+
+
+@pytest.mark.long
+def test_the_lightning_example_trains_and_splits_the_optimizer_state(tmp_path):
+    result = _run([sys.executable, HERE.parent / "examples" / "lightning_digits.py", "--epochs", "2"], tmp_path)
+    accuracy = float(result.stdout.split("held-out accuracy ")[1].split()[0])
+    held = json.loads(result.stdout.split("optimizer state per rank (bytes): ")[1].splitlines()[0])
+    assert accuracy > 0.9 and len(held) == 2 and min(held) < max(held), result.stdout
+
+
+@pytest.mark.long
+def test_the_readme_snippet_trains(tmp_path):
+    from test_readme import snippet
+
+    prelude = "from lightning_runs import SETTINGS, Net, _data\nfrom torch.utils.data import DataLoader\n"
+    prelude += "model = Net(SETTINGS['adam'])\ntrain_loader = DataLoader(_data(), batch_size=16)\n"
+    script = tmp_path / "snippet.py"
+    script.write_text(prelude + snippet('strategy="ddpkit_sharded"') + "\nassert trainer.global_step == 8\n")
+    _torchrun(2, script)

@@ -216,6 +216,7 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
     'slowmo_compression="int4"': "test_slowmo_snippets",
     "slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP": "test_slowmo_snippets",
     "distributed_callbacks(model)": "test_torchbearer_snippet",
+    'strategy="ddpkit_sharded"': "tests/test_lightning.py::test_the_readme_snippet_trains (long tier)",
     "counting_allreduce_hook)": "test_comm_stats_snippet",
 }
 

@@ -1,0 +1,89 @@
+"""Lightning with ddpkit's sharded strategy: what ``Trainer(strategy="ddp_sharded")`` was with fairscale.
+
+    pip install -e ".[lightning]"
+    python examples/lightning_digits.py                          # 2 CPU processes, ddpkit_sharded
+    python examples/lightning_digits.py --strategy ddp           # Lightning's own DDP, for comparison
+    python examples/lightning_digits.py --strategy ddpkit_oss --devices 4 --clip 1.0 --accumulate 2
+
+Trains an MLP on scikit-learn's digits (shipped with scikit-learn: nothing is downloaded) for a few epochs and
+prints, on rank 0, the held-out accuracy and each rank's optimizer state in bytes: with a ddpkit strategy the
+ranks split the state that every rank of ``ddp`` holds whole. The importing of `ddpkit.integrations.lightning`
+is what makes the ``ddpkit_*`` names known to Lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import ddpkit.integrations.lightning  # noqa: F401  (registers ddpkit_sharded, ddpkit_oss, ddpkit_slowmo)
+from ddpkit.train.workloads.data import digits
+from ddpkit.train.workloads.models import mlp
+
+
+class DigitsClassifier(L.LightningModule):
+    """An MLP on 8x8 digits with Adam and a step-wise learning-rate decay."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.model = mlp(64, 10, hidden=256, depth=2)
+        self.lr = lr
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> None:
+        x, y = batch
+        accuracy = (self.model(x).argmax(1) == y).float().mean()
+        self.log("val_accuracy", accuracy, sync_dist=True)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of optimizer state this rank holds (an OSS holds its shard in its inner optimizer)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", default="ddpkit_sharded", help="ddpkit_sharded, ddpkit_oss, ddpkit_slowmo, ddp")
+    parser.add_argument("--devices", type=int, default=2, help="CPU processes")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=0.003)
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by the norm over all shards)")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    data = digits()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=args.strategy,
+        max_epochs=args.epochs,
+        gradient_clip_val=args.clip,
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    model = DigitsClassifier(args.lr)
+    trainer.fit(model, DataLoader(data.train, batch_size=32, shuffle=True), DataLoader(data.test, batch_size=256))
+    held = trainer.strategy.all_gather(torch.tensor(sum(optimizer_state_bytes(o) for o in trainer.optimizers)))
+    accuracy = float(trainer.callback_metrics["val_accuracy"])
+    if trainer.is_global_zero:
+        print(f"strategy {args.strategy} on {args.devices} processes: held-out accuracy {accuracy:.3f}")
+        print(f"optimizer state per rank (bytes): {held.tolist()}")
+
+
+if __name__ == "__main__":
+    main()
