@@ -1,7 +1,9 @@
 """Trains one small LightningModule under several strategies and settings, in one torchrun job (used by
 tests/test_lightning.py): ``torchrun --nproc-per-node N tests/lightning_runs.py OUT RUN[,RUN...]``.
 
-A run is ``STRATEGY:SETTING`` (setting names in SETTINGS). Every rank writes ``OUT/STRATEGY:SETTING.rank{r}.json``:
+A run is ``STRATEGY:SETTING`` (setting names in SETTINGS), or ``fabric/STRATEGY:SETTING`` for the same training
+written as a Fabric loop (automatic-optimization settings only; its file is named ``fabric-STRATEGY:...``). Every
+rank writes ``OUT/STRATEGY:SETTING.rank{r}.json``:
 its per-step losses, its final parameters (flattened), the bytes of optimizer state it holds, the bytes ddpkit sent
 during `fit`, the learning rates it stepped with, and what `validate` and `predict` gave after `fit`. The data, the
 model and its initial weights are the same for every run (seeded).
@@ -18,6 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -179,13 +182,61 @@ def run(name: str, devices: int, out: Path) -> None:
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
 
+def run_fabric(name: str, devices: int, out: Path) -> None:
+    """The automatic optimization of `run`, as a Fabric loop: backward, clipping by norm, accumulation with
+    no_backward_sync on all but the last micro-batch, the scheduler stepped per optimizer step."""
+    strategy_name, setting_name = name.removeprefix("fabric/").split(":")
+    setting = SETTINGS[setting_name]
+    plugins = None
+    if setting.get("precision") == "fp16":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=4)
+        plugins = [FabricMixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    precision = setting.get("precision", "32-true") if plugins is None else None
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy_name, plugins=plugins, precision=precision)
+    fabric.launch()  # under torchrun: joins the job's process group
+    module = Net(setting)
+    configured = module.configure_optimizers()
+    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    scheduler = configured["lr_scheduler"]["scheduler"] if isinstance(configured, dict) else None
+    model, optimizer = fabric.setup(module, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(_data(), batch_size=16, shuffle=False))
+    accumulate, steps = setting.get("accumulate", 1), 0
+    batches = (batch for _ in range(100) for batch in loader)  # epochs after epochs (the same order each)
+    with comm_stats.measure() as sent:
+        while steps < 12:
+            for micro in range(accumulate):
+                x, y = next(batches)
+                with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                    loss = F.cross_entropy(model(x), y)
+                    module.losses.append(float(loss.detach()))
+                    fabric.backward(loss / accumulate)
+            if setting.get("clip"):
+                fabric.clip_gradients(model, optimizer, max_norm=setting["clip"], error_if_nonfinite=False)
+            optimizer.step()
+            optimizer.zero_grad()
+            module.lrs.append(float(optimizer.param_groups[0]["lr"]))
+            if scheduler is not None:
+                scheduler.step()
+            steps += 1
+    record = {
+        "losses": module.losses,
+        "lrs": module.lrs,
+        "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist(),
+        "state_bytes": _state_bytes(optimizer.optimizer),
+        "payload_bytes": sent.payload_bytes(),
+        "optimizers": [type(optimizer.optimizer).__name__],
+        "scale": float(scaler.get_scale()) if (scaler := getattr(fabric.strategy.precision, "scaler", None)) else None,
+    }
+    (out / f"{name.replace('/', '-')}.rank{fabric.global_rank}.json").write_text(json.dumps(record))
+
+
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2].split(",")
     devices = int(os.environ["WORLD_SIZE"])
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     torch.set_num_threads(1)
     for name in names:
-        run(name, devices, out)
+        (run_fabric if name.startswith("fabric/") else run)(name, devices, out)
 
 
 if __name__ == "__main__":

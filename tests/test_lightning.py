@@ -30,6 +30,9 @@ ALL = ["adam", "sgd", "adam-clip-accum-sched", "sgd-clip-sched", "two-optimizers
 ALL += ["sgd-fp16-skips-clip"]
 RUNS = {"ddp": [*ALL, "sgd-plain"], "ddpkit_sharded": ALL}
 RUNS |= {"ddpkit_oss": ["adam", "sgd-clip-sched", "sgd-fp16-skips-clip"], "ddpkit_slowmo-every-step": ["sgd-plain"]}
+FABRIC = ["adam", "adam-clip-accum-sched", "sgd-clip-sched", "sgd-fp16-skips-clip"]  # the same, as a Fabric loop
+RUNS |= {f"fabric/{strategy}": FABRIC for strategy in ("ddp", "ddpkit_sharded")}
+RUNS |= {"fabric/ddpkit_oss": ["adam-clip-accum-sched"]}
 # checkpoints, in this order: the uninterrupted reference, ddpkit_sharded's first epoch saved, then its second
 # epoch resumed from that checkpoint by ddpkit_sharded and by Lightning's own ddp
 CHECKPOINTS = ["ddp:adam-2epochs", "ddpkit_sharded:adam-save-after-1", "ddpkit_sharded:adam-resume", "ddp:adam-resume"]
@@ -66,7 +69,8 @@ def runs(request, tmp_path_factory):
         _train(out / "two", 2, ["ddpkit_sharded:adam-save-after-1"])
         resume = out / "two" / "ddpkit_sharded.ckpt"
     _train(out, world, names, resume)
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)] for name in names}
+    return {name: [json.loads((out / f"{name.replace('/', '-')}.rank{r}.json").read_text()) for r in range(world)]
+            for name in names}  # fmt: skip
 
 
 def _close(a: list[float], b: list[float], tol: float = 1e-6) -> float:
@@ -90,6 +94,26 @@ def test_sharded_strategies_train_as_lightnings_ddp(runs, strategy):
         held = [r["state_bytes"] for r in ranks]
         full = references[0]["state_bytes"]
         assert sum(held) == full and max(held) < full, (setting, held)
+
+
+@pytest.mark.parametrize("strategy", ["ddpkit_sharded", "ddpkit_oss"])
+def test_fabric_strategies_train_as_fabrics_ddp(runs, strategy):
+    for setting in RUNS[f"fabric/{strategy}"]:
+        references, ranks = runs[f"fabric/ddp:{setting}"], runs[f"fabric/{strategy}:{setting}"]
+        for rank, (reference, got) in enumerate(zip(references, ranks, strict=True)):
+            where = (strategy, setting, rank)
+            assert _close(got["losses"], reference["losses"]) < 1e-6, where
+            assert _close(got["params"], reference["params"]) < 1e-6, where
+            assert got["lrs"] == reference["lrs"] and got["scale"] == reference["scale"], where
+            assert got["optimizers"] == ["OSS"], where
+        held = [r["state_bytes"] for r in ranks]
+        assert sum(held) == references[0]["state_bytes"] and max(held) < references[0]["state_bytes"], held
+    if strategy == "ddpkit_sharded":
+        scale = runs["fabric/ddpkit_sharded:sgd-fp16-skips-clip"][0]["scale"]
+        assert 2.0**12 < scale < 2.0**24, scale  # overflows were skipped, on every rank alike
+        plain, accumulated = runs["fabric/ddpkit_sharded:adam"], runs["fabric/ddpkit_sharded:adam-clip-accum-sched"]
+        for one, two in zip(plain, accumulated, strict=True):
+            assert two["payload_bytes"] < 1.05 * one["payload_bytes"]  # no_backward_sync: one reduction per step
 
 
 def test_the_scheduler_moved_the_learning_rate(runs):

@@ -1,10 +1,16 @@
-"""Lightning strategies that train with ddpkit: ``Trainer(strategy="ddpkit_sharded")`` and its siblings.
+"""Lightning strategies that train with ddpkit: ``Trainer(strategy="ddpkit_sharded")``, also for Fabric.
 
 Install the extra first (``pip install "ddpkit[lightning]"``), import this module once (it registers the names),
 then pass a name or an instance to Lightning::
 
     import ddpkit.integrations.lightning  # registers ddpkit_sharded, ddpkit_oss, ddpkit_slowmo
     trainer = lightning.Trainer(strategy="ddpkit_sharded", accelerator="cpu", devices=2)
+    fabric = lightning.Fabric(strategy="ddpkit_sharded", accelerator="cpu", devices=2)  # the same names
+
+For Fabric, `fabric.setup(model, optimizer)` (module and optimizers together: ShardedDataParallel needs them)
+replaces the optimizers by OSS and wraps the module; `fabric.clip_gradients(model, optimizer, max_norm=...)`
+clips by the norm over all shards; `fabric.no_backward_sync(model)` uses the wrapper's ``no_sync``; with
+``ddpkit_slowmo`` every `optimizer.step()` is followed by ``perform_slowmo``.
 
 What each strategy does around Lightning's own DDP strategy (same launchers, process group, samplers, logging):
 
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -48,6 +54,12 @@ from torch import nn
 
 try:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies.strategy import Strategy as FabricStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.strategies.strategy import Strategy
@@ -58,6 +70,7 @@ from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
 
 __all__ = ["DDPKitOSSStrategy", "DDPKitShardedStrategy", "DDPKitSlowMoStrategy", "as_oss"]
+__all__ += ["DDPKitFabricOSSStrategy", "DDPKitFabricShardedStrategy", "DDPKitFabricSlowMoStrategy"]
 
 
 def as_oss(optimizer: torch.optim.Optimizer) -> OSS:
@@ -86,7 +99,13 @@ def _for_sharded_optimizers(plugin: Precision) -> Precision:
     """`plugin`, changed in place for sharded optimizers: global-norm clipping, and a ShardedGradScaler instead
     of torch's GradScaler (points 2 and 3 of the module doc)."""
     plugin.clip_grad_by_norm = types.MethodType(_clip_by_global_norm, plugin)  # type: ignore[method-assign]
-    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+    return _with_sharded_scaler(plugin)
+
+
+def _with_sharded_scaler(plugin: Any) -> Any:
+    """A Lightning or Fabric mixed-precision `plugin` with torch's GradScaler replaced by a ShardedGradScaler of
+    the same settings (its skip agreed by every rank); any other plug-in as it is."""
+    if isinstance(plugin, MixedPrecision | FabricMixedPrecision) and plugin.scaler is not None:
         if not isinstance(plugin.scaler, ShardedGradScaler):
             torch_scaler = plugin.scaler
             plugin.scaler = ShardedGradScaler(
@@ -211,10 +230,114 @@ def _repoint_schedulers(strategy: DDPStrategy) -> None:
                 scheduler.optimizer = new
 
 
+# -- Fabric ----------------------------------------------------------------------------------------------------
+
+
+class _NoSyncControl(_BackwardSyncControl):
+    """`fabric.no_backward_sync(model)` through the wrapper's own ``no_sync`` (any ddpkit or torch wrapper)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
+        no_sync = getattr(module, "no_sync", None)
+        if not enabled or no_sync is None:
+            return nullcontext()
+        return no_sync()
+
+
+class _DDPKitFabricStrategy(FabricDDPStrategy):
+    """What the Fabric strategies share: ShardedGradScaler for fp16, ``no_sync`` for accumulation, clipping by
+    the norm over all shards."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._backward_sync_control = _NoSyncControl()
+
+    @property  # type: ignore[override]
+    def precision(self) -> FabricPrecision:
+        return FabricStrategy.precision.fget(self)  # type: ignore[attr-defined]
+
+    @precision.setter
+    def precision(self, plugin: FabricPrecision | None) -> None:
+        FabricStrategy.precision.fset(self, _with_sharded_scaler(plugin) if plugin is not None else None)  # type: ignore[attr-defined]
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        if not isinstance(optimizer, OSS):
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        norm = optimizer.clip_grad_norm(max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is not finite ({norm})")
+        return norm
+
+
+class DDPKitFabricOSSStrategy(_DDPKitFabricStrategy):
+    """`DDPKitOSSStrategy` for Fabric: torch DDP for the gradients, the optimizers made `OSS` in `setup`."""
+
+    strategy_name = "ddpkit_oss"
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return as_oss(optimizer)
+
+
+class DDPKitFabricShardedStrategy(_DDPKitFabricStrategy):
+    """`DDPKitShardedStrategy` for Fabric: `fabric.setup(model, *optimizers)` makes the optimizers `OSS` and
+    wraps the module in `ShardedDataParallel` (they must be set up together)."""
+
+    strategy_name = "ddpkit_sharded"
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
+        sharded = [as_oss(optimizer) for optimizer in optimizers]
+        if scheduler is not None and getattr(scheduler, "optimizer", None) in optimizers:
+            scheduler.optimizer = sharded[optimizers.index(scheduler.optimizer)]
+        return ShardedDataParallel(module, sharded), sharded, scheduler  # type: ignore[list-item]
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        raise RuntimeError(
+            "ddpkit_sharded: ShardedDataParallel needs the model's optimizers; set them up together: "
+            "model, optimizer = fabric.setup(model, optimizer)"
+        )
+
+
+class DDPKitFabricSlowMoStrategy(_DDPKitFabricStrategy):
+    """`DDPKitSlowMoStrategy` for Fabric: the module wrapped in `SlowMoDistributedDataParallel` (arguments in
+    `slowmo_kwargs`; ``nprocs_per_node`` defaults to the devices per machine), ``perform_slowmo`` after every
+    optimizer step."""
+
+    strategy_name = "ddpkit_slowmo"
+
+    def __init__(self, *args: Any, slowmo_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._slowmo_kwargs = dict(slowmo_kwargs or {})
+        self._slowmo: SlowMoDistributedDataParallel | None = None
+        super().__init__(*args, **kwargs)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        arguments = {"nprocs_per_node": self.num_processes, **self._slowmo_kwargs}
+        self._slowmo = SlowMoDistributedDataParallel(module, **arguments)
+        return self._slowmo
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        if self._slowmo is not None:
+            self._slowmo.perform_slowmo(optimizer)
+        return output
+
+
 def _register() -> None:
     for cls in (DDPKitShardedStrategy, DDPKitOSSStrategy, DDPKitSlowMoStrategy):
         if cls.strategy_name not in StrategyRegistry:
             StrategyRegistry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").split(":")[0])
+    for fabric_cls in (DDPKitFabricShardedStrategy, DDPKitFabricOSSStrategy, DDPKitFabricSlowMoStrategy):
+        if fabric_cls.strategy_name not in FABRIC_STRATEGIES:
+            description = (fabric_cls.__doc__ or "").split(":")[0]
+            FABRIC_STRATEGIES.register(fabric_cls.strategy_name, fabric_cls, description=description)
 
 
 _register()
