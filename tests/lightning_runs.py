@@ -44,7 +44,11 @@ SETTINGS: dict[str, dict] = {
     # checkpoint named by $LIGHTNING_RESUME (default OUT/ddpkit_sharded.ckpt, however many processes wrote it)
     "adam-2epochs": {"optimizer": "adam", "epochs": 2},
     "adam-save-after-1": {"optimizer": "adam", "epochs": 1, "save": True},
-    "adam-resume": {"optimizer": "adam", "epochs": 2, "resume": True},
+    "adam-resume": {"optimizer": "adam", "epochs": 2, "resume": "ddpkit_sharded"},
+    # SlowMo's state in the checkpoint: plain SGD (no optimizer state), an epoch (16 steps) ending on a sync
+    "sgd-plain-2epochs": {"optimizer": "sgd-plain", "epochs": 2},
+    "sgd-plain-save-after-1": {"optimizer": "sgd-plain", "epochs": 1, "save": True},
+    "sgd-plain-resume": {"optimizer": "sgd-plain", "epochs": 2, "resume": "ddpkit_slowmo-momentum"},
 }
 
 
@@ -123,6 +127,9 @@ STRATEGIES = {  # names that stand for a configured instance
     "ddpkit_slowmo-every-step": lambda: DDPKitSlowMoStrategy(
         slowmo_kwargs={"nprocs_per_node": 1, "localsgd_frequency": 1, "slowmo_frequency": 1, "slowmo_momentum": 0.0}
     ),
+    "ddpkit_slowmo-momentum": lambda: DDPKitSlowMoStrategy(
+        slowmo_kwargs={"nprocs_per_node": 1, "localsgd_frequency": 4, "slowmo_frequency": 4, "slowmo_momentum": 0.5}
+    ),
 }
 
 
@@ -157,7 +164,10 @@ def run(name: str, devices: int, out: Path) -> None:
         num_sanity_val_steps=0,
     )
     loader = DataLoader(_data(), batch_size=16, shuffle=False)
-    resume = os.environ.get("LIGHTNING_RESUME", str(out / "ddpkit_sharded.ckpt")) if setting.get("resume") else None
+    resume = None
+    if setting.get("resume"):
+        default = str(out / f"{setting['resume']}.ckpt")
+        resume = os.environ.get("LIGHTNING_RESUME", default) if setting_name == "adam-resume" else default
     with comm_stats.measure() as sent:  # what ddpkit sent (torch DDP's own all-reduces are not counted)
         trainer.fit(model, loader, ckpt_path=resume)
     if setting.get("save"):

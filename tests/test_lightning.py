@@ -36,6 +36,8 @@ RUNS |= {"fabric/ddpkit_oss": ["adam-clip-accum-sched"]}
 # checkpoints, in this order: the uninterrupted reference, ddpkit_sharded's first epoch saved, then its second
 # epoch resumed from that checkpoint by ddpkit_sharded and by Lightning's own ddp
 CHECKPOINTS = ["ddp:adam-2epochs", "ddpkit_sharded:adam-save-after-1", "ddpkit_sharded:adam-resume", "ddp:adam-resume"]
+# and SlowMo's own state (slow momentum) carried by the checkpoint: resumed equals uninterrupted
+CHECKPOINTS += [f"ddpkit_slowmo-momentum:sgd-plain-{step}" for step in ("2epochs", "save-after-1", "resume")]
 
 
 def _run(args: list, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -148,6 +150,14 @@ def test_a_sharded_checkpoint_resumes_under_ddpkit_and_under_lightnings_ddp(runs
             assert len(sharded["losses"]) == len(whole["losses"]) // 2  # the second epoch only
             assert _close(sharded["losses"], whole["losses"][len(sharded["losses"]) :]) < 1e-6, rank
             assert _close(sharded["params"], whole["params"]) < 1e-6, rank
+
+
+def test_slowmo_resumes_with_its_slow_momentum_from_the_checkpoint(runs):
+    """Without its state (slow momentum, the synced copy) in the checkpoint the resumed run differs by 0.035."""
+    whole, resumed = runs["ddpkit_slowmo-momentum:sgd-plain-2epochs"], runs["ddpkit_slowmo-momentum:sgd-plain-resume"]
+    for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
+        assert _close(b["losses"], a["losses"][len(b["losses"]) :]) < 1e-6, rank
+        assert _close(b["params"], a["params"]) < 1e-6, rank
 
 
 def test_slowmo_averaging_every_step_without_slow_momentum_is_ddp(runs):

@@ -23,8 +23,10 @@ What each strategy does around Lightning's own DDP strategy (same launchers, pro
 - ``ddpkit_oss`` (`DDPKitOSSStrategy`): ZeRO-1: torch's DDP all-reduces the gradients as ``strategy="ddp"``
   does, the optimizers are `OSS` (1/N of the optimizer state per rank, a broadcast of the parameters per step).
 - ``ddpkit_slowmo`` (`DDPKitSlowMoStrategy`): `SlowMoDistributedDataParallel` (local SGD or SGP under slow
-  momentum) with ``perform_slowmo`` after every optimizer step. Its own state (slow momentum, the last synced
-  copy) is not in Lightning's checkpoint yet: a resumed run starts it afresh from the resumed parameters.
+  momentum) with ``perform_slowmo`` after every optimizer step. Its own state (`slowmo_state_dict`: slow momentum,
+  the last synced copy, the step count) goes into the checkpoint under ``"ddpkit_slowmo"`` (rank 0's) and is
+  restored on resume; Lightning saves rank 0's optimizer state only, so local optimizer state that differs
+  between SlowMo nodes (Adam's moments) resumes as rank 0's on every rank.
 
 What Lightning's DDP strategy would get wrong with these wrappers, and what they do instead:
 
@@ -198,13 +200,33 @@ class DDPKitSlowMoStrategy(_DDPKitStrategy):
 
     strategy_name = "ddpkit_slowmo"
 
+    checkpoint_key = "ddpkit_slowmo"
+
     def __init__(self, *args: Any, slowmo_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self._slowmo_kwargs = dict(slowmo_kwargs or {})
+        self._resumed_slowmo: dict[str, Any] | None = None
+        self._slowmo: SlowMoDistributedDataParallel | None = None  # kept after teardown (a save after fit)
         super().__init__(*args, **kwargs)
 
     def configure_ddp(self) -> None:
         arguments = {"nprocs_per_node": self.num_processes, **self._slowmo_kwargs}
-        self.model = SlowMoDistributedDataParallel(self.model, **arguments)
+        self.model = self._slowmo = SlowMoDistributedDataParallel(self.model, **arguments)
+        if self._resumed_slowmo is not None:  # Lightning restores the checkpoint before it wraps the module
+            self.model.load_slowmo_state_dict(self._resumed_slowmo)
+            self._resumed_slowmo = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self._slowmo is not None:  # on every rank (a collective when sharded)
+            checkpoint[self.checkpoint_key] = self._slowmo.slowmo_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict)
+        state = checkpoint.get(self.checkpoint_key)
+        if state is not None and isinstance(self.model, SlowMoDistributedDataParallel):
+            self.model.load_slowmo_state_dict(state)
+        elif state is not None:
+            self._resumed_slowmo = state
 
     def optimizer_step(
         self,
