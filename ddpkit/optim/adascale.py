@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ddpkit.distributed import comm
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank
-from ddpkit.optim.adascale_checks import check_options, check_scale, is_int, resolve_world_size
+from ddpkit.optim.adascale_checks import SingleWorkerError, check_options, check_scale, is_int, resolve_world_size
 from ddpkit.optim.adascale_math import (
     SmoothedEstimate,
     combined_gain,
@@ -125,7 +125,7 @@ class AdaScale(WrappedOptimizer):
             )
         num_grads = self._world_size * num_gradients_to_accumulate
         if num_grads < 2:
-            raise ValueError(
+            raise SingleWorkerError(
                 "AdaScale: a single worker without gradient accumulation has no spread of gradients to measure; "
                 "use several workers (world_size > 1) or num_gradients_to_accumulate > 1"
             )
@@ -204,7 +204,7 @@ class AdaScale(WrappedOptimizer):
         if not is_int(n) or n < 1:
             raise ValueError(f"set_num_gradients_to_accumulate: expected an int >= 1, got {n!r}")
         if self._world_size * n < 2:
-            raise ValueError(
+            raise SingleWorkerError(
                 "set_num_gradients_to_accumulate: a single worker needs num_gradients_to_accumulate >= 2 "
                 f"(there is no spread of gradients to measure otherwise), got {n}"
             )

@@ -11,6 +11,11 @@ import torch.distributed as dist
 from ddpkit.distributed.env import ProcessGroup, group_size
 
 
+class SingleWorkerError(ValueError, RuntimeError):
+    """AdaScale on a single worker without gradient accumulation: there is no spread of gradients to measure.
+    A RuntimeError, as fairscale raises (its users catch that), and a ValueError (a bad argument)."""
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

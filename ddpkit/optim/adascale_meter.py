@@ -89,9 +89,12 @@ class MicroGradientMeter:
             self._end_queued = False  # a backward that raised never ran its callbacks
 
     def close(self) -> None:
-        """Removes every hook for good."""
+        """Removes every hook for good, and lets go of the callbacks (bound methods of the AdaScale that owns this
+        meter: a reference cycle that kept the AdaScale, its optimizer and the parameters alive until a garbage
+        collection)."""
         self._remove_hooks()
         self.clear()
+        self._factor, self._on_backward_end = _one, _nothing
         self.closed = True
 
     def _remove_hooks(self) -> None:
@@ -99,6 +102,14 @@ class MicroGradientMeter:
             handle.remove()
         self._handles = []
         self._signature = None
+
+
+def _one() -> float:
+    return 1.0
+
+
+def _nothing() -> None:
+    return None
 
 
 def _queue_callback(callback: Callable[[], None]) -> None:

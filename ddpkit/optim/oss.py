@@ -78,8 +78,9 @@ class OSS(Optimizer):
 
     Speed: unless the user chose an implementation (`fused=` or `foreach=` in the arguments or groups), OSS asks
     optimizers that have one for their fused kernel (torch's Adam, AdamW, SGD, ...) on devices that support it:
-    the same update, several times faster on CPU than the default per-tensor loop. Checkpoints record the
-    user's choice (``fused=None``), not this one, so a plain torch optimizer loading them keeps its default.
+    the same update, several times faster on CPU than the default per-tensor loop. `param_groups` show that
+    choice (``fused=True``) and so does `state_dict()`, whose param groups are `param_groups` key for key (as
+    fairscale's are); a plain torch optimizer loading it uses the fused kernel too.
 
     Example::
 
@@ -394,10 +395,7 @@ class OSS(Optimizer):
         self._consolidated = None
         if shards is not None:
             merged = self._join_pieces(shards, index)
-            groups = indexed_param_groups(self.param_groups)
-            for group, auto in zip(groups, self._auto_placement, strict=True):
-                if auto:  # record the user's choice (none), as the wrapped optimizer would, not OSS's own
-                    group["fused"] = None
+            groups = indexed_param_groups(self.param_groups)  # as OSS.param_groups are, key for key (fairscale's)
             self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": groups}
 
     def _join_pieces(self, shards: list[dict[int, Any]], index: dict[torch.Tensor, int]) -> dict[int, Any]:

@@ -1,0 +1,87 @@
+"""Public behaviours fairscale users rely on (issue 25, point 4), each against its reference value.
+
+References: OSS's state dict must carry `OSS.param_groups` key for key (fairscale syncs its param groups from the
+optimizer it wraps and saves those), before and after a load; a scheduler's current values must be in a
+consolidated state dict; `add_param_group` must give every new parameter exactly one owner (the union over the
+ranks is the group, no overlap); AdaScale on one worker without accumulation is refused with a RuntimeError, as
+fairscale's test_single_node_adascale expects; `AdaScale.unhook()` must let the parameters go by reference
+counting alone (fairscale checks that the tensor is freed once model and optimizer are deleted).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.optim import OSS, AdaScale
+from ddpkit.testing import run_distributed
+
+
+def _without_params(groups: list[dict]) -> list[dict]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+
+def _oss_behaviours(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.consolidate_state_dict(recipient_rank=-1)
+    saved = optimizer.state_dict()
+    out = {"saved": _without_params(saved["param_groups"]), "before": _without_params(optimizer.param_groups)}
+    optimizer.load_state_dict(saved)
+    optimizer.consolidate_state_dict(recipient_rank=-1)
+    out["after"] = _without_params(optimizer.param_groups)
+    out["resaved"] = _without_params(optimizer.state_dict()["param_groups"])
+    extra = [nn.Parameter(torch.randn(n)) for n in (5, 7, 3, 11)]
+    optimizer.add_param_group({"params": extra, "lr": 0.01})
+    mine = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
+    out["owned"] = [i for i, p in enumerate(extra) if id(p) in mine]
+    out["new_group_lr"] = optimizer.param_groups[-1]["lr"]
+    return out
+
+
+def test_oss_state_dict_param_groups_are_oss_param_groups_and_new_groups_are_partitioned():
+    results = run_distributed(_oss_behaviours, 2)
+    for rank, r in enumerate(results):
+        assert r["saved"] == r["before"], rank  # key for key, including the fused kernel OSS chose
+        assert r["before"][0]["fused"] is True and r["before"][0]["lr"] == pytest.approx(0.05), r["before"]
+        assert r["after"] == r["before"] and r["resaved"] == r["before"], rank
+        assert r["new_group_lr"] == 0.01
+    owned = sorted(i for r in results for i in r["owned"])
+    assert owned == [0, 1, 2, 3] and all(r["owned"] for r in results), [r["owned"] for r in results]
+
+
+def test_adascale_on_one_worker_without_accumulation_is_a_runtime_error_as_in_fairscale():
+    model = nn.Linear(2, 2, bias=False)
+    with pytest.raises(RuntimeError, match="single worker without gradient accumulation"):
+        AdaScale(torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    with pytest.raises(RuntimeError, match="a single worker needs num_gradients_to_accumulate >= 2"):
+        optimizer.set_num_gradients_to_accumulate(1)
+
+
+def test_adascale_unhook_lets_the_parameters_go():
+    def parameter_left_after(unhook: bool) -> bool:
+        model = nn.Linear(123, 456, bias=False)
+        optimizer = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+        model(torch.randn(2, 123)).sum().backward()
+        weight = weakref.ref(model.weight)
+        if unhook:
+            optimizer.unhook()
+        del model, optimizer
+        return weight() is not None
+
+    gc.collect()
+    gc.disable()  # reference counting only: what unhook releases goes at once, without a collection
+    try:
+        assert not parameter_left_after(unhook=True)
+    finally:
+        gc.enable()
