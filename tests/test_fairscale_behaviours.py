@@ -5,19 +5,24 @@ optimizer it wraps and saves those), before and after a load; a scheduler's curr
 consolidated state dict; `add_param_group` must give every new parameter exactly one owner (the union over the
 ranks is the group, no overlap); AdaScale on one worker without accumulation is refused with a RuntimeError, as
 fairscale's test_single_node_adascale expects; `AdaScale.unhook()` must let the parameters go by reference
-counting alone (fairscale checks that the tensor is freed once model and optimizer are deleted).
+counting alone (fairscale checks that the tensor is freed once model and optimizer are deleted); AdaScale around
+OSS, in either of fairscale's spellings, must give the gain and mean weight fairscale's test_oss_adascale recorded
+for its four-layer model after two steps on two ranks (1.0335265132125744 and 52.92657661437988, the values of
+plain AdaScale over DDP).
 """
 
 from __future__ import annotations
 
 import gc
 import weakref
+from statistics import mean
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpkit.optim import OSS, AdaScale
+from ddpkit.optim import OSS, AdaScale, AdaScaleWrapper
 from ddpkit.testing import run_distributed
 
 
@@ -85,3 +90,30 @@ def test_adascale_unhook_lets_the_parameters_go():
         assert not parameter_left_after(unhook=True)
     finally:
         gc.enable()
+
+
+def _adascale_around_oss(rank: int, world_size: int, spelling: str) -> tuple[float, float]:
+    sizes = [(3, 2), (4, 3), (5, 4), (6, 5)]
+    model = nn.Sequential(*(nn.Linear(i, o, bias=False) for o, i in sizes))
+    with torch.no_grad():
+        for layer, (o, i) in zip(model, sizes, strict=True):
+            layer.weight.copy_(torch.arange(o * i, dtype=torch.float32).reshape(o, i) / mean(range(o * i)))
+    model = DDP(model)
+    if spelling == "AdaScale(OSS(...))":
+        optimizer = AdaScale(OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    elif spelling == "AdaScaleWrapper(optim_cls=OSS)":
+        optimizer = AdaScaleWrapper(model.parameters(), optim_cls=OSS, optim=torch.optim.SGD, lr=0.1)
+    else:
+        optimizer = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1))
+    for inputs in ([[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 0.0]]):
+        model(torch.tensor(inputs[rank])).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer.gain(), mean(layer.weight.mean().item() for layer in model.module)
+
+
+@pytest.mark.parametrize("spelling", ["AdaScale(SGD)", "AdaScale(OSS(...))", "AdaScaleWrapper(optim_cls=OSS)"])
+def test_adascale_around_oss_gives_fairscales_recorded_sequence(spelling):
+    for gain, mean_weight in run_distributed(_adascale_around_oss, 2, spelling):
+        assert gain == pytest.approx(1.0335265132125744, rel=1e-6)
+        assert mean_weight == pytest.approx(52.92657661437988, rel=1e-6)
