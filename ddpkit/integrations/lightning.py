@@ -68,25 +68,12 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError('ddpkit.integrations.lightning needs lightning: pip install "ddpkit[lightning]"') from exc
 
+from ddpkit.integrations.sharding import as_oss
 from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
 
 __all__ = ["DDPKitOSSStrategy", "DDPKitShardedStrategy", "DDPKitSlowMoStrategy", "as_oss"]
 __all__ += ["DDPKitFabricOSSStrategy", "DDPKitFabricShardedStrategy", "DDPKitFabricSlowMoStrategy"]
-
-
-def as_oss(optimizer: torch.optim.Optimizer) -> OSS:
-    """`optimizer` as an OSS of its own class over the very same param-group dicts (so a learning-rate
-    scheduler built on `optimizer` keeps changing the OSS's hyper-parameters); an OSS is returned as it is.
-    Raises a TypeError for an optimizer that already holds state (its state would be lost)."""
-    if isinstance(optimizer, OSS):
-        return optimizer
-    if optimizer.state:
-        raise TypeError(
-            f"ddpkit's Lightning strategies shard the optimizers of configure_optimizers before the first step; "
-            f"this {type(optimizer).__name__} already holds state. Return a fresh optimizer (or an ddpkit OSS)"
-        )
-    return OSS(optimizer.param_groups, optim=type(optimizer), **optimizer.defaults)
 
 
 def _clip_by_global_norm(self: Precision, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
