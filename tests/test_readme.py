@@ -766,6 +766,7 @@ def test_the_toml_example_trains_to_a_useful_accuracy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 24 s; tests/test_train_cli.py runs ddpkit train under torchrun in the default tier
 def test_torchrun_lines(tmp_path):
     plain = command("torchrun --nproc-per-node 4 -m ddpkit train")
     out = run_command(argv(plain, "train", port=str(free_port())), tmp_path)
@@ -787,7 +788,7 @@ def test_slow_link_training_on_two_machines(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # tests/test_train_cli.py runs the same comparison in the default tier
+@pytest.mark.long  # as tests/test_train_cli.py's (long tier too)
 def test_bench_compares_every_strategy(tmp_path):
     text = command("ddpkit bench --nproc-per-node 2 --json bench.json")
     out = run_command(argv(text, "bench"), tmp_path)

@@ -378,7 +378,7 @@ LONG = pytest.mark.long
 
 
 @pytest.mark.parametrize(
-    "name", ["sharded", "slowmo", *(pytest.param(name, marks=LONG) for name in ("sgp", "diloco", "adascale"))]
+    "name", ["sharded", *(pytest.param(name, marks=LONG) for name in ("slowmo", "sgp", "diloco", "adascale"))]
 )
 def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale
@@ -826,6 +826,7 @@ def text_windows(context):
 # ------------------------------------------------------------------------------------------- bench
 
 
+@LONG  # 45 s; the default tier runs `ddpkit bench` in tests/test_advisor.py
 def test_bench_compares_every_strategy(tmp_path):
     args = [*DDPKIT, "bench", "--nproc-per-node", "2", "--steps", "3", "--warmup", "1", "--hidden", "64"]
     args += ["--depth", "1", "--json", tmp_path / "out.json", "--plot", tmp_path / "out.png"]
