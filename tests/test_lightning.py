@@ -49,9 +49,11 @@ def _run(args: list, cwd: Path | None = None, **env: str) -> subprocess.Complete
     return result
 
 
-def _torchrun(world: int, script: Path, *args: object, **env: str) -> subprocess.CompletedProcess:
+def _torchrun(
+    world: int, script: Path, *args: object, cwd: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", world, "--master-port", free_port()]
-    return _run([*launch, script, *args], **env)
+    return _run([*launch, script, *args], cwd, **env)
 
 
 def _train(out: Path, world: int, names: list[str], resume: Path | None = None) -> None:
@@ -183,4 +185,4 @@ def test_the_readme_snippet_trains(tmp_path):
     prelude += "model = Net(SETTINGS['adam'])\ntrain_loader = DataLoader(_data(), batch_size=16)\n"
     script = tmp_path / "snippet.py"
     script.write_text(prelude + snippet('strategy="ddpkit_sharded"') + "\nassert trainer.global_step == 8\n")
-    _torchrun(2, script)
+    _torchrun(2, script, cwd=tmp_path)  # (Lightning's default logger writes lightning_logs/ there)
