@@ -131,7 +131,8 @@ class FaultTolerantGossip:
         ok = quorum.group is not None
         live = [self.buffer.clone(), torch.tensor([float(self.phase)])]  # every member's buffer is its own
         try:
-            ok = ok and (heal(quorum, live) or True)
+            if ok:
+                heal(quorum, live)
         except RuntimeError:
             ok = False
         if self.joining:

@@ -48,9 +48,9 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without accelerate
     raise ImportError("ddpkit.integrations.accelerate needs accelerate: pip install accelerate") from exc
 
-from ddpkit.integrations.sharding import as_oss
+from ddpkit.integrations.sharding import as_oss, sharded_scaler_like
 from ddpkit.nn import ShardedDataParallel
-from ddpkit.optim import OSS, ShardedGradScaler
+from ddpkit.optim import OSS
 
 __all__ = ["clip_grad_norm_", "prepare_sharded"]
 
@@ -95,15 +95,8 @@ def prepare_sharded(
     wrapped = ShardedDataParallel(model.to(accelerator.device), sharded, **sdp_kwargs)
     wrapped._is_accelerate_prepared = True  # accelerate then registers it and leaves it as it is
     wrapped = accelerator.prepare_model(wrapped)
-    scaler = accelerator.scaler
-    if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-        accelerator.scaler = ShardedGradScaler(
-            init_scale=scaler.get_scale(),
-            growth_factor=scaler.get_growth_factor(),
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval(),
-            device=accelerator.device.type,
-        )
+    if accelerator.scaler is not None:
+        accelerator.scaler = sharded_scaler_like(accelerator.scaler, accelerator.device.type)
     # (device placement would round-trip the state through state_dict(), which a sharded state needs consolidated
     # for; the parameters are on the accelerator's device already and the state is empty)
     prepared = accelerator.prepare_optimizer(sharded, device_placement=False)

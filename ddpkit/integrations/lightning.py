@@ -57,7 +57,6 @@ from torch import nn
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
-    from lightning.fabric.plugins.precision import Precision as FabricPrecision
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
     from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
     from lightning.fabric.strategies.strategy import Strategy as FabricStrategy
@@ -68,9 +67,9 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError('ddpkit.integrations.lightning needs lightning: pip install "ddpkit[lightning]"') from exc
 
-from ddpkit.integrations.sharding import as_oss
+from ddpkit.integrations.sharding import as_oss, sharded_scaler_like
 from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
-from ddpkit.optim import OSS, ShardedGradScaler
+from ddpkit.optim import OSS
 
 __all__ = ["DDPKitOSSStrategy", "DDPKitShardedStrategy", "DDPKitSlowMoStrategy", "as_oss"]
 __all__ += ["DDPKitFabricOSSStrategy", "DDPKitFabricShardedStrategy", "DDPKitFabricSlowMoStrategy"]
@@ -95,17 +94,18 @@ def _with_sharded_scaler(plugin: Any) -> Any:
     """A Lightning or Fabric mixed-precision `plugin` with torch's GradScaler replaced by a ShardedGradScaler of
     the same settings (its skip agreed by every rank); any other plug-in as it is."""
     if isinstance(plugin, MixedPrecision | FabricMixedPrecision) and plugin.scaler is not None:
-        if not isinstance(plugin.scaler, ShardedGradScaler):
-            torch_scaler = plugin.scaler
-            plugin.scaler = ShardedGradScaler(
-                init_scale=torch_scaler.get_scale(),
-                growth_factor=torch_scaler.get_growth_factor(),
-                backoff_factor=torch_scaler.get_backoff_factor(),
-                growth_interval=torch_scaler.get_growth_interval(),
-                enabled=torch_scaler.is_enabled(),
-                device=plugin.device,
-            )
+        plugin.scaler = sharded_scaler_like(plugin.scaler, plugin.device)
     return plugin
+
+
+def _adjusting_setter(base: property, adjust: Callable[[Any], Any]) -> property:
+    """Property `base` whose setter passes every value but None through `adjust` first (a plug-in a strategy is
+    given, changed for sharded optimizers)."""
+
+    def setter(strategy: Any, value: Any) -> None:
+        base.fset(strategy, adjust(value) if value is not None else None)  # type: ignore[misc]
+
+    return property(base.fget, setter)
 
 
 class _DDPKitStrategy(DDPStrategy):
@@ -114,13 +114,7 @@ class _DDPKitStrategy(DDPStrategy):
 
     wrappers: tuple[type[nn.Module], ...] = (ShardedDataParallel, SlowMoDistributedDataParallel)
 
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> Precision:
-        return Strategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        Strategy.precision_plugin.fset(self, _for_sharded_optimizers(plugin) if plugin is not None else None)  # type: ignore[attr-defined]
+    precision_plugin = _adjusting_setter(Strategy.precision_plugin, _for_sharded_optimizers)  # type: ignore[assignment]
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -260,13 +254,7 @@ class _DDPKitFabricStrategy(FabricDDPStrategy):
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _NoSyncControl()
 
-    @property  # type: ignore[override]
-    def precision(self) -> FabricPrecision:
-        return FabricStrategy.precision.fget(self)  # type: ignore[attr-defined]
-
-    @precision.setter
-    def precision(self, plugin: FabricPrecision | None) -> None:
-        FabricStrategy.precision.fset(self, _with_sharded_scaler(plugin) if plugin is not None else None)  # type: ignore[attr-defined]
+    precision = _adjusting_setter(FabricStrategy.precision, _with_sharded_scaler)  # type: ignore[assignment]
 
     def clip_gradients_norm(
         self,

@@ -135,8 +135,6 @@ class OSS(Optimizer):
             check_parameters_agree(self.param_groups, self.group, what="OSS", known_keys=known)
         self._assign_new_trainable()
         self._auto_fused = _may_use_fused(optim, self.param_groups)
-        # Per group: True where OSS (not the user) picked the fused kernel; checkpoints do not record that choice.
-        self._auto_placement = [self._auto_fused] * len(self.param_groups)
         inner_defaults = {**defaults, "fused": True} if self._auto_fused else defaults
         self.optim = optim(self._local_groups(), **inner_defaults)
         self._pull_hyperparameters()
@@ -257,8 +255,6 @@ class OSS(Optimizer):
             _check_one_device_type(self._all_params() + new)
         super().add_param_group(param_group)
         if self._ready:
-            user_chose = any(param_group.get(key) is not None for key in _PLACEMENT_KEYS)
-            self._auto_placement.append(self._auto_fused and not user_chose)
             self._assign_new_trainable()
             self.optim.add_param_group(self._local_group(self.param_groups[-1]))
             self._pull_hyperparameters()
@@ -436,10 +432,9 @@ class OSS(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict saved by OSS at any world size, or by a plain torch optimizer; never changes it."""
         check_compatible(state_dict, self.param_groups)
-        for i, (group, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"], strict=True)):
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(copy.deepcopy(group_hyperparameters(saved)))  # share nothing (e.g. a tensor lr) with it
-            self._auto_placement[i] = self._auto_fused and all(group.get(k) in (None, False) for k in _PLACEMENT_KEYS)
-            if self._auto_placement[i]:
+            if self._auto_fused and all(group.get(k) in (None, False) for k in _PLACEMENT_KEYS):
                 group["fused"] = True  # a checkpoint from an unfused optimizer: keep the faster kernel
         # The local optimizer's own groups, in its order: `refresh_trainable` appends parameters at the end of a
         # local group, so that order can differ from the order of `self.param_groups`.

@@ -144,12 +144,7 @@ def save_checkpoint(out: str, strategy: Strategy, state: TrainerState, settings:
 
 def _read_shared(out: str, settings: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any], list[str]]:
     """Rank 0: the newest committed folder, its marker, its verified shared file and what the resume changes."""
-    newest = files.latest(out)
-    if newest is not None and files.read_marker(newest).get("fault_tolerant"):
-        raise CheckpointError(
-            f"--resume: {newest} was written by a job with --fault-tolerant (the live state of one replica); "
-            "resume it with --fault-tolerant"
-        )
+    files.check_written_by(out, fault_tolerant=False)
     folder, manifest, loaded, skipped = files.newest_intact(out, verify=(files.SHARED,))
     try:
         notes = [*skipped, *files.resume_notes(manifest, settings)]

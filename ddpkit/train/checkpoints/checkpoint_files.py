@@ -132,6 +132,19 @@ def latest(out: str) -> str | None:
     return done[-1][1] if done else None
 
 
+def check_written_by(out: str, fault_tolerant: bool) -> None:
+    """--resume: a CheckpointError when the newest committed checkpoint under `out` comes from the other kind of
+    job (with or without --fault-tolerant: one replica's live state against every rank's files)."""
+    newest = latest(out)
+    if newest is None or bool(read_marker(newest).get("fault_tolerant")) == fault_tolerant:
+        return
+    kind = "without" if fault_tolerant else "with"
+    raise CheckpointError(
+        f"--resume: {newest} was written by a job {kind} --fault-tolerant; resume it {kind} --fault-tolerant (a "
+        "fault-tolerant job saves and resumes the live state of one replica)"
+    )
+
+
 def newest_intact(out: str, verify: tuple[str, ...] = ()) -> tuple[str, dict[str, Any], dict[str, Any], list[str]]:
     """The newest committed checkpoint whose marker reads and whose files in `verify` match their checksums:
     (folder, marker, {name: loaded file}, a note per newer committed checkpoint skipped, saying why).

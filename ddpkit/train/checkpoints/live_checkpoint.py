@@ -54,12 +54,7 @@ class LiveCheckpoints:
     def load(self) -> tuple[dict[str, Any], list[str]]:
         """The live state of the newest intact checkpoint and notes on what resuming it changes or skipped; a
         CheckpointError naming the problem when there is none, or it was not written by a fault-tolerant job."""
-        newest = files.latest(self.out)
-        if newest is not None and LIVE not in files.read_marker(newest)["files"]:
-            raise CheckpointError(
-                f"--resume: {newest} was written by a job without --fault-tolerant; resume it without "
-                "--fault-tolerant (a fault-tolerant job saves and resumes the live state of one replica)"
-            )
+        files.check_written_by(self.out, fault_tolerant=True)
         _, manifest, loaded, skipped = files.newest_intact(self.out, verify=(LIVE,))
         try:
             notes = [*skipped, *files.resume_notes(manifest, self.settings)]
