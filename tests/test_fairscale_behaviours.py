@@ -8,7 +8,11 @@ fairscale's test_single_node_adascale expects; `AdaScale.unhook()` must let the 
 counting alone (fairscale checks that the tensor is freed once model and optimizer are deleted); AdaScale around
 OSS, in either of fairscale's spellings, must give the gain and mean weight fairscale's test_oss_adascale recorded
 for its four-layer model after two steps on two ranks (1.0335265132125744 and 52.92657661437988, the values of
-plain AdaScale over DDP).
+plain AdaScale over DDP). After a ShardedDataParallel backward, code that reads `p.grad` on every rank (fairscale's
+test_train_eval_change reads the first parameter's gradient on each rank and takes its norm) must find a tensor
+for the small parameters fairscale keeps in its buckets: the owner DDP's average, the others their own gradient
+(from the plain module, outside any wrapper); `keep_bucketed_grads=False` drops them, a memory saving of exactly
+those elements.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS, AdaScale, AdaScaleWrapper
 from ddpkit.testing import run_distributed
 
@@ -117,3 +122,47 @@ def test_adascale_around_oss_gives_fairscales_recorded_sequence(spelling):
     for gain, mean_weight in run_distributed(_adascale_around_oss, 2, spelling):
         assert gain == pytest.approx(1.0335265132125744, rel=1e-6)
         assert mean_weight == pytest.approx(52.92657661437988, rel=1e-6)
+
+
+def _grads_after_backward(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+    x = torch.rand(2, 2, generator=torch.Generator().manual_seed(rank))
+    ddp = DDP(ref)
+    ddp(x).sum().backward()
+    averaged = [p.grad.clone() for p in ref.parameters()]
+    local = torch.autograd.grad(ref(x).sum(), list(ref.parameters()))
+    out: dict = {}
+    for keep in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-3, momentum=0.99)
+        sdp = ShardedDataParallel(model, optimizer, keep_bucketed_grads=keep)
+        sdp(x).sum().backward()
+        sdp.zero_grad()  # fairscale's test: wipe, evaluate, train again
+        sdp.eval()
+        sdp(x)
+        first = next(sdp.parameters()).grad
+        out[keep, "eval"] = first is None or torch.norm(first).item() < 1e-6
+        sdp.train()
+        sdp(x).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        owned = [optimizer.owner_of(p) == rank for p in model.parameters()]
+        out[keep, "norm"] = None if grads[0] is None else torch.norm(grads[0]).item()
+        out[keep, "off"] = max(
+            (g - (a if mine else own)).abs().max().item()
+            for g, a, own, mine in zip(grads, averaged, local, owned, strict=True)
+            if g is not None
+        )
+        out[keep, "missing"] = [i for i, (g, mine) in enumerate(zip(grads, owned, strict=True)) if g is None]
+        out[keep, "owned"] = [i for i, mine in enumerate(owned) if mine]
+    return out
+
+
+def test_every_rank_reads_a_gradient_after_sharded_backward_as_in_fairscale():
+    for rank, r in enumerate(run_distributed(_grads_after_backward, 2)):
+        assert r[True, "eval"] and r[False, "eval"], rank
+        assert r[True, "norm"] is not None and r[True, "norm"] > 0.0, rank  # fairscale's assertion, on every rank
+        assert r[True, "missing"] == [], rank
+        assert r[True, "off"] < 1e-6 and r[False, "off"] < 1e-6, (rank, r)
+        assert r[False, "missing"] == [i for i in range(6) if i not in r[False, "owned"]], rank

@@ -72,13 +72,17 @@ def _parity(rank, world, name):
             worst_grad = 0.0
             for step in range(20):
                 x, y = _batch(rank, step)
+                # this rank's own gradient, from the plain module outside DDP (no .grad touched)
+                local = torch.autograd.grad(nn.functional.mse_loss(ref(x), y), list(ref.parameters()))
                 for m, o, s in ((ddp, ref_opt, scheds[0]), (sdp, opt, scheds[1])):
                     _clear(m, o, how)
                     nn.functional.mse_loss(m(x), y).backward()
-                    if m is sdp:  # owners hold DDP's gradient, the others none
-                        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                    if m is sdp:  # owners hold DDP's gradient; the others their own for small parameters, or none
+                        for p, q, mine in zip(model.parameters(), ref.parameters(), local, strict=True):
                             if opt.owner_of(p) == rank:
                                 worst_grad = max(worst_grad, (p.grad - q.grad).abs().max().item())
+                            elif p.numel() < min(bucket, 2**18):  # travels in a shared bucket: kept, as fairscale
+                                worst_grad = max(worst_grad, (p.grad - mine).abs().max().item())
                             else:
                                 assert p.grad is None
                     o.step()
@@ -210,18 +214,38 @@ def _unused(rank, world):
             m(x, rank).sum().backward()
             o.step()
         assert model.c.weight.grad is None and model.c.bias.grad is None
+    # Two synced backwards without clearing: `b` used everywhere, then only on the ranks that do not own it. An
+    # owner's untouched average must count once more (DDP: A + the new sum / N); a non-owner keeps only its new
+    # gradient of a small (bucketed) parameter and drops the large one.
+    owner_b = opt.owner_of(model.b.bias)
+    local = None
+    for m, o in ((ref, ref_opt), (sdp, opt)):
+        o.zero_grad()
+        for k, use_b in enumerate((True, rank != owner_b)):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 + 10 * k + rank))
+            m(x, 0 if use_b else 1).sum().backward()
+            if m is ref and k == 1 and use_b:
+                local = torch.autograd.grad(ref.module(x, 0).sum(), ref.module.b.bias)[0]
+    owners = [
+        (p.grad - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+        if opt.owner_of(p) == rank and q.grad is not None
+    ]
+    if rank != owner_b:  # a bucketed parameter (4 elements < reduce_buffer_size 8): its own new gradient
+        owners.append((model.b.bias.grad - local).abs().max().item())
+        assert model.b.weight.grad is None or opt.owner_of(model.b.weight) == rank  # 16 elements: alone
     # without the flag: locally unused parameters still average exactly, and a warning says what happened
     routed = _Routed()
     plain = ShardedDataParallel(routed, OSS(routed.parameters(), lr=0.1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plain(torch.randn(2, 4), rank).sum().backward()
-    return _max_diff(ref.module, model), [str(w.message) for w in caught]
+    return _max_diff(ref.module, model), max(owners), [str(w.message) for w in caught]
 
 
 def test_unused_parameters_match_ddp():
-    for diff, messages in run_distributed(_unused, 2):
-        assert diff < TOL
+    for diff, grad_diff, messages in run_distributed(_unused, 2):
+        assert diff < TOL and grad_diff < 1e-6, (diff, grad_diff)
         assert any("find_unused_parameters=True" in m for m in messages)
 
 
@@ -462,17 +486,18 @@ def test_gradients_and_state_are_sharded(world):
 def _two_backwards(rank, world):
     """Gradients accumulated over backwards that communicate (no no_sync, no zero_grad between) equal DDP's."""
     worst = {}
-    for pattern in (("sync", "sync"), ("sync", "no_sync", "sync"), ("no_sync", "sync", "sync")):
+    patterns = (("sync", "sync"), ("sync", "no_sync", "sync"), ("no_sync", "sync", "sync"))
+    for pattern, bucket in itertools.product(patterns, (50, 2**23)):  # non-owners keep the biases / everything
         ref, model = _mlp(), _mlp()
         ddp = DDP(ref)
         opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
-        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=50)
+        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket)
         for i, mode in enumerate(pattern):
             x, y = _batch(rank, i)
             for m in (ddp, sdp):
                 with m.no_sync() if mode == "no_sync" else torch.enable_grad():
                     nn.functional.mse_loss(m(x), y).backward()
-        worst[pattern] = max(
+        worst[pattern, bucket] = max(
             (p.grad - q.grad).abs().max().item()
             for p, q in zip(model.parameters(), ref.parameters(), strict=True)
             if opt.owner_of(p) == rank

@@ -21,6 +21,10 @@ class GradBucket:
     With `count_users`, one extra element per parameter carries 1 from each rank that produced its gradient, so
     the owner learns which parameters were unused on every rank.
 
+    A `shared` bucket is one of those that pack small parameters (several, or one where the owner changes): its
+    message is always a copy, so the ranks that do not own it keep their own gradient untouched through the
+    reduce (`finish(keep_local=True)`). A parameter that travels alone is reduced in place.
+
     A bucket with a `span` carries elements ``[start, end)`` of its one parameter's flattened gradient: one piece
     of a parameter that OSS cut over the ranks. Every rank keeps that parameter's gradient tensor; after the
     reduce the owner's slice holds the average and the other ranks' copy of the slice is zeroed, so each rank's
@@ -38,6 +42,7 @@ class GradBucket:
     key: str = ""  # names this bucket's message, the same every step (shared-memory mailboxes are kept by it)
     posted: comm.PostedReduce | None = None  # this step's reduce with its receiving side posted early, if any
     span: tuple[int, int] | None = None  # a piece of the one parameter's flattened gradient
+    shared: bool = False  # packs small parameters: sent as a copy, never in place
 
     @property
     def numel(self) -> int:
@@ -79,7 +84,8 @@ class GradBucket:
         the reduce was posted ahead, else through `reduce`."""
         self.used_here = [p.grad is not None for p in self.params]
         direct = (
-            len(self.params) == 1
+            not self.shared
+            and len(self.params) == 1
             and self.used_here[0]
             and self.params[0].grad.is_contiguous()
             and not reduce_fp16
@@ -104,8 +110,11 @@ class GradBucket:
         self.message = message
         self.work = self.posted.start(message) if self.posted is not None else reduce(message, self.owner, self.key)
 
-    def finish(self, is_owner: bool, world_size: int, count_users: bool) -> list[torch.nn.Parameter]:
-        """Waits for the reduce; the owner takes the averaged gradients, others drop theirs.
+    def finish(
+        self, is_owner: bool, world_size: int, count_users: bool, keep_local: bool = False
+    ) -> list[torch.nn.Parameter]:
+        """Waits for the reduce; the owner takes the averaged gradients, others drop theirs (or, for a `shared`
+        bucket with `keep_local`, keep their own gradient as it was before the reduce).
 
         Returns the parameters that received no gradient on any rank (only known with `count_users`); their
         gradients are left as they were, as DDP does.
@@ -114,6 +123,8 @@ class GradBucket:
         comm.wait_all([self.work])
         unused: list[torch.nn.Parameter] = []
         if not is_owner:
+            if keep_local and self.shared:
+                return unused
             for p in self.params:
                 if self.span is None:
                     p.grad = None
@@ -188,7 +199,7 @@ def build_buckets(
         key = (owner_of[p], p.device.type, p.dtype)
         alone = max_numel == 0 or p.numel() >= min(max_numel, ALONE_NUMEL)
         if alone or key != current_key or current is None or current.numel + p.numel() > max_numel:
-            current = GradBucket(key[0], [])
+            current = GradBucket(key[0], [], shared=not alone)
             buckets.append(current)
             current_key = None if alone else key
         current.params.append(p)

@@ -62,8 +62,12 @@ class ShardedDataParallel(ModuleWrapper):
     elements; larger parameters alone) are all accumulated, they are divided by the world size and reduced
     (summed) to the owner asynchronously, overlapping the rest of backward. Buckets are launched in one fixed
     order on every rank, so the collectives always match. When backward ends (an autograd callback), the
-    remaining buckets are flushed, every reduce is waited for, owners hold exactly DDP's averaged gradient and
-    the other ranks drop theirs (``grad = None``). `OSS.step()` then updates each shard and broadcasts it.
+    remaining buckets are flushed, every reduce is waited for, and owners hold exactly DDP's averaged gradient.
+    The other ranks drop the gradients of large parameters (``grad = None``: those that travel alone, of at least
+    ``min(reduce_buffer_size, 2**18)`` elements) and, as fairscale does, keep those of the small parameters that
+    travel in shared buckets: their own local gradient, the one they sent (not the average), so code that reads
+    ``p.grad`` on every rank after backward finds a tensor (`keep_bucketed_grads=False` drops them too).
+    `OSS.step()` then updates each shard and broadcasts it.
 
     Communication at construction: one all-gather of an 8-byte digest of every rank's parameter names, shapes,
     dtypes and order (`ddpkit.distributed.agreement`), then (`sync_models_at_startup`) parameters and buffers
@@ -86,14 +90,19 @@ class ShardedDataParallel(ModuleWrapper):
     link between hosts carries 2 (H-1)/H of a model copy per host and step, what an ideal all-reduce needs
     (measured on two namespace hosts x 2 ranks: 1.003 copies against DDP's 1.506, `tests/test_hierarchical_netns.py`).
 
-    Memory: after backward a rank keeps gradients only for the parameters it owns (about 1/N of them), plus the
-    bucket messages in flight during backward (at most the model's gradient size, usually far less). On one host,
+    Memory: after backward a rank keeps the gradients of the parameters it owns (about 1/N of them) and its own
+    gradients of the small parameters it does not own (10% of the byte GPT's elements are in parameters under
+    2**18 elements; none with `keep_bucketed_grads=False`), plus the bucket messages in flight during backward
+    (at most the model's gradient size, usually far less). On one host,
     each rank keeps a mailbox per bucket it does not own (together about (N-1)/N of the gradients' size, in
     ``/dev/shm``) and owners need no receive buffers.
 
     `cross_host_compression` (beyond fairscale; "none" by default): "bf16", "int8" or "int4" sends what crosses
     between hosts quantised, with error feedback (`ddpkit.distributed.hierarchical_reduce`): 2x, about 3.8x or
     about 7x fewer gradient bytes between hosts, no longer bit-equal to DDP. Also with one rank per host.
+
+    `keep_bucketed_grads` (beyond fairscale; True as fairscale behaves): False drops every gradient a rank does
+    not own, the whole of ZeRO-2's gradient saving, for code that never reads them there.
 
     `find_unused_parameters=True` (beyond fairscale) adds one element per parameter to each message so owners
     know which parameters were unused on every rank and leave their gradients untouched, exactly like DDP's
@@ -121,6 +130,7 @@ class ShardedDataParallel(ModuleWrapper):
         warn_on_trainable_params_changed: bool = True,
         find_unused_parameters: bool = False,
         cross_host_compression: str = "none",
+        keep_bucketed_grads: bool = True,
     ) -> None:
         super().__init__()
         require_initialized("ShardedDataParallel")
@@ -140,6 +150,11 @@ class ShardedDataParallel(ModuleWrapper):
                 f"{cross_host_compression!r}"
             )
         self.cross_host_compression = cross_host_compression
+        if not isinstance(keep_bucketed_grads, bool):
+            raise TypeError(
+                f"ShardedDataParallel: keep_bucketed_grads must be True or False, got {keep_bucketed_grads!r}"
+            )
+        self.keep_bucketed_grads = keep_bucketed_grads
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         check_parameters_agree(module, self.process_group, what="ShardedDataParallel")  # before shared memory is agreed
         self.module = module
@@ -163,7 +178,9 @@ class ShardedDataParallel(ModuleWrapper):
         self._next_bucket = 0
         self._warned_unused = False
         self._hooks: list[Any] = []
-        self._holding_average: dict[nn.Parameter, tuple[int, int]] = {}
+        # Gradients left in place by the last reduce, with their identity and version then: an owner's average
+        # ("average") or, with keep_bucketed_grads, a non-owner's own gradient ("local"). See `_keep_average_hook`.
+        self._held: dict[nn.Parameter, tuple[int, int, str]] = {}
         self._buckets: list[GradBucket] = []
         self._bucket_of: dict[nn.Parameter, list[GradBucket]] = {}  # several for a parameter cut into pieces
         if sync_models_at_startup:
@@ -295,21 +312,46 @@ class ShardedDataParallel(ModuleWrapper):
     def _keep_average_hook(self, param: nn.Parameter) -> Any:
         """A gradient hook for a second backward before the gradients were cleared (accumulating without no_sync).
 
-        The owner's ``.grad`` then still holds the average A of the last reduce while the other ranks dropped
-        theirs; DDP's answer is A + average(new). Adding (N-1) A to the owner's incoming gradient makes the next
-        reduce give exactly that. The version counter tells whether ``.grad`` is still untouched since the reduce.
+        The owner's ``.grad`` then still holds the average A of the last reduce, and DDP's answer is
+        A + average(new). The other ranks must then send only their new gradient: one that kept its own gradient
+        of the last reduce (`keep_bucketed_grads`) drops it here, before autograd adds the new one to it. Adding
+        (N-1) A to the owner's incoming gradient then makes the next reduce give exactly DDP's answer. The version
+        counter tells whether ``.grad`` is still untouched since the reduce (a zero_grad() in place is a clear).
         """
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            mark = self._holding_average.pop(param, None)
-            held = param.grad
-            if mark is None or held is None or mark != (id(held), held._version) or self.world_size == 1:
+            kind = self._untouched_since_reduce(param)
+            if kind == "local":
+                param.grad = None  # autograd then takes the new gradient as it is
+            if kind != "average" or self.world_size == 1:
                 return None
             # A split parameter's held gradient is the average on this rank's piece and zero elsewhere, so the
             # same correction applies piece by piece.
-            return grad + (self.world_size - 1) * held
+            return grad + (self.world_size - 1) * param.grad
 
         return hook
+
+    def _untouched_since_reduce(self, param: nn.Parameter) -> str | None:
+        """The kind of gradient the last reduce left on `param` ("average" or "local") if `param` still holds it
+        untouched, else None; either way the record is forgotten."""
+        mark = self._held.pop(param, None)
+        held = param.grad
+        if mark is None or held is None or mark[:2] != (id(held), held._version):
+            return None
+        return mark[2]
+
+    def _drop_stale(self, bucket: GradBucket) -> None:
+        """Before a bucket is sent: a gradient that this backward did not reach (its parameter was unused here) but
+        the last reduce left must not be sent again as new. A non-owner's kept gradient is dropped; an owner's
+        average A is multiplied by N, so the sum gives A + average(others' new), as DDP's accumulation."""
+        if not self._held:
+            return
+        for p in bucket.params:
+            kind = self._untouched_since_reduce(p) if p in self._held else None
+            if kind == "local":
+                p.grad = None
+            elif kind == "average" and p.grad is not None:
+                p.grad.mul_(self.world_size)
 
     def _post_receives(self) -> None:
         """Over sockets (gloo, CPU), posts the receiving side of every bucket's reduce now, at the first gradient.
@@ -333,6 +375,7 @@ class ShardedDataParallel(ModuleWrapper):
                 bucket.posted = comm.post_reduce(numel, dtype, bucket.owner, self.process_group)
 
     def _launch(self, bucket: GradBucket) -> None:
+        self._drop_stale(bucket)
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
 
     def _reduce(self, message: torch.Tensor, owner: int, key: str) -> object:
@@ -355,11 +398,13 @@ class ShardedDataParallel(ModuleWrapper):
         unused_here = []
         for bucket in self._buckets:
             unused_here += [p for p, used in zip(bucket.params, bucket.used_here, strict=True) if not used]
-            bucket.finish(bucket.owner == self.rank, self.world_size, self.find_unused_parameters)
+            owner = bucket.owner == self.rank
+            bucket.finish(owner, self.world_size, self.find_unused_parameters, keep_local=self.keep_bucketed_grads)
         for bucket in self._buckets:  # once every piece of a split gradient is final
+            kind = "average" if bucket.owner == self.rank else "local"
             for p in bucket.params:
-                if bucket.owner == self.rank and p.grad is not None:
-                    self._holding_average[p] = (id(p.grad), p.grad._version)
+                if p.grad is not None and (kind == "average" or bucket.shared):
+                    self._held[p] = (id(p.grad), p.grad._version, kind)
             bucket.reset()
         self._next_bucket = 0
         self._receives_posted = False
