@@ -4,6 +4,7 @@
     python examples/lightning_digits.py                          # 2 CPU processes, ddpkit_sharded
     python examples/lightning_digits.py --strategy ddp           # Lightning's own DDP, for comparison
     python examples/lightning_digits.py --strategy ddpkit_oss --devices 4 --clip 1.0 --accumulate 2
+    python examples/lightning_digits.py --min-split-numel 1      # cut tensors too: the state 1/N per rank
 
 Trains an MLP on scikit-learn's digits (shipped with scikit-learn: nothing is downloaded) for a few epochs and
 prints, on rank 0, the held-out accuracy and each rank's optimizer state in bytes: with a ddpkit strategy the
@@ -18,9 +19,11 @@ import argparse
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
 
-import ddpkit.integrations.lightning  # noqa: F401  (registers ddpkit_sharded, ddpkit_oss, ddpkit_slowmo)
+# the import registers ddpkit_sharded, ddpkit_oss and ddpkit_slowmo with Lightning
+from ddpkit.integrations.lightning import DDPKitOSSStrategy, DDPKitShardedStrategy
 from ddpkit.train.workloads.data import digits
 from ddpkit.train.workloads.models import mlp
 
@@ -62,13 +65,26 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.003)
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by the norm over all shards)")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument(
+        "--min-split-numel",
+        type=int,
+        default=None,
+        help="ddpkit_sharded/ddpkit_oss: OSS(min_split_numel=N), tensors of N elements or more may be cut over the "
+        "ranks (default: 2**20, which no tensor of this small model reaches, so each goes whole to one rank)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     data = digits()
+    strategy: str | Strategy = args.strategy
+    if args.min_split_numel is not None:
+        classes = {"ddpkit_sharded": DDPKitShardedStrategy, "ddpkit_oss": DDPKitOSSStrategy}
+        if args.strategy not in classes:
+            parser.error(f"--min-split-numel needs --strategy ddpkit_sharded or ddpkit_oss, not {args.strategy}")
+        strategy = classes[args.strategy](oss_kwargs={"min_split_numel": args.min_split_numel})
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=args.strategy,
+        strategy=strategy,
         max_epochs=args.epochs,
         gradient_clip_val=args.clip,
         accumulate_grad_batches=args.accumulate,

@@ -26,7 +26,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit.distributed import comm_stats
-from ddpkit.integrations.lightning import DDPKitSlowMoStrategy  # (the import registers the ddpkit_* strategies)
+from ddpkit.integrations.lightning import (  # (the import registers the ddpkit_* strategies)
+    DDPKitFabricShardedStrategy,
+    DDPKitShardedStrategy,
+    DDPKitSlowMoStrategy,
+)
 
 SETTINGS: dict[str, dict] = {
     "adam": {"optimizer": "adam"},
@@ -119,8 +123,11 @@ class Net(L.LightningModule):
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of per-element state (Adam's moments, SGD's momentum; not the 0-d step counters, one per tensor,
+    of which a parameter cut over the ranks has one per piece)."""
     inner = getattr(optimizer, "optim", optimizer)  # an OSS keeps its shard's state in its own optimizer
-    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+    tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 STRATEGIES = {  # names that stand for a configured instance
@@ -130,6 +137,9 @@ STRATEGIES = {  # names that stand for a configured instance
     "ddpkit_slowmo-momentum": lambda: DDPKitSlowMoStrategy(
         slowmo_kwargs={"nprocs_per_node": 1, "localsgd_frequency": 4, "slowmo_frequency": 4, "slowmo_momentum": 0.5}
     ),
+    # every tensor may be cut over the ranks, so this small model's optimizer state is about 1/N per rank too
+    "ddpkit_sharded-split": lambda: DDPKitShardedStrategy(oss_kwargs={"min_split_numel": 1}),
+    "fabric/ddpkit_sharded-split": lambda: DDPKitFabricShardedStrategy(oss_kwargs={"min_split_numel": 1}),
 }
 
 
@@ -202,7 +212,9 @@ def run_fabric(name: str, devices: int, out: Path) -> None:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=4)
         plugins = [FabricMixedPrecision("16-mixed", "cpu", scaler=scaler)]
     precision = setting.get("precision", "32-true") if plugins is None else None
-    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy_name, plugins=plugins, precision=precision)
+    key = f"fabric/{strategy_name}"
+    strategy = STRATEGIES[key]() if key in STRATEGIES else strategy_name
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, plugins=plugins, precision=precision)
     fabric.launch()  # under torchrun: joins the job's process group
     module = Net(setting)
     configured = module.configure_optimizers()

@@ -75,6 +75,9 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
     seen["oss_width"] = _error(OSS, _mlp(16 if other else 8).parameters(), optim=torch.optim.Adam, lr=1e-3)
     seen["oss_order"] = _error(OSS, _mlp(8, reverse=other).parameters(), optim=torch.optim.Adam, lr=1e-3)
     seen["oss_dtype"] = _error(OSS, _mlp(8).to(torch.float64 if other else torch.float32).parameters(), lr=0.1)
+    # sharding settings: ranks that cut parameters differently would assign different owners
+    seen["oss_min_split"] = _error(OSS, _mlp(8).parameters(), optim=torch.optim.Adam, min_split_numel=1 + 7 * other)
+    seen["oss_optim"] = _error(OSS, _mlp(8).parameters(), optim=torch.optim.Adam if other else torch.optim.AdamW)
     # the shapes agree, so OSS passes; ShardedDataParallel knows the names and sees another order
     module = _Named(swap=other)
     optimizer = OSS(module.parameters(), optim=torch.optim.SGD, lr=0.1)
@@ -136,6 +139,8 @@ def test_every_rank_names_the_first_difference_and_its_ranks(two_ranks):
         )
         assert "parameter 0: shape (8, 4), float32, trained on rank 0; shape (4, 8), float32" in seen["oss_order"]
         assert "parameter 0: shape (8, 4), float32, trained on rank 0; shape (8, 4), float64" in seen["oss_dtype"]
+        assert "min_split_numel: 1 on rank 0; 8 on rank 1" in seen["oss_min_split"]
+        assert "optim: AdamW on rank 0; Adam on rank 1" in seen["oss_optim"]
         assert seen["sdp_names"].startswith("ShardedDataParallel: ranks disagree")
         assert "parameter 0: first.weight: shape (4, 4)" in seen["sdp_names"]
         assert "second.weight: shape (4, 4), float32, trained on rank 1" in seen["sdp_names"]

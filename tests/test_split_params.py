@@ -164,6 +164,42 @@ def _choices(rank: int, world: int) -> dict:
     small = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 3))
     auto_small = OSS(small.parameters(), optim=torch.optim.Adam, lr=1e-3)
     out["small_not_cut"] = not any(auto_small.pieces_of(p) for p in small.parameters())
+    # min_split_numel: a small model dominated by one tensor (512 of 771 elements) is cut where it pays, to 1/N
+    lowered = OSS(small.parameters(), optim=torch.optim.Adam, lr=1e-3, min_split_numel=100)
+    small(torch.randn(2, 8)).sum().backward()
+    lowered.step()
+    out["lowered_cut"] = [bool(lowered.pieces_of(p)) for p in small.parameters()]
+    out["lowered_state"] = _state_bytes(lowered.optim)
+    out["lowered_total"] = 2 * 4 * sum(p.numel() for p in small.parameters())  # Adam's two fp32 moments
+    # a closure (Lightning steps this way): the pieces must get the gradients it computes. Same data on both
+    # ranks, so the reference is plain Adam on this process.
+    torch.manual_seed(3)
+    net, ref = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 3)), nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 3))
+    ref.load_state_dict(net.state_dict())
+    by_closure = OSS(net.parameters(), optim=torch.optim.Adam, lr=0.01, min_split_numel=100)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+
+    def closure(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = module(x).square().mean()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        losses = [opt.step(lambda m=m, o=opt: closure(m, o)) for m, opt in ((net, by_closure), (ref, ref_opt))]
+    out["closure_cut"] = bool(by_closure.pieces_of(net[0].weight))
+    out["closure_loss"] = float(losses[0] - losses[1])
+    out["closure_diff"] = max(
+        (a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters(), strict=True)
+    )
+    out["bad_min_split"] = []
+    for bad in (0, 1.5, True):
+        try:
+            OSS(small.parameters(), optim=torch.optim.Adam, lr=1e-3, min_split_numel=bad)
+            out["bad_min_split"].append("accepted")
+        except ValueError as exc:
+            out["bad_min_split"].append(str(exc))
     for name, kwargs in [
         ("non_elementwise", {"optim": torch.optim.LBFGS, "split_params": True}),
         ("bad_value", {"optim": torch.optim.Adam, "split_params": "yes"}),
@@ -182,6 +218,10 @@ def test_split_params_choices_and_refusals():
     for r in run_distributed(_choices, 2):
         assert r["false_keeps_owners"] and r["false_no_pieces"]
         assert r["small_not_cut"] and r["sgd_cut"]
+        assert r["lowered_cut"] == [True, False, True, False], r["lowered_cut"]  # the two weights, largest first
+        assert r["lowered_state"] <= 1.1 * r["lowered_total"] / 2, (r["lowered_state"], r["lowered_total"])
+        assert all("min_split_numel must be an int >= 1" in m for m in r["bad_min_split"]), r["bad_min_split"]
+        assert r["closure_cut"] and r["closure_loss"] == 0.0 and r["closure_diff"] < 1e-6, r
         assert "split_params=True needs an element-wise optimizer" in r["non_elementwise"], r
         assert "LBFGS" in r["non_elementwise"]
         assert "split_params must be None" in r["bad_value"], r

@@ -48,7 +48,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without accelerate
     raise ImportError("ddpkit.integrations.accelerate needs accelerate: pip install accelerate") from exc
 
-from ddpkit.integrations.sharding import as_oss, sharded_scaler_like
+from ddpkit.integrations.sharding import as_oss, check_oss_kwargs, sharded_scaler_like
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS
 
@@ -87,11 +87,16 @@ def _before_load(models: list[nn.Module], input_dir: str) -> None:
 
 
 def prepare_sharded(
-    accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, **sdp_kwargs: Any
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    oss_kwargs: dict[str, Any] | None = None,
+    **sdp_kwargs: Any,
 ) -> tuple[ShardedDataParallel, Any]:
-    """`model` in `ShardedDataParallel` and `optimizer` as an `OSS`, registered with `accelerator` (module doc).
-    Call it instead of ``accelerator.prepare`` for the model and optimizer, before their first step."""
-    sharded = as_oss(optimizer)
+    """`model` in `ShardedDataParallel` (with `sdp_kwargs`) and `optimizer` as an `OSS` (with `oss_kwargs`, OSS's
+    own arguments such as ``min_split_numel``), registered with `accelerator` (module doc). Call it instead of
+    ``accelerator.prepare`` for the model and optimizer, before their first step."""
+    sharded = as_oss(optimizer, **check_oss_kwargs(oss_kwargs, "prepare_sharded"))
     wrapped = ShardedDataParallel(model.to(accelerator.device), sharded, **sdp_kwargs)
     wrapped._is_accelerate_prepared = True  # accelerate then registers it and leaves it as it is
     wrapped = accelerator.prepare_model(wrapped)

@@ -46,6 +46,7 @@ What Lightning's DDP strategy would get wrong with these wrappers, and what they
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
@@ -67,7 +68,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError('ddpkit.integrations.lightning needs lightning: pip install "ddpkit[lightning]"') from exc
 
-from ddpkit.integrations.sharding import as_oss, sharded_scaler_like
+from ddpkit.integrations.sharding import as_oss, check_oss_kwargs, sharded_scaler_like
 from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS
 
@@ -132,27 +133,32 @@ class _DDPKitStrategy(DDPStrategy):
 
 
 class DDPKitOSSStrategy(_DDPKitStrategy):
-    """ZeRO-1 in Lightning: torch DDP for the gradients, every optimizer an `OSS` (module doc)."""
+    """ZeRO-1 in Lightning: torch DDP for the gradients, every optimizer an `OSS` (module doc). OSS's own
+    arguments (``min_split_numel``, ``split_params``, ...) go in `oss_kwargs`."""
 
     strategy_name = "ddpkit_oss"
 
+    def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
+        super().__init__(*args, **kwargs)
+
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self.optimizers = [as_oss(optimizer) for optimizer in self.optimizers]
+        self.optimizers = [as_oss(optimizer, **self._oss_kwargs) for optimizer in self.optimizers]
         _repoint_schedulers(self)
 
 
 class DDPKitShardedStrategy(_DDPKitStrategy):
     """ZeRO-2 in Lightning (fairscale's ``ddp_sharded``): `OSS` optimizers and `ShardedDataParallel` (module
     doc). Keyword arguments of ShardedDataParallel (``reduce_buffer_size``, ``broadcast_buffers``, ...) may be
-    given to the constructor with DDPStrategy's own."""
+    given to the constructor with DDPStrategy's own; OSS's own arguments (``min_split_numel``, ...) go in
+    `oss_kwargs`."""
 
     strategy_name = "ddpkit_sharded"
-    _sdp_keys = ("broadcast_buffers", "reduce_buffer_size", "auto_refresh_trainable", "reduce_fp16")
-    _sdp_keys += ("warn_on_trainable_params_changed", "find_unused_parameters", "cross_host_compression")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._sdp_kwargs = {key: kwargs.pop(key) for key in self._sdp_keys if key in kwargs}
+    def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._sdp_kwargs = _take_sdp_kwargs(kwargs)
+        self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
         self._optimizers_ready = False
 
@@ -163,7 +169,7 @@ class DDPKitShardedStrategy(_DDPKitStrategy):
 
     def _make_sharded_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self.optimizers = [as_oss(optimizer) for optimizer in self.optimizers]
+        self.optimizers = [as_oss(optimizer, **self._oss_kwargs) for optimizer in self.optimizers]
         _repoint_schedulers(self)
         self._optimizers_ready = True
 
@@ -222,6 +228,20 @@ class DDPKitSlowMoStrategy(_DDPKitStrategy):
         return output
 
 
+_SDP_OPTIONS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
+    "self",
+    "module",
+    "sharded_optimizer",
+    "process_group",
+}
+
+
+def _take_sdp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Removes ShardedDataParallel's own arguments (``reduce_buffer_size``, ``keep_bucketed_grads``, ...) from a
+    strategy's keyword arguments and returns them."""
+    return {key: kwargs.pop(key) for key in sorted(_SDP_OPTIONS) if key in kwargs}
+
+
 def _repoint_schedulers(strategy: DDPStrategy) -> None:
     """Each learning-rate scheduler of `strategy` now drives the OSS that replaced its optimizer (they share the
     param-group dicts, so its values are right; this keeps its own bookkeeping on the optimizer it steps)."""
@@ -274,27 +294,39 @@ class _DDPKitFabricStrategy(FabricDDPStrategy):
 
 
 class DDPKitFabricOSSStrategy(_DDPKitFabricStrategy):
-    """`DDPKitOSSStrategy` for Fabric: torch DDP for the gradients, the optimizers made `OSS` in `setup`."""
+    """`DDPKitOSSStrategy` for Fabric: torch DDP for the gradients, the optimizers made `OSS` (with `oss_kwargs`)
+    in `setup`."""
 
     strategy_name = "ddpkit_oss"
 
+    def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
+        super().__init__(*args, **kwargs)
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return as_oss(optimizer)
+        return as_oss(optimizer, **self._oss_kwargs)
 
 
 class DDPKitFabricShardedStrategy(_DDPKitFabricStrategy):
-    """`DDPKitShardedStrategy` for Fabric: `fabric.setup(model, *optimizers)` makes the optimizers `OSS` and
-    wraps the module in `ShardedDataParallel` (they must be set up together)."""
+    """`DDPKitShardedStrategy` for Fabric: `fabric.setup(model, *optimizers)` makes the optimizers `OSS` (with
+    `oss_kwargs`) and wraps the module in `ShardedDataParallel` (with the keyword arguments of its own given to the
+    constructor); they must be set up together."""
 
     strategy_name = "ddpkit_sharded"
+
+    def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._sdp_kwargs = _take_sdp_kwargs(kwargs)
+        self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
+        super().__init__(*args, **kwargs)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
-        sharded = [as_oss(optimizer) for optimizer in optimizers]
+        sharded = [as_oss(optimizer, **self._oss_kwargs) for optimizer in optimizers]
         if scheduler is not None and getattr(scheduler, "optimizer", None) in optimizers:
             scheduler.optimizer = sharded[optimizers.index(scheduler.optimizer)]
-        return ShardedDataParallel(module, sharded), sharded, scheduler  # type: ignore[list-item]
+        wrapped = ShardedDataParallel(module, sharded, **self._sdp_kwargs)
+        return wrapped, sharded, scheduler  # type: ignore[list-item]
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         raise RuntimeError(

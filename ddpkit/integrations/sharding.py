@@ -3,17 +3,38 @@ GradScaler made a `ShardedGradScaler` (so that a skip is agreed by every rank)."
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 
 from ddpkit.optim import OSS, ShardedGradScaler
 
-__all__ = ["as_oss", "sharded_scaler_like"]
+__all__ = ["OSS_OPTIONS", "as_oss", "check_oss_kwargs", "sharded_scaler_like"]
 
 
-def as_oss(optimizer: torch.optim.Optimizer) -> OSS:
+OSS_OPTIONS = frozenset(inspect.signature(OSS.__init__).parameters) - {"self", "params", "optim", "defaults"}
+"""OSS's own arguments (``split_params``, ``min_split_numel``, ``broadcast_fp16``, ...), which an integration's
+`oss_kwargs` may set."""
+
+
+def check_oss_kwargs(oss_kwargs: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """`oss_kwargs` as a dict, or a TypeError naming the first key that is not one of OSS's own arguments."""
+    oss_kwargs = dict(oss_kwargs or {})
+    unknown = sorted(set(oss_kwargs) - OSS_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{where}: oss_kwargs takes OSS's own arguments ({', '.join(sorted(OSS_OPTIONS))}), got {unknown[0]!r}; "
+            "the optimizer's hyper-parameters come from the optimizer you give"
+        )
+    return oss_kwargs
+
+
+def as_oss(optimizer: torch.optim.Optimizer, **oss_kwargs: Any) -> OSS:
     """`optimizer` as an OSS of its own class over the very same param-group dicts (so a learning-rate
-    scheduler built on `optimizer` keeps changing the OSS's hyper-parameters); an OSS is returned as it is.
-    Raises a TypeError for an optimizer that already holds state (its state would be lost)."""
+    scheduler built on `optimizer` keeps changing the OSS's hyper-parameters), built with `oss_kwargs` (OSS's own
+    arguments, e.g. ``min_split_numel``); an OSS is returned as it is. Raises a TypeError for an optimizer that
+    already holds state (its state would be lost)."""
     if isinstance(optimizer, OSS):
         return optimizer
     if optimizer.state:
@@ -21,7 +42,7 @@ def as_oss(optimizer: torch.optim.Optimizer) -> OSS:
             f"ddpkit's integrations shard the optimizer before its first step; "
             f"this {type(optimizer).__name__} already holds state. Give a fresh optimizer (or a ddpkit OSS)"
         )
-    return OSS(optimizer.param_groups, optim=type(optimizer), **optimizer.defaults)
+    return OSS(optimizer.param_groups, optim=type(optimizer), **oss_kwargs, **optimizer.defaults)
 
 
 def sharded_scaler_like(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:

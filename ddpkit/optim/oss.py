@@ -66,11 +66,14 @@ class OSS(Optimizer):
     Large parameters (beyond fairscale): with `split_params` (by default where it pays: an element-wise torch
     optimizer, and whole-parameter ownership more than 10% off a perfect balance), parameters of at least
     `ddpkit.optim.param_pieces.MIN_SPLIT_NUMEL` elements, largest first, are cut into one contiguous piece per
-    rank until the balance is reached (`ddpkit.optim.param_pieces`); each rank optimizes its piece and sends it in
-    a message of its own. `owner_of` is None for such a parameter (`pieces_of` lists its pieces), the local
-    optimizer's `state` is keyed by the piece tensors, and checkpoints keep torch's whole-parameter format. Only
-    parameters trainable at construction (or in a group added later) are considered; ``split_params=False``
-    keeps fairscale's one owner per parameter, ``True`` cuts every parameter of at least that size.
+    rank until the balance is reached (`ddpkit.optim.param_pieces`; `min_split_numel` lowers that size for a
+    small model dominated by one tensor, so that its state, too, is about 1/N per rank); each rank optimizes its
+    piece and sends it in a message of its own. `owner_of` is None for such a parameter (`pieces_of` lists its
+    pieces), the local optimizer's `state` is keyed by the piece tensors, and checkpoints keep torch's
+    whole-parameter format. Only parameters trainable at construction (or in a group added later) are
+    considered; ``split_params=False`` keeps fairscale's one owner per parameter, ``True`` cuts every parameter
+    of at least that size. The sharding settings (`optim`, `split_params`, `min_split_numel`, `broadcast_fp16`)
+    must agree across ranks: the construction's agreement check refuses them otherwise.
 
     Memory: optimizer state for about 1/N of the parameters per rank (within the largest parameter's share
     of a perfect split, or 10% of it where parameters are split); the broadcast needs no memory of its own
@@ -99,6 +102,7 @@ class OSS(Optimizer):
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
         split_params: bool | None = None,
+        min_split_numel: int = MIN_SPLIT_NUMEL,
         hierarchical: bool | None = None,
         check_agreement: bool = True,
         **defaults: Any,
@@ -109,12 +113,18 @@ class OSS(Optimizer):
                 f"OSS: optim must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), got {optim!r}"
             )
         _check_split_params(split_params, optim)
+        if not isinstance(min_split_numel, int) or isinstance(min_split_numel, bool) or min_split_numel < 1:
+            raise ValueError(
+                f"OSS: min_split_numel must be an int >= 1 (the fewest elements of a parameter that may be cut over "
+                f"the ranks), got {min_split_numel!r}"
+            )
         _check_numeric_hyperparameters(defaults)
         if hierarchical not in (None, True, False):
             raise TypeError(f"OSS: hierarchical must be None (where it pays), True or False, got {hierarchical!r}")
         self.hierarchical = hierarchical
         self._optim_class = optim
         self.split_params = split_params
+        self.min_split_numel = min_split_numel
         self._pieces: dict[torch.Tensor, list[ParamPiece]] = {}
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         self._ready = False
@@ -132,7 +142,13 @@ class OSS(Optimizer):
         _check_one_device_type(self._all_params())
         if check_agreement:  # before any collective that needs it
             known = hyperparameter_names(optim) | set(defaults)
-            check_parameters_agree(self.param_groups, self.group, what="OSS", known_keys=known)
+            sharding = {
+                "optim": optim.__qualname__,
+                "split_params": split_params,
+                "min_split_numel": min_split_numel,
+                "broadcast_fp16": broadcast_fp16,
+            }
+            check_parameters_agree(self.param_groups, self.group, what="OSS", extra=sharding, known_keys=known)
         self._assign_new_trainable()
         self._auto_fused = _may_use_fused(optim, self.param_groups)
         inner_defaults = {**defaults, "fused": True} if self._auto_fused else defaults
@@ -166,7 +182,7 @@ class OSS(Optimizer):
     def _choose_splits(self, params: list[torch.Tensor], sizes: list[int]) -> set[int]:
         if self.world_size == 1 or self.split_params is False:
             return set()
-        candidates = [p.numel() >= MIN_SPLIT_NUMEL and can_split(self._optim_class, p) for p in params]
+        candidates = [p.numel() >= self.min_split_numel and can_split(self._optim_class, p) for p in params]
         if self.split_params:
             return {i for i, candidate in enumerate(candidates) if candidate}
         return choose_splits(sizes, candidates, self.world_size, _BALANCE_TOLERANCE)
@@ -266,18 +282,27 @@ class OSS(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Updates this rank's shard with the local optimizer, then receives every other shard from its owner."""
+        """Updates this rank's shard with the local optimizer, then receives every other shard from its owner.
+
+        A `closure` is evaluated here, once, before the gradients are handed to the local optimizer (its pieces of
+        split parameters, its fused kernel's layout), where the optimizer is element-wise and so evaluates it once
+        first anyway; other optimizers (LBFGS, which evaluates it several times) get it as it is."""
         self._own_new_trainable()
         self._push_hyperparameters()
+        loss = None
+        if closure is not None and self._optim_class in SPLITTABLE:
+            with torch.enable_grad():
+                loss = closure()
+            closure = None
         self._refresh_pieces()
         self._match_fused_layouts()
         with _unfused_where_state_is_mixed(self.optim):
             if closure is not None:
                 with torch.enable_grad():
                     loss = self.optim.step(closure, **kwargs)
-                self._refresh_pieces()  # the closure computed new gradients
             else:
-                loss = self.optim.step(**kwargs)
+                stepped = self.optim.step(**kwargs)
+                loss = stepped if loss is None else loss
         self._pull_hyperparameters()
         self._broadcast_params()
         for pieces in self._pieces.values():
