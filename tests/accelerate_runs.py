@@ -1,10 +1,12 @@
 """One accelerate training loop, run by accelerate's own DDP and by ddpkit's recipe, in one torchrun job (used by
-tests/test_accelerate.py): ``torchrun --nproc-per-node N tests/accelerate_runs.py OUT``.
+tests/test_accelerate.py): ``accelerate launch --multi_gpu --num_processes N tests/accelerate_runs.py OUT`` (on
+the CPU too; torchrun works as well).
 
 The loop: Adam, a step-wise scheduler, gradient accumulation over 2 micro-batches, clipping by norm 0.05; 4
 optimizer steps, ``save_state``, 4 more; then a fresh model and optimizer ``load_state`` the checkpoint and run the
 last 4 again. Every rank writes ``OUT/MODE.rank{r}.json`` (MODE ``ddp`` or ``sharded``): the losses, the final
-parameters, the parameters after the resumed run, and the bytes of optimizer state it holds.
+parameters, the parameters after the resumed run, and the bytes of optimizer state it holds; and
+``OUT/MODE-scaled.rank{r}.json`` for the same loop under a loss scaler that overflows (`run_scaled`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit.integrations.accelerate import clip_grad_norm_, prepare_sharded
+from ddpkit.optim import OSS
 
 
 def _data() -> TensorDataset:
@@ -42,7 +45,17 @@ def _setup(accelerator: Accelerator, mode: str) -> tuple:
     return model, optimizer, loader, scheduler
 
 
-def _train(accelerator: Accelerator, mode: str, parts: tuple, batches: list, steps: int) -> list[float]:
+def _train(
+    accelerator: Accelerator,
+    mode: str,
+    parts: tuple,
+    batches: list,
+    steps: int,
+    clip: float | None = 0.05,
+    spike: torch.Tensor | None = None,
+) -> list[float]:
+    """`steps` optimizer steps; `spike`: a parameter whose gradient gets 2**100 more on this rank (the loss's
+    value unchanged), so that a large loss scale overflows that one gradient only."""
     model, optimizer, _, scheduler = parts
     losses: list[float] = []
     done = 0
@@ -51,12 +64,14 @@ def _train(accelerator: Accelerator, mode: str, parts: tuple, batches: list, ste
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(x), y)
             losses.append(float(loss.detach()))
+            if spike is not None:
+                loss = loss + 2.0**100 * (spike - spike.detach()).sum()
             accelerator.backward(loss)
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients and clip is not None:
                 if mode == "sharded":
-                    clip_grad_norm_(accelerator, optimizer, 0.05)
+                    clip_grad_norm_(accelerator, optimizer, clip)
                 else:
-                    accelerator.clip_grad_norm_(model.parameters(), 0.05)
+                    accelerator.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -90,7 +105,28 @@ def run(mode: str, out: Path) -> None:
     (out / f"{mode}.rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
+def run_scaled(mode: str, out: Path) -> None:
+    """The loop (without clipping) under the loss scaler accelerate makes for ``mixed_precision="fp16"`` on a GPU
+    (on the CPU it makes none), set by hand before `prepare`. On rank 0 one parameter that rank 0 owns in the
+    sharded run gets a gradient 2**100 larger, which overflows at scales above 2**28: the sharded run then finds
+    the inf on rank 0 only (rank 1 neither owns that gradient nor computed an inf), so the ranks skip alike only
+    through the ShardedGradScaler that `prepare_sharded` puts in place of torch's. Starting at 2**36 with a
+    backoff of 1/16, two steps are skipped, as under accelerate's DDP."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, backoff_factor=2.0**-4, growth_interval=1000)
+    parts = _setup(accelerator, mode)
+    module = parts[0].module
+    probe = OSS(module.parameters(), optim=torch.optim.Adam, lr=0.01)  # the sharded run's owners (same rule)
+    owned = [p for p in module.parameters() if probe.owner_of(p) == 0]
+    spike = owned[-1] if accelerator.process_index == 0 else None
+    losses = _train(accelerator, mode, parts, list(parts[2]), 6, clip=None, spike=spike)
+    record = {"losses": losses, "params": _params(parts[0]), "scale": float(accelerator.scaler.get_scale()),
+              "scaler": type(accelerator.scaler).__name__, "spiked_numel": owned[-1].numel()}  # fmt: skip
+    (out / f"{mode}-scaled.rank{accelerator.process_index}.json").write_text(json.dumps(record))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     for mode in ("ddp", "sharded"):
         run(mode, Path(sys.argv[1]))
+        run_scaled(mode, Path(sys.argv[1]))

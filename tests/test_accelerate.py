@@ -1,32 +1,50 @@
 """ddpkit's accelerate recipe (issue 25, point 2) against accelerate's own DDP path.
 
-One torchrun job runs the same accelerate loop (Adam, StepLR, accumulation over 2 micro-batches, clipping by norm,
-`save_state` midway) through ``accelerator.prepare`` (torch DDP) and through `prepare_sharded` (OSS +
-ShardedDataParallel, tests/accelerate_runs.py). The reference is accelerate's DDP run: losses and parameters must
-agree to 1e-6 on every rank, the optimizer state must be split over the ranks, and a fresh model and optimizer that
-`load_state` the checkpoint must end exactly where the uninterrupted run ended. With accelerate's own
-``clip_grad_norm_`` (the norm of one shard) the parameters end 0.002 away from DDP's.
+One job started by ``accelerate launch`` (its multi-process launcher works on the CPU) runs the same accelerate loop
+(Adam, StepLR, accumulation over 2 micro-batches, clipping by norm, `save_state` midway) through
+``accelerator.prepare`` (torch DDP) and through `prepare_sharded` (OSS + ShardedDataParallel,
+tests/accelerate_runs.py). The reference is accelerate's DDP run: losses and parameters must agree to 1e-6 on every
+rank, the optimizer state must be split over the ranks, and a fresh model and optimizer that `load_state` the
+checkpoint must end exactly where the uninterrupted run ended. With accelerate's own ``clip_grad_norm_`` (the norm
+of one shard) the parameters end 0.002 away from DDP's. Then the loop under the loss scaler accelerate makes for
+fp16 on a GPU (set by hand: on the CPU accelerate makes none), with one gradient that overflows on rank 0 only: the
+sharded run must skip the same steps as accelerate's DDP (with torch's GradScaler left in place, rank 1 steps alone
+and the job hangs) and end on its parameters.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
-from test_lightning import HERE, _close, _torchrun
+from test_lightning import HERE, _close, _run
+
+from ddpkit.distributed.launch import free_port
 
 pytest.importorskip("accelerate", reason="the accelerate recipe needs accelerate: pip install accelerate")
 
 pytestmark = pytest.mark.slow
 
 
+def _accelerate_launch(world: int, script: str, *args: object) -> None:
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", world]
+    launch += ["--num_machines", 1, "--mixed_precision", "no", "--dynamo_backend", "no"]
+    _run([*launch, "--main_process_port", free_port(), HERE / script, *args])
+
+
 def test_the_sharded_recipe_trains_checkpoints_and_resumes_as_accelerates_ddp(tmp_path):
-    _torchrun(2, HERE / "accelerate_runs.py", tmp_path)
+    _accelerate_launch(2, "accelerate_runs.py", tmp_path)
     for rank in range(2):
-        ddp, sharded = (json.loads((tmp_path / f"{mode}.rank{rank}.json").read_text()) for mode in ("ddp", "sharded"))
+        modes = ("ddp", "sharded")
+        ddp, sharded = (json.loads((tmp_path / f"{mode}.rank{rank}.json").read_text()) for mode in modes)
         assert (ddp["model"], sharded["model"]) == ("DistributedDataParallel", "ShardedDataParallel")
         assert _close(sharded["losses"], ddp["losses"]) < 1e-6 and _close(sharded["params"], ddp["params"]) < 1e-6
         for run in (ddp, sharded):  # load_state, then the same steps: the uninterrupted run's end, exactly
             assert run["resumed"] == run["params"], rank
             assert run["resumed_losses"] == run["losses"][-len(run["resumed_losses"]) :], rank
         assert 0 < sharded["state_bytes"] < ddp["state_bytes"], (sharded["state_bytes"], ddp["state_bytes"])
+        ddp, sharded = (json.loads((tmp_path / f"{mode}-scaled.rank{rank}.json").read_text()) for mode in modes)
+        assert (ddp["scaler"], sharded["scaler"]) == ("GradScaler", "ShardedGradScaler")
+        assert ddp["scale"] == sharded["scale"] == 2.0**24, (ddp["scale"], sharded["scale"])  # 3 skips from 2**36
+        assert _close(sharded["losses"], ddp["losses"]) < 1e-6 and _close(sharded["params"], ddp["params"]) < 1e-6

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,10 +44,19 @@ CHECKPOINTS += [f"ddpkit_slowmo-momentum:sgd-plain-{step}" for step in ("2epochs
 
 
 def _run(args: list, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    """`args` run with tests/ and the repository on the path; fails the test with its output if it fails."""
+    """`args` run with tests/ and the repository on the path, in a session of their own (a launcher's workers
+    included) that is killed whole after 280 s; fails the test with its output if it fails or times out."""
     path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
-    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=280, cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": path, **env})  # fmt: skip
+    environment = {**os.environ, "PYTHONPATH": path, **env}
+    process = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=cwd, env=environment, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        stderr += "\n(killed after 280 s, with every process it started)"
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 

@@ -99,9 +99,11 @@ class GradBucket:
             if count_users:
                 grads.append(torch.tensor(self.used_here, dtype=grads[0].dtype, device=grads[0].device))
             message = flatten(grads)
-        # A sum of N fp32/fp64 gradients cannot overflow where their average does not: only the owner divides,
-        # once, instead of every rank dividing what it sends (the same result when N is a power of two). Narrow
-        # types are divided before they travel, as DDP does.
+        # fp32/fp64: only the owner divides, once, instead of every rank dividing what it sends (bit for bit the
+        # same when N is a power of two). The sum overflows where the average would not only for gradients within
+        # a factor N of the type's largest value (3.4e38 in fp32), which no real gradient nears even under fp16
+        # loss scaling (whose overflows happen in fp16, far below). Narrow types are divided before they travel,
+        # as DDP does.
         self.divide_on_owner = message.dtype in (torch.float32, torch.float64) and not reduce_fp16
         if not self.divide_on_owner:
             message.div_(world_size)
