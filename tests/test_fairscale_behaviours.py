@@ -1,18 +1,19 @@
 """Public behaviours fairscale users rely on (issue 25, point 4), each against its reference value.
 
 References: OSS's state dict must carry `OSS.param_groups` key for key (fairscale syncs its param groups from the
-optimizer it wraps and saves those), before and after a load; a scheduler's current values must be in a
-consolidated state dict; `add_param_group` must give every new parameter exactly one owner (the union over the
-ranks is the group, no overlap); AdaScale on one worker without accumulation is refused with a RuntimeError, as
-fairscale's test_single_node_adascale expects; `AdaScale.unhook()` must let the parameters go by reference
-counting alone (fairscale checks that the tensor is freed once model and optimizer are deleted); AdaScale around
-OSS, in either of fairscale's spellings, must give the gain and mean weight fairscale's test_oss_adascale recorded
-for its four-layer model after two steps on two ranks (1.0335265132125744 and 52.92657661437988, the values of
-plain AdaScale over DDP). After a ShardedDataParallel backward, code that reads `p.grad` on every rank (fairscale's
-test_train_eval_change reads the first parameter's gradient on each rank and takes its norm) must find a tensor
-for the small parameters fairscale keeps in its buckets: the owner DDP's average, the others their own gradient
-(from the plain module, outside any wrapper); `keep_bucketed_grads=False` drops them, a memory saving of exactly
-those elements.
+optimizer it wraps and saves those), before and after a load; a scheduler's current values must be in a consolidated
+state dict; `add_param_group` must give every new parameter exactly one owner (the union over the ranks is the
+group, no overlap); AdaScale on one worker without accumulation is refused with a RuntimeError, as fairscale's
+test_single_node_adascale expects; `AdaScale.unhook()` must let the parameters go by reference counting alone
+(fairscale checks that the tensor is freed once model and optimizer are deleted); AdaScale around OSS, in either of
+fairscale's spellings, must give the gain and mean weight fairscale's test_oss_adascale recorded for its four-layer
+model after two steps on two ranks (1.0335265132125744 and 52.92657661437988, the values of plain AdaScale over
+DDP). OSS around AdaScale (``OSS(params, AdaScaleWrapper, optim_cls=SGD)``) must give the same: its AdaScale
+measures the whole model (fairscale's measured each rank's shard and recorded 94.93 there). After a
+ShardedDataParallel backward, code that reads `p.grad` on every rank (fairscale's test_train_eval_change reads the
+first parameter's gradient on each rank and takes its norm) must find a tensor for the small parameters fairscale
+keeps in its buckets: the owner DDP's average, the others their own gradient (from the plain module, outside any
+wrapper); `keep_bucketed_grads=False` drops them, a memory saving of exactly those elements.
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ def _adascale_around_oss(rank: int, world_size: int, spelling: str) -> tuple[flo
         optimizer = AdaScale(OSS(model.parameters(), torch.optim.SGD, lr=0.1))
     elif spelling == "AdaScaleWrapper(optim_cls=OSS)":
         optimizer = AdaScaleWrapper(model.parameters(), optim_cls=OSS, optim=torch.optim.SGD, lr=0.1)
+    elif spelling == "OSS(AdaScaleWrapper)":  # the AdaScale inside: measures the whole model, not its shard
+        sharded = OSS(model.parameters(), AdaScaleWrapper, optim_cls=torch.optim.SGD, lr=0.1)
+        optimizer = sharded
+        optimizer.gain = sharded.optim.gain  # type: ignore[method-assign]
     else:
         optimizer = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1))
     for inputs in ([[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 0.0]]):
@@ -117,7 +122,9 @@ def _adascale_around_oss(rank: int, world_size: int, spelling: str) -> tuple[flo
     return optimizer.gain(), mean(layer.weight.mean().item() for layer in model.module)
 
 
-@pytest.mark.parametrize("spelling", ["AdaScale(SGD)", "AdaScale(OSS(...))", "AdaScaleWrapper(optim_cls=OSS)"])
+@pytest.mark.parametrize(
+    "spelling", ["AdaScale(SGD)", "AdaScale(OSS(...))", "AdaScaleWrapper(optim_cls=OSS)", "OSS(AdaScaleWrapper)"]
+)
 def test_adascale_around_oss_gives_fairscales_recorded_sequence(spelling):
     for gain, mean_weight in run_distributed(_adascale_around_oss, 2, spelling):
         assert gain == pytest.approx(1.0335265132125744, rel=1e-6)

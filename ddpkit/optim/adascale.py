@@ -64,8 +64,8 @@ class AdaScale(WrappedOptimizer):
     ``2 x number of parameter groups`` float64 values (each rank's micro-gradient square norms and its share of the
     averaged gradient's square norm), through `ddpkit.distributed.comm` on ``comm_device(group)``; nothing when the
     world size is 1. `gain()` never communicates. The group is `process_group`, else the wrapped OSS's group, else
-    the default group. A rank that hooks no parameter at all (an `AdaScaleWrapper` inside `OSS` owning nothing
-    trainable) takes part in that all-reduce from `step()`, which is the next collective of the other ranks.
+    the default group. A rank that hooks no parameter at all (no trainable parameter) takes part in that
+    all-reduce from `step()`, which is the next collective of the other ranks.
 
     Memory: a few Python floats per parameter group and one float64 scalar per group accumulating the
     micro-gradient norms; norms are dot products over the gradients as they are (a transient float32 copy only for
@@ -79,11 +79,10 @@ class AdaScale(WrappedOptimizer):
     averaging, so the estimate sees this rank's sum instead (fairscale has the same limit): let the last backward
     synchronise.
 
-    Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale only sees the parameters that
-    rank owns, so each parameter's spread is measured from its owner's micro-gradients only: the gain is still an
-    unbiased estimate and is the same on every rank, but noisier, and `estimates()` report the model's values
-    divided by the world size; OSS's checkpoints do not carry the estimates. Prefer ``AdaScale(OSS(...))``, which is
-    exact.
+    Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale steps the parameters that rank
+    owns but measures the whole model (OSS hands it its param groups): the gains are those of ``AdaScale(OSS(...))``
+    (fairscale's measured each rank's shard only). OSS's checkpoints do not carry the estimates there; prefer
+    ``AdaScale(OSS(...))`` for checkpoints.
 
     Example::
 
@@ -133,6 +132,7 @@ class AdaScale(WrappedOptimizer):
         self._group = group
         self._rank = group_rank(group) if self._world_size > 1 else 0
         self._shards_gradients = isinstance(optimizer, OSS)
+        self._inside: OSS | None = None  # the OSS whose local optimizer this is (`_measure_whole_model_of`)
         self._num_grads_to_accum = num_gradients_to_accumulate
         self._scale = float(num_grads) if scale is None else float(scale)
         self._smoothing = default_smoothing(num_grads) if smoothing is None else float(smoothing)
@@ -148,7 +148,7 @@ class AdaScale(WrappedOptimizer):
         self._grads_divided = False
         self._init_optimizer_base()
         self._sync_groups()
-        self._meter.watch(self.param_groups)
+        self._meter.watch(self._watched_groups())
 
     def __repr__(self) -> str:
         return (
@@ -275,7 +275,7 @@ class AdaScale(WrappedOptimizer):
                 "scale_grad_by_num_grads_to_accum: this AdaScale has is_scaled_loss=True, i.e. each accumulated "
                 "loss was already divided by num_gradients_to_accumulate; dividing again would be wrong"
             )
-        for group in self.param_groups:
+        for group in self._watched_groups():
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.div_(self._num_grads_to_accum)
@@ -322,22 +322,45 @@ class AdaScale(WrappedOptimizer):
                 "scale_grad_by_num_grads_to_accum() after the last backward and before step()"
             )
 
+    def _measure_whole_model_of(self, oss: OSS) -> None:
+        """Called by `oss` when this AdaScale is its local optimizer (``OSS(params, AdaScaleWrapper, ...)``): the
+        estimates then come from the whole model, as for ``AdaScale(OSS(...))``, instead of from this rank's shard
+        (the gradients of every parameter are measured here; the averaged ones are counted by their owners)."""
+        if self._world_size != oss.world_size:
+            raise ValueError(
+                f"AdaScale: world_size={self._world_size} but the OSS it optimizes for shards over {oss.world_size} "
+                "ranks; leave world_size=None"
+            )
+        self._inside = oss
+        self._group = oss.group
+        self._meter.watch(self._watched_groups())
+
+    def _watched_groups(self) -> list[dict[str, Any]]:
+        """The param groups whose gradients the estimates come from: this optimizer's, or the whole model's
+        when it is an OSS's local optimizer (the same groups in the same order, each with every rank's share)."""
+        return self._inside.param_groups if self._inside is not None else self.param_groups
+
+    def _sharding(self) -> OSS | None:
+        return self._optimizer if self._shards_gradients else self._inside  # type: ignore[return-value]
+
     def _counted_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averaged gradients this rank adds to the norm: all of them, or under OSS its own share (every
         element counted by one rank)."""
-        if not self._shards_gradients:
+        sharding = self._sharding()
+        if sharding is None:
             return [p.grad for p in params]
-        return self._optimizer.owned_grads(params)  # type: ignore[attr-defined]
+        return sharding.owned_grads(params)
 
     def _reduce_norms(self) -> tuple[list[float], list[float]]:
         """Per group: ``sum_i ||g_i||^2`` over all micro-gradients and ``||mean_i g_i||^2`` (one all-reduce)."""
-        n_groups = len(self.param_groups)
-        first = next((p for group in self.param_groups for p in group["params"]), None)
+        watched = self._watched_groups()
+        n_groups = len(watched)
+        first = next((p for group in watched for p in group["params"]), None)
         data = first.device if first is not None else None
         device = comm_device(self._group, data) if self._world_size > 1 else torch.device("cpu")
         norms = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
         self._meter.totals_into(norms)
-        for i, group in enumerate(self.param_groups):
+        for i, group in enumerate(watched):
             params = [p for p in group["params"] if p.requires_grad and p.grad is not None]
             grads = self._counted_grads(params)
             if grads:  # summed where the gradients are, then moved once (a CUDA-to-host copy synchronises)
@@ -345,7 +368,7 @@ class AdaScale(WrappedOptimizer):
         if self._world_size > 1:
             comm.all_reduce(norms, self._group)
         values = norms.tolist()
-        holders = 1 if self._shards_gradients else self._world_size  # ranks holding each averaged gradient
+        holders = 1 if self._sharding() is not None else self._world_size  # ranks holding each averaged gradient
         return values[:n_groups], [v / holders for v in values[n_groups:]]
 
     def _update_estimates(self, sum_sq: list[float], mean_sq: list[float]) -> None:
@@ -362,7 +385,7 @@ class AdaScale(WrappedOptimizer):
         self._backward_passes = 0
         self._measured = False
         self._grads_divided = False
-        self._meter.watch(self.param_groups)
+        self._meter.watch(self._watched_groups())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (through the wrapped optimizer) and starts a new update's measurements."""
@@ -374,7 +397,7 @@ class AdaScale(WrappedOptimizer):
         self._check_between_updates("add_param_group")
         self._optimizer.add_param_group(pg)
         self._sync_groups()
-        self._meter.watch(self.param_groups)
+        self._meter.watch(self._watched_groups())
 
     def _sync_groups(self) -> None:
         while len(self._estimates) < len(self.param_groups):

@@ -153,6 +153,9 @@ class OSS(Optimizer):
         self._auto_fused = _may_use_fused(optim, self.param_groups)
         inner_defaults = {**defaults, "fused": True} if self._auto_fused else defaults
         self.optim = optim(self._local_groups(), **inner_defaults)
+        measure_whole_model = getattr(self.optim, "_measure_whole_model_of", None)  # an AdaScale (optim/adascale.py)
+        if measure_whole_model is not None:
+            measure_whole_model(self)
         self._pull_hyperparameters()
         self._ready = True
 
