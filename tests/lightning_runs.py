@@ -3,10 +3,10 @@ tests/test_lightning.py): ``torchrun --nproc-per-node N tests/lightning_runs.py 
 
 A run is ``STRATEGY:SETTING`` (setting names in SETTINGS), or ``fabric/STRATEGY:SETTING`` for the same training
 written as a Fabric loop (automatic-optimization settings only; its file is named ``fabric-STRATEGY:...``). Every
-rank writes ``OUT/STRATEGY:SETTING.rank{r}.json``:
-its per-step losses, its final parameters (flattened), the bytes of optimizer state it holds, the bytes ddpkit sent
-during `fit`, the learning rates it stepped with, and what `validate` and `predict` gave after `fit`. The data, the
-model and its initial weights are the same for every run (seeded).
+rank writes ``OUT/STRATEGY:SETTING.rank{r}.json``: its per-step losses, its final parameters (flattened), the bytes
+of optimizer state it holds, the bytes ddpkit sent during `fit`, the learning rates it stepped with, and what
+`validate`, `test` and `predict` gave after `fit`. The data, the model and its initial weights are the same for
+every run (seeded).
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ class Net(L.LightningModule):
         x, y = batch
         self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
 
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> None:
+        x, y = batch
+        self.log("test_accuracy", (self(x).argmax(1) == y).float().mean(), sync_dist=True)
+
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
         return self(batch[0]).argmax(1)
 
@@ -185,6 +189,7 @@ def run(name: str, devices: int, out: Path) -> None:
     optimizers = trainer.optimizers
     state = sum(_state_bytes(o) for o in optimizers)
     validated = trainer.validate(model, loader, verbose=False)  # after fit: the module is unwrapped and evaluates
+    tested = trainer.test(model, loader, verbose=False)
     predictions = trainer.predict(model, DataLoader(_data(), batch_size=64), return_predictions=True)
     rank = trainer.global_rank
     record = {
@@ -196,6 +201,7 @@ def run(name: str, devices: int, out: Path) -> None:
         "payload_bytes": sent.payload_bytes(),  # shared memory on one host included
         "optimizers": [type(o).__name__ for o in optimizers],
         "val_loss": float(validated[0]["val_loss"]),
+        "test_accuracy": float(tested[0]["test_accuracy"]),
         "predicted": int(sum(len(p) for p in predictions)),
         "scale": _scale(trainer),
     }

@@ -2,11 +2,11 @@
 
 One torchrun job per world size trains the same LightningModule under every strategy and setting
 (tests/lightning_runs.py); the reference is torch's DDP with the same optimizer, run by Lightning itself. The
-sharded strategies must give its losses and parameters to 1e-6 on every rank (Adam and SGD, two optimizers,
-manual optimization, bf16, fp16 with overflow skips, clipping by norm, accumulation, a step-wise scheduler), with
-the optimizer state split over the ranks, one gradient reduction per optimizer step when accumulating, and
-``validate``/``predict`` after ``fit`` evaluating the unwrapped module. SlowMo averaging every step with plain SGD
-and no slow momentum must equal DDP too (the average of the local SGD steps is DDP's step).
+sharded strategies must give its losses and parameters to 1e-6 on every rank (Adam and SGD, two optimizers, manual
+optimization, bf16, fp16 with overflow skips, clipping by norm, accumulation, a step-wise scheduler), with the
+optimizer state split over the ranks, one gradient reduction per optimizer step when accumulating, and
+``validate``/``test``/``predict`` after ``fit`` evaluating the unwrapped module. SlowMo averaging every step with
+plain SGD and no slow momentum must equal DDP too (the average of the local SGD steps is DDP's step).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def test_sharded_strategies_train_as_lightnings_ddp(runs, strategy):
             assert _close(got["params"], reference["params"]) < 1e-6, where
             assert got["lrs"] == reference["lrs"], where  # the scheduler drives the OSS
             assert got["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-6), where
+            assert got["test_accuracy"] == reference["test_accuracy"] > 0.3, where
             assert got["predicted"] == reference["predicted"] == 512 // len(ranks), where  # its share, unwrapped
             assert set(got["optimizers"]) == {"OSS"}, where
         # the optimizer state is split: together the ranks hold DDP's one copy, each a part of it
