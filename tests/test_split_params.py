@@ -193,6 +193,8 @@ def _choices(rank: int, world: int) -> dict:
     out["closure_diff"] = max(
         (a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters(), strict=True)
     )
+    single = nn.Parameter(torch.ones(1))  # fewer elements than ranks: never cut (a rank would get an empty piece)
+    out["single_whole"] = not OSS([single], optim=torch.optim.Adam, lr=1e-3, min_split_numel=1).pieces_of(single)
     out["bad_min_split"] = []
     for bad in (0, 1.5, True):
         try:
@@ -221,6 +223,7 @@ def test_split_params_choices_and_refusals():
         assert r["lowered_cut"] == [True, False, True, False], r["lowered_cut"]  # the two weights, largest first
         assert r["lowered_state"] <= 1.1 * r["lowered_total"] / 2, (r["lowered_state"], r["lowered_total"])
         assert all("min_split_numel must be an int >= 1" in m for m in r["bad_min_split"]), r["bad_min_split"]
+        assert r["single_whole"]
         assert r["closure_cut"] and r["closure_loss"] == 0.0 and r["closure_diff"] < 1e-6, r
         assert "split_params=True needs an element-wise optimizer" in r["non_elementwise"], r
         assert "LBFGS" in r["non_elementwise"]

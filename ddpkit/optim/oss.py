@@ -185,7 +185,8 @@ class OSS(Optimizer):
     def _choose_splits(self, params: list[torch.Tensor], sizes: list[int]) -> set[int]:
         if self.world_size == 1 or self.split_params is False:
             return set()
-        candidates = [p.numel() >= self.min_split_numel and can_split(self._optim_class, p) for p in params]
+        smallest = max(self.min_split_numel, self.world_size)  # every piece at least one element
+        candidates = [p.numel() >= smallest and can_split(self._optim_class, p) for p in params]
         if self.split_params:
             return {i for i, candidate in enumerate(candidates) if candidate}
         return choose_splits(sizes, candidates, self.world_size, _BALANCE_TOLERANCE)
