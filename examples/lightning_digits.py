@@ -70,7 +70,8 @@ def main() -> None:
         type=int,
         default=None,
         help="ddpkit_sharded/ddpkit_oss: OSS(min_split_numel=N), tensors of N elements or more may be cut over the "
-        "ranks (default: 2**20, which no tensor of this small model reaches, so each goes whole to one rank)",
+        "ranks (default: 2**20, which no tensor of this small model reaches, so each goes whole to one rank); "
+        "with ddpkit_sharded a cut tensor keeps a full-size gradient on every rank",
     )
     args = parser.parse_args()
     torch.manual_seed(0)

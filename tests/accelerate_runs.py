@@ -106,12 +106,13 @@ def run(mode: str, out: Path) -> None:
 
 
 def run_scaled(mode: str, out: Path) -> None:
-    """The loop (without clipping) under the loss scaler accelerate makes for ``mixed_precision="fp16"`` on a GPU
-    (on the CPU it makes none), set by hand before `prepare`. On rank 0 one parameter that rank 0 owns in the
-    sharded run gets a gradient 2**100 larger, which overflows at scales above 2**28: the sharded run then finds
-    the inf on rank 0 only (rank 1 neither owns that gradient nor computed an inf), so the ranks skip alike only
-    through the ShardedGradScaler that `prepare_sharded` puts in place of torch's. Starting at 2**36 with a
-    backoff of 1/16, two steps are skipped, as under accelerate's DDP."""
+    """The loop (without clipping) under the loss scaler accelerate makes for ``mixed_precision="fp16"`` on a GPU (on
+    the CPU it makes none), set by hand before `prepare`. On rank 0 one parameter that rank 0 owns in the sharded
+    run gets a gradient 2**100 larger, which overflows fp32 at scales of 2**28 and above (the two micro-batches'
+    gradients, 2**127 each at 2**28, add up to 2**128): the sharded run then finds the inf on rank 0 only (rank 1
+    neither owns that gradient nor computed an inf), so the ranks skip alike only through the ShardedGradScaler
+    that `prepare_sharded` puts in place of torch's. Starting at 2**36 with a backoff of 1/16, three steps are
+    skipped (2**36, 2**32, 2**28), as under accelerate's DDP."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, backoff_factor=2.0**-4, growth_interval=1000)
     parts = _setup(accelerator, mode)

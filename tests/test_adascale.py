@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
@@ -540,13 +541,19 @@ def _wrapper_in_oss_owning_nothing(rank, world):
                 (nn.functional.mse_loss(sdp(x[:, :6]), y) / 2).backward()
         oss.step()
         gains.append(oss.optim.gain())
-    return [p.detach().clone() for p in model.parameters()], gains, oss.optim._meter.watching
+    # an OSS over a pair of ranks: its AdaScale follows the OSS's group (world size 2, scale 2 x 2), not the 4 ranks
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    paired = OSS(nn.Linear(6, 3).parameters(), optim=AdaScaleWrapper, group=pairs[rank // 2], lr=LR,
+                 num_gradients_to_accumulate=2)  # fmt: skip
+    pair = (paired.optim.world_size, paired.optim.scale)
+    return [p.detach().clone() for p in model.parameters()], gains, oss.optim._meter.watching, pair
 
 
 def test_adascale_wrapper_inside_oss_on_ranks_owning_nothing():
     results = run_distributed(_wrapper_in_oss_owning_nothing, 4)
-    assert [watching for _, _, watching in results] == [True, True, True, True]
-    for params, gains, _ in results:
+    assert [watching for _, _, watching, _ in results] == [True, True, True, True]
+    assert [pair for *_, pair in results] == [(2, 4.0)] * 4
+    for params, gains, _, _ in results:
         assert gains == results[0][1] and all(1 < g <= 8 for g in gains)
         assert all(torch.equal(a, b) for a, b in zip(params, results[0][0], strict=True))
 
@@ -591,7 +598,7 @@ def test_oss_checkpoint_resumes_exactly_and_world_size_errors():
     for resumed_equal, same_progress, errors in run_distributed(_oss_checkpoint_and_errors, 2):
         assert resumed_equal and same_progress
         assert "world_size=3 but the process group has 2 ranks" in errors["world_size"]
-        assert "the wrapped OSS shards over 2 ranks" in errors["oss_world"]
+        assert "world_size=1 but the OSS shards over 2 ranks; leave world_size=None" in errors["oss_world"]
         assert "sharded_optimizer must be a ddpkit.optim.OSS (or an AdaScale wrapping one)" in errors["sdp_plain"]
         assert "got AdaScale wrapping SGD" in errors["sdp_plain"]
 

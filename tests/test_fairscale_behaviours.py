@@ -163,6 +163,20 @@ def _grads_after_backward(rank: int, world_size: int) -> dict:
         )
         out[keep, "missing"] = [i for i, (g, mine) in enumerate(zip(grads, owned, strict=True)) if g is None]
         out[keep, "owned"] = [i for i, mine in enumerate(owned) if mine]
+        # torch.autograd.grad through the wrapper (a gradient penalty) returns the plain local gradients and leaves
+        # every .grad as it was
+        before = [None if g is None else g.clone() for g in grads]
+        taken = torch.autograd.grad(sdp(x).sum(), list(model.parameters()))
+        out[keep, "autograd_off"] = max((t - o).abs().max().item() for t, o in zip(taken, local, strict=True))
+        out[keep, "grads_kept"] = all(
+            (a is None and p.grad is None) or (a is not None and torch.equal(a, p.grad))
+            for a, p in zip(before, model.parameters(), strict=True)
+        )
+    try:
+        ShardedDataParallel(model, optimizer, keep_bucketed_grads="yes")  # type: ignore[arg-type]
+        out["bad_keep"] = "accepted"
+    except TypeError as exc:
+        out["bad_keep"] = str(exc)
     return out
 
 
@@ -173,3 +187,6 @@ def test_every_rank_reads_a_gradient_after_sharded_backward_as_in_fairscale():
         assert r[True, "missing"] == [], rank
         assert r[True, "off"] < 1e-6 and r[False, "off"] < 1e-6, (rank, r)
         assert r[False, "missing"] == [i for i in range(6) if i not in r[False, "owned"]], rank
+        for keep in (True, False):
+            assert r[keep, "autograd_off"] < 1e-6 and r[keep, "grads_kept"], (rank, keep, r[keep, "autograd_off"])
+        assert "keep_bucketed_grads must be True or False" in r["bad_keep"], r["bad_keep"]

@@ -217,22 +217,28 @@ def _unused(rank, world):
     # Two synced backwards without clearing: `b` used everywhere, then only on the ranks that do not own it. An
     # owner's untouched average must count once more (DDP: A + the new sum / N); a non-owner keeps only its new
     # gradient of a small (bucketed) parameter and drops the large one.
+    # Then the other way round: `b` used only by its owner in the second backward, so a non-owner's kept gradient
+    # of the first must not be sent again (it is dropped, and that rank holds none afterwards).
     owner_b = opt.owner_of(model.b.bias)
-    local = None
-    for m, o in ((ref, ref_opt), (sdp, opt)):
-        o.zero_grad()
-        for k, use_b in enumerate((True, rank != owner_b)):
-            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 + 10 * k + rank))
-            m(x, 0 if use_b else 1).sum().backward()
-            if m is ref and k == 1 and use_b:
-                local = torch.autograd.grad(ref.module(x, 0).sum(), ref.module.b.bias)[0]
-    owners = [
-        (p.grad - q.grad).abs().max().item()
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
-        if opt.owner_of(p) == rank and q.grad is not None
-    ]
-    if rank != owner_b:  # a bucketed parameter (4 elements < reduce_buffer_size 8): its own new gradient
-        owners.append((model.b.bias.grad - local).abs().max().item())
+    owners = []
+    for second_use in ("not_owner", "owner"):
+        local = None
+        for m, o in ((ref, ref_opt), (sdp, opt)):
+            o.zero_grad()
+            for k, use_b in enumerate((True, (rank != owner_b) == (second_use == "not_owner"))):
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 + 10 * k + rank))
+                m(x, 0 if use_b else 1).sum().backward()
+                if m is ref and k == 1 and use_b:
+                    local = torch.autograd.grad(ref.module(x, 0).sum(), ref.module.b.bias)[0]
+        owners += [
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+            if opt.owner_of(p) == rank and q.grad is not None
+        ]
+        if rank != owner_b and local is not None:  # bucketed (4 elements < reduce_buffer_size 8): its new gradient
+            owners.append((model.b.bias.grad - local).abs().max().item())
+        elif rank != owner_b:
+            assert model.b.bias.grad is None, second_use  # unused here: the stale kept gradient was dropped
         assert model.b.weight.grad is None or opt.owner_of(model.b.weight) == rank  # 16 elements: alone
     # without the flag: locally unused parameters still average exactly, and a warning says what happened
     routed = _Routed()
@@ -487,17 +493,19 @@ def _two_backwards(rank, world):
     """Gradients accumulated over backwards that communicate (no no_sync, no zero_grad between) equal DDP's."""
     worst = {}
     patterns = (("sync", "sync"), ("sync", "no_sync", "sync"), ("no_sync", "sync", "sync"))
-    for pattern, bucket in itertools.product(patterns, (50, 2**23)):  # non-owners keep the biases / everything
+    cases = [(p, b, True) for p, b in itertools.product(patterns, (50, 2**23))]  # non-owners keep biases / all
+    cases.append((("sync", "sync"), 2**23, False))  # keep_bucketed_grads=False: nothing kept
+    for pattern, bucket, keep in cases:
         ref, model = _mlp(), _mlp()
         ddp = DDP(ref)
         opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
-        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket)
+        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket, keep_bucketed_grads=keep)
         for i, mode in enumerate(pattern):
             x, y = _batch(rank, i)
             for m in (ddp, sdp):
                 with m.no_sync() if mode == "no_sync" else torch.enable_grad():
                     nn.functional.mse_loss(m(x), y).backward()
-        worst[pattern, bucket] = max(
+        worst[pattern, bucket, keep] = max(
             (p.grad - q.grad).abs().max().item()
             for p, q in zip(model.parameters(), ref.parameters(), strict=True)
             if opt.owner_of(p) == rank

@@ -200,8 +200,8 @@ def _choices(rank: int, world: int) -> dict:
         try:
             OSS(small.parameters(), optim=torch.optim.Adam, lr=1e-3, min_split_numel=bad)
             out["bad_min_split"].append("accepted")
-        except ValueError as exc:
-            out["bad_min_split"].append(str(exc))
+        except (TypeError, ValueError) as exc:
+            out["bad_min_split"].append(f"{type(exc).__name__}: {exc}")
     for name, kwargs in [
         ("non_elementwise", {"optim": torch.optim.LBFGS, "split_params": True}),
         ("bad_value", {"optim": torch.optim.Adam, "split_params": "yes"}),
@@ -222,7 +222,8 @@ def test_split_params_choices_and_refusals():
         assert r["small_not_cut"] and r["sgd_cut"]
         assert r["lowered_cut"] == [True, False, True, False], r["lowered_cut"]  # the two weights, largest first
         assert r["lowered_state"] <= 1.1 * r["lowered_total"] / 2, (r["lowered_state"], r["lowered_total"])
-        assert all("min_split_numel must be an int >= 1" in m for m in r["bad_min_split"]), r["bad_min_split"]
+        assert r["bad_min_split"][0].startswith("ValueError: OSS: min_split_numel must be an int >= 1")
+        assert all(m.startswith("TypeError: OSS: min_split_numel must be an int") for m in r["bad_min_split"][1:])
         assert r["single_whole"]
         assert r["closure_cut"] and r["closure_loss"] == 0.0 and r["closure_diff"] < 1e-6, r
         assert "split_params=True needs an element-wise optimizer" in r["non_elementwise"], r

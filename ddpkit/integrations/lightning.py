@@ -46,7 +46,6 @@ What Lightning's DDP strategy would get wrong with these wrappers, and what they
 
 from __future__ import annotations
 
-import inspect
 import types
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
@@ -68,7 +67,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError('ddpkit.integrations.lightning needs lightning: pip install "ddpkit[lightning]"') from exc
 
-from ddpkit.integrations.sharding import as_oss, check_oss_kwargs, sharded_scaler_like
+from ddpkit.integrations.sharding import as_oss, check_oss_kwargs, sharded_scaler_like, take_sdp_kwargs
 from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS
 
@@ -157,7 +156,7 @@ class DDPKitShardedStrategy(_DDPKitStrategy):
     strategy_name = "ddpkit_sharded"
 
     def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self._sdp_kwargs = _take_sdp_kwargs(kwargs)
+        self._sdp_kwargs = take_sdp_kwargs(kwargs)
         self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
         self._optimizers_ready = False
@@ -226,20 +225,6 @@ class DDPKitSlowMoStrategy(_DDPKitStrategy):
         if isinstance(self.model, SlowMoDistributedDataParallel):
             self.model.perform_slowmo(optimizer)
         return output
-
-
-_SDP_OPTIONS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
-    "self",
-    "module",
-    "sharded_optimizer",
-    "process_group",
-}
-
-
-def _take_sdp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Removes ShardedDataParallel's own arguments (``reduce_buffer_size``, ``keep_bucketed_grads``, ...) from a
-    strategy's keyword arguments and returns them."""
-    return {key: kwargs.pop(key) for key in sorted(_SDP_OPTIONS) if key in kwargs}
 
 
 def _repoint_schedulers(strategy: DDPStrategy) -> None:
@@ -315,7 +300,7 @@ class DDPKitFabricShardedStrategy(_DDPKitFabricStrategy):
     strategy_name = "ddpkit_sharded"
 
     def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self._sdp_kwargs = _take_sdp_kwargs(kwargs)
+        self._sdp_kwargs = take_sdp_kwargs(kwargs)
         self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
 

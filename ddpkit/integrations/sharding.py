@@ -8,14 +8,29 @@ from typing import Any
 
 import torch
 
+from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
 
-__all__ = ["OSS_OPTIONS", "as_oss", "check_oss_kwargs", "sharded_scaler_like"]
+__all__ = ["OSS_OPTIONS", "SDP_OPTIONS", "as_oss", "check_oss_kwargs", "sharded_scaler_like", "take_sdp_kwargs"]
 
 
 OSS_OPTIONS = frozenset(inspect.signature(OSS.__init__).parameters) - {"self", "params", "optim", "defaults"}
 """OSS's own arguments (``split_params``, ``min_split_numel``, ``broadcast_fp16``, ...), which an integration's
 `oss_kwargs` may set."""
+
+
+SDP_OPTIONS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
+    "self",
+    "module",
+    "sharded_optimizer",
+    "process_group",
+}
+"""ShardedDataParallel's own arguments (``reduce_buffer_size``, ``keep_bucketed_grads``, ...)."""
+
+
+def take_sdp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Removes ShardedDataParallel's own arguments from `kwargs` (a strategy's keyword arguments) and returns them."""
+    return {key: kwargs.pop(key) for key in sorted(SDP_OPTIONS) if key in kwargs}
 
 
 def check_oss_kwargs(oss_kwargs: dict[str, Any] | None, where: str) -> dict[str, Any]:
@@ -36,6 +51,11 @@ def as_oss(optimizer: torch.optim.Optimizer, **oss_kwargs: Any) -> OSS:
     arguments, e.g. ``min_split_numel``); an OSS is returned as it is. Raises a TypeError for an optimizer that
     already holds state (its state would be lost)."""
     if isinstance(optimizer, OSS):
+        if oss_kwargs:
+            raise TypeError(
+                f"oss_kwargs ({', '.join(sorted(oss_kwargs))}) cannot apply to an optimizer that is already an OSS; "
+                "give those arguments to the OSS you build, or return a plain torch optimizer"
+            )
         return optimizer
     if optimizer.state:
         raise TypeError(

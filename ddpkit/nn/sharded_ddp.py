@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ from ddpkit.nn.wrapper import ModuleWrapper
 from ddpkit.optim.adascale import AdaScale
 from ddpkit.optim.oss import OSS
 
+HeldKind = Literal["average", "local"]
+"""What the last reduce left in a parameter's ``.grad``: the owner's average, or a non-owner's own gradient."""
+
 
 class ShardedDataParallel(ModuleWrapper):
     """Data parallelism in which each gradient is reduced only to the rank that owns its optimizer state.
@@ -64,9 +67,11 @@ class ShardedDataParallel(ModuleWrapper):
     order on every rank, so the collectives always match. When backward ends (an autograd callback), the
     remaining buckets are flushed, every reduce is waited for, and owners hold exactly DDP's averaged gradient.
     The other ranks drop the gradients of large parameters (``grad = None``: those that travel alone, of at least
-    ``min(reduce_buffer_size, 2**18)`` elements) and, as fairscale does, keep those of the small parameters that
-    travel in shared buckets: their own local gradient, the one they sent (not the average), so code that reads
-    ``p.grad`` on every rank after backward finds a tensor (`keep_bucketed_grads=False` drops them too).
+    ``min(reduce_buffer_size, 2**18)`` elements) and keep those of the small parameters that travel in shared
+    buckets, where fairscale keeps views of its buckets (whose content after the reduce it does not define): here
+    their own local gradient, the one they sent (not the average), so code that reads ``p.grad`` on every rank
+    after backward finds a tensor (`keep_bucketed_grads=False` drops them too). A parameter that OSS cut into
+    pieces keeps a full-size gradient on every rank (the average on the rank's own piece, zero elsewhere).
     `OSS.step()` then updates each shard and broadcasts it.
 
     Communication at construction: one all-gather of an 8-byte digest of every rank's parameter names, shapes,
@@ -180,7 +185,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._hooks: list[Any] = []
         # Gradients left in place by the last reduce, with their identity and version then: an owner's average
         # ("average") or, with keep_bucketed_grads, a non-owner's own gradient ("local"). See `_keep_average_hook`.
-        self._held: dict[nn.Parameter, tuple[int, int, str]] = {}
+        self._held: dict[nn.Parameter, tuple[int, int, HeldKind]] = {}
         self._buckets: list[GradBucket] = []
         self._bucket_of: dict[nn.Parameter, list[GradBucket]] = {}  # several for a parameter cut into pieces
         if sync_models_at_startup:
@@ -227,6 +232,7 @@ class ShardedDataParallel(ModuleWrapper):
         for bucket in self._buckets:
             for p in bucket.params:
                 self._bucket_of.setdefault(p, []).append(bucket)
+        self._held = {p: mark for p, mark in self._held.items() if p in self._bucket_of}  # frozen ones: forgotten
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
         self._hooks += [p.register_hook(self._keep_average_hook(p)) for p in self._bucket_of]
         self._trainable_signature = self._signature()
@@ -319,7 +325,12 @@ class ShardedDataParallel(ModuleWrapper):
         counter tells whether ``.grad`` is still untouched since the reduce (a zero_grad() in place is a clear).
         """
 
+        with torch.enable_grad():
+            accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # the node that adds to param.grad
+
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if not _will_accumulate(accumulator):  # torch.autograd.grad(..., params): .grad is left alone
+                return None
             kind = self._untouched_since_reduce(param)
             if kind == "local":
                 param.grad = None  # autograd then takes the new gradient as it is
@@ -331,7 +342,7 @@ class ShardedDataParallel(ModuleWrapper):
 
         return hook
 
-    def _untouched_since_reduce(self, param: nn.Parameter) -> str | None:
+    def _untouched_since_reduce(self, param: nn.Parameter) -> HeldKind | None:
         """The kind of gradient the last reduce left on `param` ("average" or "local") if `param` still holds it
         untouched, else None; either way the record is forgotten."""
         mark = self._held.pop(param, None)
@@ -401,7 +412,7 @@ class ShardedDataParallel(ModuleWrapper):
             owner = bucket.owner == self.rank
             bucket.finish(owner, self.world_size, self.find_unused_parameters, keep_local=self.keep_bucketed_grads)
         for bucket in self._buckets:  # once every piece of a split gradient is final
-            kind = "average" if bucket.owner == self.rank else "local"
+            kind: HeldKind = "average" if bucket.owner == self.rank else "local"
             for p in bucket.params:
                 if p.grad is not None and (kind == "average" or bucket.shared):
                     self._held[p] = (id(p.grad), p.grad._version, kind)
@@ -467,6 +478,19 @@ class ShardedDataParallel(ModuleWrapper):
 
 
 ShardedDDP = ShardedDataParallel
+
+
+def _will_accumulate(accumulator: Any) -> bool:
+    """Whether the running backward adds to the gradient of the parameter whose AccumulateGrad node is `accumulator`
+    (False under ``torch.autograd.grad``, which runs the parameter's hooks but leaves ``.grad`` alone). torch has no
+    public way to ask: its private check raises for a parameter under ``autograd.grad``, which is the answer."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return True
+    try:
+        return bool(will_execute(accumulator))
+    except RuntimeError:
+        return False
 
 
 def _check_optimizers(sharded_optimizer: OSS | AdaScale | list[OSS | AdaScale]) -> list[OSS]:

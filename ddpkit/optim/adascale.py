@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ddpkit.distributed import comm
-from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank
+from ddpkit.distributed.env import ProcessGroup, comm_device
 from ddpkit.optim.adascale_checks import SingleWorkerError, check_options, check_scale, is_int, resolve_world_size
 from ddpkit.optim.adascale_math import (
     SmoothedEstimate,
@@ -116,26 +116,12 @@ class AdaScale(WrappedOptimizer):
         group = process_group
         if group is None and isinstance(optimizer, OSS):
             group = optimizer.group
-        self._world_size = resolve_world_size(world_size, group)
-        if isinstance(optimizer, OSS) and self._world_size != optimizer.world_size:
-            raise ValueError(
-                f"AdaScale: world_size={self._world_size} but the wrapped OSS shards over {optimizer.world_size} "
-                "ranks; leave world_size=None"
-            )
-        num_grads = self._world_size * num_gradients_to_accumulate
-        if num_grads < 2:
-            raise SingleWorkerError(
-                "AdaScale: a single worker without gradient accumulation has no spread of gradients to measure; "
-                "use several workers (world_size > 1) or num_gradients_to_accumulate > 1"
-            )
         self._optimizer = optimizer
-        self._group = group
-        self._rank = group_rank(group) if self._world_size > 1 else 0
         self._shards_gradients = isinstance(optimizer, OSS)
         self._inside: OSS | None = None  # the OSS whose local optimizer this is (`_measure_whole_model_of`)
         self._num_grads_to_accum = num_gradients_to_accumulate
-        self._scale = float(num_grads) if scale is None else float(scale)
-        self._smoothing = default_smoothing(num_grads) if smoothing is None else float(smoothing)
+        self._requested = (world_size, process_group, scale, smoothing)  # None: derived from the group
+        self._set_group(group, optimizer if isinstance(optimizer, OSS) else None)
         self._is_scaled_loss = is_scaled_loss
         self._debias_ewma = debias_ewma
         self._estimates: list[SmoothedEstimate] = []
@@ -322,17 +308,34 @@ class AdaScale(WrappedOptimizer):
                 "scale_grad_by_num_grads_to_accum() after the last backward and before step()"
             )
 
+    def _set_group(self, group: ProcessGroup | None, oss: OSS | None) -> None:
+        """The process group, world size and the defaults that follow from it (`scale`, `smoothing`), for `group`
+        (None: the default group) and the OSS whose shards span it, if any."""
+        world_size, _, scale, smoothing = self._requested
+        self._world_size = resolve_world_size(world_size, group)
+        if oss is not None and self._world_size != oss.world_size:
+            raise ValueError(
+                f"AdaScale: world_size={self._world_size} but the OSS shards over {oss.world_size} ranks; leave "
+                "world_size=None (it then follows the OSS's group)"
+            )
+        num_grads = self._world_size * self._num_grads_to_accum
+        if num_grads < 2:
+            raise SingleWorkerError(
+                "AdaScale: a single worker without gradient accumulation has no spread of gradients to measure; "
+                "use several workers (world_size > 1) or num_gradients_to_accumulate > 1"
+            )
+        self._group = group
+        self._scale = float(num_grads) if scale is None else float(scale)
+        self._smoothing = default_smoothing(num_grads) if smoothing is None else float(smoothing)
+
     def _measure_whole_model_of(self, oss: OSS) -> None:
         """Called by `oss` when this AdaScale is its local optimizer (``OSS(params, AdaScaleWrapper, ...)``): the
         estimates then come from the whole model, as for ``AdaScale(OSS(...))``, instead of from this rank's shard
-        (the gradients of every parameter are measured here; the averaged ones are counted by their owners)."""
-        if self._world_size != oss.world_size:
-            raise ValueError(
-                f"AdaScale: world_size={self._world_size} but the OSS it optimizes for shards over {oss.world_size} "
-                "ranks; leave world_size=None"
-            )
+        (the gradients of every parameter are measured here; the averaged ones are counted by their owners). Without
+        a `process_group` of its own it takes the OSS's group (and the world size and defaults that follow)."""
+        requested_group = self._requested[1]
+        self._set_group(requested_group if requested_group is not None else oss.group, oss)
         self._inside = oss
-        self._group = oss.group
         self._meter.watch(self._watched_groups())
 
     def _watched_groups(self) -> list[dict[str, Any]]:

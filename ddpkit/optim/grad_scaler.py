@@ -25,9 +25,11 @@ class ShardedGradScaler(GradScaler):
     found; `update()` multiplies the scale by `backoff_factor` after a skipped step, or by `growth_factor` after
     `growth_interval` clean steps in a row. The one addition: after unscaling, the found-inf flag is combined
     (max) over `process_group`, so it means "some rank saw an inf/NaN". That matters when ranks hold different
-    gradients: with `OSS` + `ShardedDataParallel` each rank keeps only the gradients of the parameters it owns
-    (a rank may own none), so an overflow is seen by one rank only. Without the agreement that rank would skip
-    `OSS.step` (and its broadcasts) while the others enter it and wait forever, and the scales would drift apart.
+    gradients: with `OSS` + `ShardedDataParallel` each rank holds the averaged gradients of the parameters it owns
+    only (a rank may own none; the small ones it does not own it keeps as its own local gradient, unscaled and
+    checked too, which does no harm), so an overflow may be seen by one rank only. Without the agreement that rank
+    would skip `OSS.step` (and its broadcasts) while the others enter it and wait forever, and the scales would
+    drift apart.
 
     Communication: one all-reduce of one float32 per `unscale_` per optimizer, i.e. per iteration one per
     optimizer, whether `unscale_` is called explicitly (e.g. before gradient clipping) or by `step`. It goes

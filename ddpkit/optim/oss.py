@@ -67,7 +67,8 @@ class OSS(Optimizer):
     optimizer, and whole-parameter ownership more than 10% off a perfect balance), parameters of at least
     `ddpkit.optim.param_pieces.MIN_SPLIT_NUMEL` elements, largest first, are cut into one contiguous piece per
     rank until the balance is reached (`ddpkit.optim.param_pieces`; `min_split_numel` lowers that size for a
-    small model dominated by one tensor, so that its state, too, is about 1/N per rank); each rank optimizes its
+    small model dominated by one tensor, so that its state, too, is about 1/N per rank; under
+    ShardedDataParallel a cut parameter keeps a full-size gradient on every rank); each rank optimizes its
     piece and sends it in a message of its own. `owner_of` is None for such a parameter (`pieces_of` lists its
     pieces), the local optimizer's `state` is keyed by the piece tensors, and checkpoints keep torch's
     whole-parameter format. Only parameters trainable at construction (or in a group added later) are
@@ -113,7 +114,9 @@ class OSS(Optimizer):
                 f"OSS: optim must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), got {optim!r}"
             )
         _check_split_params(split_params, optim)
-        if not isinstance(min_split_numel, int) or isinstance(min_split_numel, bool) or min_split_numel < 1:
+        if not isinstance(min_split_numel, int) or isinstance(min_split_numel, bool):
+            raise TypeError(f"OSS: min_split_numel must be an int (a number of elements), got {min_split_numel!r}")
+        if min_split_numel < 1:
             raise ValueError(
                 f"OSS: min_split_numel must be an int >= 1 (the fewest elements of a parameter that may be cut over "
                 f"the ranks), got {min_split_numel!r}"
