@@ -113,15 +113,10 @@ class AdaScale(WrappedOptimizer):
                 "AdaScale: optimizer must be a torch.optim.Optimizer instance (e.g. torch.optim.SGD(params, lr=0.1)), "
                 f"got {type(optimizer).__name__}"
             )
-        group = process_group
-        if group is None and isinstance(optimizer, OSS):
-            group = optimizer.group
         self._optimizer = optimizer
-        self._shards_gradients = isinstance(optimizer, OSS)
-        self._inside: OSS | None = None  # the OSS whose local optimizer this is (`_measure_whole_model_of`)
         self._num_grads_to_accum = num_gradients_to_accumulate
         self._requested = (world_size, process_group, scale, smoothing)  # None: derived from the group
-        self._set_group(group, optimizer if isinstance(optimizer, OSS) else None)
+        self._follow(optimizer if isinstance(optimizer, OSS) else None)
         self._is_scaled_loss = is_scaled_loss
         self._debias_ewma = debias_ewma
         self._estimates: list[SmoothedEstimate] = []
@@ -308,10 +303,11 @@ class AdaScale(WrappedOptimizer):
                 "scale_grad_by_num_grads_to_accum() after the last backward and before step()"
             )
 
-    def _set_group(self, group: ProcessGroup | None, oss: OSS | None) -> None:
-        """The process group, world size and the defaults that follow from it (`scale`, `smoothing`), for `group`
-        (None: the default group) and the OSS whose shards span it, if any."""
-        world_size, _, scale, smoothing = self._requested
+    def _follow(self, oss: OSS | None) -> None:
+        """The process group (`process_group`, else `oss`'s, else the default group), the world size and the
+        defaults that follow from it (`scale`, `smoothing`), and `oss` as the sharding of the gradients."""
+        world_size, process_group, scale, smoothing = self._requested
+        group = process_group if process_group is not None or oss is None else oss.group
         self._world_size = resolve_world_size(world_size, group)
         if oss is not None and self._world_size != oss.world_size:
             raise ValueError(
@@ -327,32 +323,29 @@ class AdaScale(WrappedOptimizer):
         self._group = group
         self._scale = float(num_grads) if scale is None else float(scale)
         self._smoothing = default_smoothing(num_grads) if smoothing is None else float(smoothing)
+        # The OSS whose shards the gradients follow: the wrapped one, or the one this is the local optimizer of
+        # (`_measure_whole_model_of`); its param groups are the whole model's and its owners count the gradients.
+        self._sharding: OSS | None = oss
 
     def _measure_whole_model_of(self, oss: OSS) -> None:
         """Called by `oss` when this AdaScale is its local optimizer (``OSS(params, AdaScaleWrapper, ...)``): the
         estimates then come from the whole model, as for ``AdaScale(OSS(...))``, instead of from this rank's shard
         (the gradients of every parameter are measured here; the averaged ones are counted by their owners). Without
         a `process_group` of its own it takes the OSS's group (and the world size and defaults that follow)."""
-        requested_group = self._requested[1]
-        self._set_group(requested_group if requested_group is not None else oss.group, oss)
-        self._inside = oss
+        self._follow(oss)
         self._meter.watch(self._watched_groups())
 
     def _watched_groups(self) -> list[dict[str, Any]]:
-        """The param groups whose gradients the estimates come from: this optimizer's, or the whole model's
-        when it is an OSS's local optimizer (the same groups in the same order, each with every rank's share)."""
-        return self._inside.param_groups if self._inside is not None else self.param_groups
-
-    def _sharding(self) -> OSS | None:
-        return self._optimizer if self._shards_gradients else self._inside  # type: ignore[return-value]
+        """The param groups whose gradients the estimates come from: the whole model's (an OSS's are; inside one,
+        they are the local optimizer's groups with every rank's share, in the same order)."""
+        return self._sharding.param_groups if self._sharding is not None else self.param_groups
 
     def _counted_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averaged gradients this rank adds to the norm: all of them, or under OSS its own share (every
         element counted by one rank)."""
-        sharding = self._sharding()
-        if sharding is None:
+        if self._sharding is None:
             return [p.grad for p in params]
-        return sharding.owned_grads(params)
+        return self._sharding.owned_grads(params)
 
     def _reduce_norms(self) -> tuple[list[float], list[float]]:
         """Per group: ``sum_i ||g_i||^2`` over all micro-gradients and ``||mean_i g_i||^2`` (one all-reduce)."""
@@ -371,7 +364,7 @@ class AdaScale(WrappedOptimizer):
         if self._world_size > 1:
             comm.all_reduce(norms, self._group)
         values = norms.tolist()
-        holders = 1 if self._sharding() is not None else self._world_size  # ranks holding each averaged gradient
+        holders = 1 if self._sharding is not None else self._world_size  # ranks holding each averaged gradient
         return values[:n_groups], [v / holders for v in values[n_groups:]]
 
     def _update_estimates(self, sum_sq: list[float], mean_sq: list[float]) -> None:
