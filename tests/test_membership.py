@@ -1,8 +1,9 @@
-"""Fault-tolerant local SGD (issue 24, first piece): ranks die, stall and come back while the others train on.
+"""Fault-tolerant local SGD and SGP under the `Manager`: ranks die, stall and come back while the others train on.
 
 Each rank is its own process joined only through a TCPStore that this test process hosts (as a launcher would), so
 no rank's death takes the store down. Every rank adds its own "local progress" to a flat vector between rounds and
-calls `FaultTolerantLocalSGD.sync`; its log (the quorum of each round, the verdict and its vector after it) is
+calls `FaultTolerantLocalSGD.sync` (or `FaultTolerantGossip.sync`), the classes `ddpkit train --fault-tolerant`
+runs; its log (the quorum of each round, the verdict and its vector after it) is
 checked against a one-process simulation of the same membership schedule, written from the definition: members
 that were already in step average exactly, joiners take that mean, rounds that failed anywhere change nothing.
 """
@@ -20,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.algorithms import fault_tolerant
 from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip, FaultTolerantLocalSGD
+from ddpkit.distributed.manager import Manager
 from ddpkit.distributed.membership import Membership, TooFewReplicas
 
 pytestmark = pytest.mark.slow
@@ -33,37 +34,61 @@ def _progress(rank: int, round_: int) -> float:
     return float((rank + 1) * (round_ + 1))
 
 
-def _worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
+def _manager(rank: int, port: int, settings: dict) -> Manager:
+    """A rank's manager; the job's first rank(s) form round 0 (the start), a replacement joins the job under way."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    membership = Membership(store, rank, settings["world"], settings.get("min_replicas", 1), TIMEOUT)
-    ft = FaultTolerantLocalSGD(membership, rejoining=settings.get("rejoin", False))
+    manager = Manager(store, rank, settings["world"], min_replicas=settings.get("min_replicas", 1),
+                      quorum_timeout=TIMEOUT, start_timeout=30, report=None)  # fmt: skip
+    return manager
+
+
+def _begin(manager: Manager, settings: dict) -> None:
+    if not settings.get("rejoin", False):
+        manager.start()
+        assert manager.should_commit()
+
+
+def _inject(manager: Manager, method: str) -> None:
+    """This rank fails in the round after its collective (every member holds the round's result then): the
+    round must be dropped everywhere, each member back to where it was."""
+    real = getattr(manager, method)
+
+    def failing(*args: object, **kwargs: object) -> None:
+        real(*args, **kwargs)
+        manager.fail()
+        setattr(manager, method, real)
+
+    setattr(manager, method, failing)
+
+
+def _die(out: mp.Queue, entry: tuple) -> None:
+    out.put(entry)
+    out.close()
+    out.join_thread()  # the message is out before the process vanishes
+    os._exit(1)
+
+
+def _worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
+    manager = _manager(rank, port, settings)
+    ft = FaultTolerantLocalSGD(manager)
     flat = torch.zeros(3, dtype=torch.float64)
     log = []
+    rejoin = settings.get("rejoin", False)
     try:
-        while ft.round < settings["rounds"]:
-            r = ft.round
+        _begin(manager, settings)
+        while manager.next_round < settings["rounds"]:
+            r = manager.next_round
             if settings.get("die_at") == r:
-                out.put((rank, settings.get("rejoin", False), log, "died"))
-                out.close()
-                out.join_thread()  # the message is out before the process vanishes
-                os._exit(1)
+                _die(out, (rank, rejoin, log, "died"))
             flat += _progress(rank, r)
             time.sleep(settings.get("sleep", 0.1))
-            real = fault_tolerant.quorum_mean
-            if settings.get("fail_at") == r:  # this rank's all-reduce fails: the round must be dropped everywhere
-
-                def failing(*args: object, **kwargs: object) -> None:
-                    raise RuntimeError("injected failure")
-
-                fault_tolerant.quorum_mean = failing
-            try:
-                q = ft.sync(flat)
-            finally:
-                fault_tolerant.quorum_mean = real
+            if settings.get("fail_at") == r:
+                _inject(manager, "average")
+            q = ft.sync(flat)
             log.append((q.round, q.members, q.joined, q.is_member, q.committed, flat.tolist()))
-        out.put((rank, settings.get("rejoin", False), log, "done"))
+        out.put((rank, rejoin, log, "done"))
     except TooFewReplicas as error:
-        out.put((rank, settings.get("rejoin", False), log, f"TooFewReplicas: {error}"))
+        out.put((rank, rejoin, log, f"TooFewReplicas: {error}"))
 
 
 def _start(ctx, rank: int, port: int, settings: dict, out: mp.Queue, worker=_worker):
@@ -73,13 +98,13 @@ def _start(ctx, rank: int, port: int, settings: dict, out: mp.Queue, worker=_wor
 
 
 def _lose_rank_2_and_replace_it(settings: dict, after_round: int, worker=_worker) -> list[tuple]:
-    """World 3: rank 2 dies at round 3 and round 1 fails on rank 1 alone (an injected error); once the survivors
+    """World 3: rank 2 dies at round 3 and round 2 fails on rank 1 alone (an injected error); once the survivors
     are past `after_round`, a replacement for rank 2 starts. Returns the four processes' logs, checked for the
-    plain facts: who ended how, the survivor at every round, round 1 dropped everywhere, rank 2 gone at round 3."""
+    plain facts: who ended how, the survivor at every round, round 2 dropped everywhere, rank 2 gone at round 3."""
     ctx = mp.get_context("spawn")
     store = _store()
     out = ctx.Queue()
-    faults = {2: {"die_at": 3}, 1: {"fail_at": 1}}
+    faults = {2: {"die_at": 3}, 1: {"fail_at": 2}}
     procs = [_start(ctx, r, store.port, {**settings, **faults.get(r, {})}, out, worker) for r in range(3)]
     deadline = time.monotonic() + 120
     while int(store.get("ddpkit/ft/latest") if store.check(["ddpkit/ft/latest"]) else -1) < after_round:
@@ -92,9 +117,9 @@ def _lose_rank_2_and_replace_it(settings: dict, after_round: int, worker=_worker
     ends = {(rank, rejoin): end for rank, rejoin, _, end in logs}
     assert ends == {(0, False): "done", (1, False): "done", (2, False): "died", (2, True): "done"}, ends
     survivor = next(log for rank, _, log, _ in logs if rank == 0)
-    assert [e[0] for e in survivor] == list(range(settings["rounds"]))  # never stopped, never restarted
+    assert [e[0] for e in survivor] == list(range(1, settings["rounds"]))  # never stopped, never restarted
     assert [e[4] for e in survivor[:3]] == [True, False, True], survivor[:4]  # dropped everywhere
-    assert survivor[3][1] == [0, 1]  # dropped at once in the round it missed
+    assert survivor[2][1] == [0, 1]  # dropped at once in the round it missed
     return logs
 
 
@@ -200,32 +225,21 @@ EXACT_EVERY = 5  # rounds r with r % 5 == 4 are exact averages (sum x / sum w), 
 
 
 def _gossip_worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    membership = Membership(store, rank, settings["world"], 1, TIMEOUT)
+    manager = _manager(rank, port, settings)
     rejoin = settings.get("rejoin", False)
     flat = torch.zeros(2, dtype=torch.float32)
-    ft = FaultTolerantGossip(flat, "npeer-exponential", 1, membership, rejoining=rejoin)
+    ft = FaultTolerantGossip(flat, "npeer-exponential", 1, manager)
     log = []
-    while ft.round < settings["rounds"]:
-        r = ft.round
+    _begin(manager, settings)
+    while manager.next_round < settings["rounds"]:
+        r = manager.next_round
         if settings.get("die_at") == r:
-            out.put((rank, rejoin, log, "died"))
-            out.close()
-            out.join_thread()
-            os._exit(1)
+            _die(out, (rank, rejoin, log, "died"))
         flat += torch.tensor([_progress(rank, r), 1.0])
         time.sleep(settings.get("sleep", 0.1))
-        real = fault_tolerant.quorum_exchange
         if settings.get("fail_at") == r:
-
-            def failing(*args: object, **kwargs: object) -> None:
-                raise RuntimeError("injected failure")
-
-            fault_tolerant.quorum_exchange = failing
-        try:
-            q = ft.sync(flat, exact=r % EXACT_EVERY == EXACT_EVERY - 1)
-        finally:
-            fault_tolerant.quorum_exchange = real
+            _inject(manager, "exchange")
+        q = ft.sync(flat, exact=lambda round_: round_ % EXACT_EVERY == EXACT_EVERY - 1)
         log.append((q.round, q.members, q.joined, q.is_member, q.committed, flat.tolist()))
     out.put((rank, rejoin, log, "done"))
 

@@ -218,6 +218,9 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
     "distributed_callbacks(model)": "test_torchbearer_snippet",
     'strategy="ddpkit_sharded"': "tests/test_lightning.py::test_the_readme_snippet_trains (long tier)",
     "counting_allreduce_hook)": "test_comm_stats_snippet",
+    "manager.average_gradients(model.parameters())": (
+        "tests/test_manager.py::test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_the_reference"
+    ),
 }
 
 OTHER_BLOCKS: dict[tuple[str, str], str] = {  # (language, first line) -> its test

@@ -1,23 +1,25 @@
 """Local SGD and SGP whose nodes may come and go: each round is over the ranks that reached its quorum.
 
-Fault-tolerant training (issue 24) at the library level. **Local SGD**: `FaultTolerantLocalSGD.sync`, called
-every `localsgd_frequency` steps, forms the round's quorum (`ddpkit.distributed.membership`), sends the live state
-to ranks that joined since the previous round (`heal`), replaces the parameters by their mean over the members
-that were already in step (joiners count zero: they take the mean, they do not move it) and commits: if any step
-of the round failed on any member (a member died mid-round, a collective timed out), every member restores its
-parameters as they were before the round, so replicas never diverge. A rank left out of a round (late, stalled)
-skips to the next round to be decided (its steps since the last round are lost) and is healed when it gets in.
-Nothing waits on a dead rank for longer than `quorum_timeout`.
+Both take the round from a `ddpkit.distributed.manager.Manager` (quorum, group, live state, commit) and hold no
+group of their own; `ddpkit train --fault-tolerant` and your own loop run the same classes.
 
-Communication per round: the quorum's store round trips, one gloo group, an all-reduce of the P parameters among
-the members (plus a broadcast of the state to joiners). Memory: one copy of the parameters during a round.
+**Local SGD** (`FaultTolerantLocalSGD`): each round replaces the parameters by their mean over the members that
+were already in step (joiners count zero: they take the mean, they do not move it) and commits: if the round
+failed on any member (a member died mid-round, a collective timed out), every member restores its parameters as
+they were before the round, so replicas never diverge. A rank left out of a round (late, stalled) rejoins at its
+next round (its steps since the last round are lost). Nothing waits on a dead rank for longer than
+`quorum_timeout`.
 
-**SGP** (push-sum gossip): `FaultTolerantGossip` (module doc of its class): a lost peer drops out of the graph,
-which is rebuilt over each round's members.
+Communication per round: the quorum's store round trips, an all-reduce of the P parameters and a count among the
+members (plus the live state to joiners). Memory: one copy of the parameters during a round.
+
+**SGP** (push-sum gossip): `FaultTolerantGossip` (its class doc): a lost peer drops out of the graph, which is
+rebuilt over each round's members.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -25,42 +27,35 @@ import torch
 
 from ddpkit.algorithms.gossip_graphs import GRAPHS, GraphManager, NPeerDynamicDirectedExponentialGraph
 from ddpkit.algorithms.gossip_mixing import UniformMixing
-from ddpkit.distributed.membership import Membership, Quorum, heal, heal_source, quorum_exchange, quorum_mean
+from ddpkit.distributed.manager import Manager
+from ddpkit.distributed.membership import Quorum, heal_source
 
 
 class FaultTolerantLocalSGD:
     """Exact averaging of a flat parameter vector among the live ranks of a fault-tolerant job (module doc).
+    Register the state a joiner needs beside the parameters (optimizer, data position) with the manager."""
 
-    `rejoining`: this process replaces a rank that was lost (or starts late); it announces itself and takes part
-    from the next round on, receiving `state` tensors (optimizer state, data position, ...) from a live member.
-    """
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
 
-    def __init__(self, membership: Membership, rejoining: bool = False) -> None:
-        self.membership = membership
-        self.round = membership.announce_join() if rejoining else 0
-        self.history: list[Quorum] = []
-
-    def sync(self, flat: torch.Tensor, state: list[torch.Tensor] | None = None) -> Quorum:
-        """One round on the flat fp32 parameters `flat` (in place). Returns the round's quorum; raises
-        `TooFewReplicas` on every rank when fewer than `min_replicas` made it."""
-        quorum = self.membership.quorum(self.round)
-        self.round += 1
-        self.history.append(quorum)
-        if not quorum.is_member:  # left behind (late, stalled): skip to the next round to be decided, and get healed
-            self.round = max(self.round, self.membership.announce_join())
-            return quorum
-        before = flat.clone()
-        ok = quorum.group is not None  # None: a member vanished before the round's group was made
-        try:
-            if not ok:
-                raise RuntimeError("the round's group could not be made")
-            heal(quorum, list(state or []))
-            quorum_mean(quorum, flat, counts=self.membership.rank not in quorum.joined)
-        except RuntimeError:  # a member died or stalled during the round
-            ok = False
-        if not quorum.commit(ok):
-            flat.copy_(before)
+    def sync(self, flat: torch.Tensor) -> Quorum:
+        """One round on the flat fp32 parameters `flat` (in place): `Manager.start_round` (a rank that joins
+        takes the live state there), then `average`. Returns the round's quorum; raises `TooFewReplicas` on every
+        rank when fewer than `min_replicas` made it."""
+        quorum = self.manager.start_round()
+        assert quorum is not None
+        self.average(flat, counts=self.manager.rank not in quorum.joined)
         return quorum
+
+    def average(self, flat: torch.Tensor, counts: bool = True) -> bool:
+        """The open round's work: `flat` replaced by the mean over the counted members, committed (restored if
+        the round failed anywhere). Returns the verdict."""
+        before = flat.clone()
+        self.manager.average(flat, counts)
+        committed = self.manager.should_commit()
+        if not committed:
+            flat.copy_(before)
+        return committed
 
 
 @cache
@@ -102,8 +97,7 @@ class FaultTolerantGossip:
         flat: torch.Tensor,
         graph: str = "npeer-exponential",
         peers_per_itr: int = 1,
-        membership: Membership | None = None,
-        rejoining: bool = False,
+        manager: Manager | None = None,
     ) -> None:
         if graph not in GRAPHS:
             raise ValueError(f"FaultTolerantGossip: graph must be one of {sorted(GRAPHS)}, got {graph!r}")
@@ -112,36 +106,21 @@ class FaultTolerantGossip:
         self.graph, self.peers_per_itr = graph, peers_per_itr
         self.buffer = torch.cat([flat.detach().reshape(-1).float(), torch.ones(1)])
         self.phase = 0
-        self.membership = membership  # for `sync` (the trainer forms its quorums itself and calls `run`)
-        self.round = membership.announce_join() if membership is not None and rejoining else 0
-        self.joining = rejoining
+        self.manager = manager
+        if manager is not None:
+            manager.register("push_sum", self)
 
-    def sync(self, flat: torch.Tensor, exact: bool) -> Quorum:
-        """One round of the job as a library call: the quorum, the live state to joiners, `absorb` of `flat` (the
-        model after this rank's local steps), `run`; `flat` then holds ``x / w``. A rank left out of a round, or
-        a joiner of a round that failed, joins again from the next one (its local steps since are lost)."""
-        assert self.membership is not None, "FaultTolerantGossip.sync needs the membership"
-        quorum = self.membership.quorum(self.round)
-        self.round += 1
-        if not quorum.is_member:
-            self.round, self.joining = max(self.round, self.membership.announce_join()), True
-            return quorum
-        if not self.joining:
-            self.absorb(flat)
-        ok = quorum.group is not None
-        live = [self.buffer.clone(), torch.tensor([float(self.phase)])]  # every member's buffer is its own
-        try:
-            if ok:
-                heal(quorum, live)
-        except RuntimeError:
-            ok = False
-        if self.joining:
-            self.load({"buffer": live[0], "phase": live[1].item()})
-        if not self.run(quorum, ok, exact) and self.joining:
-            self.round = max(self.round, self.membership.announce_join())
-            return quorum
-        self.joining = False
-        flat.copy_(self.model().reshape(flat.shape))
+    def sync(self, flat: torch.Tensor, exact: bool | Callable[[int], bool]) -> Quorum:
+        """One round of the job as a library call: `absorb` of `flat` (the model after this rank's local steps),
+        `Manager.start_round` (a joiner receives the buffer there), `run`; `flat` then holds ``x / w``. `exact`:
+        whether the round is an exact average, or a function of the round's number that says so (every member
+        must decide alike, a joiner too). A joiner of a round that failed joins again at its next round."""
+        assert self.manager is not None, "FaultTolerantGossip.sync needs the manager"
+        self.absorb(flat)  # before the live state goes to a joiner (a joiner's own buffer is replaced there)
+        quorum = self.manager.start_round()
+        assert quorum is not None
+        if self.run(exact(quorum.round) if callable(exact) else exact) or self.manager.rank not in quorum.joined:
+            flat.copy_(self.model().reshape(flat.shape))
         return quorum
 
     def model(self) -> torch.Tensor:
@@ -153,19 +132,16 @@ class FaultTolerantGossip:
         x = self.buffer[:-1]
         x.add_(flat.reshape(-1).float() - x / self.buffer[-1])
 
-    def run(self, quorum: Quorum, ok: bool, exact: bool) -> bool:
-        """One round on the buffer (class doc), committed; returns the verdict. `ok`: whether all went well on
-        this member so far (the quorum's group, the heal)."""
-        before = self.buffer.clone()
-        try:
-            if ok:
-                self._share_with_joiners(quorum)
-                self._exact(quorum) if exact else self._gossip(quorum)
-        except RuntimeError:  # a member died or stalled during the round
-            ok = False
+    def run(self, exact: bool) -> bool:
+        """The manager's open round on the buffer (class doc), committed; returns the verdict."""
+        assert self.manager is not None
+        quorum, before = self.manager.current(), self.buffer.clone()
+        if self.manager.ok:
+            self._share_with_joiners(quorum)
+            self._exact() if exact else self._gossip(quorum)
         if not exact:
             self.phase += 1
-        committed = quorum.commit(ok)
+        committed = self.manager.should_commit()
         if not committed:
             self.buffer.copy_(before)
         return committed
@@ -175,8 +151,9 @@ class FaultTolerantGossip:
         if source is not None and (me == source or me in quorum.joined):
             self.buffer.div_(len(quorum.joined) + 1)
 
-    def _exact(self, quorum: Quorum) -> None:
-        quorum_mean(quorum, self.buffer, counts=True)  # (sum x, sum w) / members: their ratio is unchanged
+    def _exact(self) -> None:
+        assert self.manager is not None
+        self.manager.average(self.buffer)  # (sum x, sum w) / members: their ratio is unchanged
         self.buffer[:-1].div_(self.buffer[-1])
         self.buffer[-1] = 1.0
 
@@ -191,17 +168,18 @@ class FaultTolerantGossip:
         messages = [self.buffer * share for share in shares]
         received = [torch.empty_like(self.buffer) for _ in in_peers]
         self.buffer.mul_(kept)
-        quorum_exchange(quorum, list(zip(messages, out_peers, strict=True)), list(zip(received, in_peers, strict=True)))
+        assert self.manager is not None
+        self.manager.exchange(list(zip(messages, out_peers, strict=True)), list(zip(received, in_peers, strict=True)))
         if received:
             total = received[0]
             for message in received[1:]:
                 total.add_(message)
             self.buffer.add_(total)
 
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """What a joiner needs: the buffer and the phase."""
         return {"buffer": self.buffer.clone(), "phase": self.phase}
 
-    def load(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.copy_(state["buffer"])
         self.phase = int(state["phase"])

@@ -96,6 +96,11 @@ def heartbeat(address: str, port: int, timeout: float) -> threading.Event:
     return stop
 
 
+def choose_writer(store: Any, candidate: int) -> int:
+    """The rank that writes the job's outputs: the first `candidate` proposed (compare-and-set), for everyone."""
+    return int(store.compare_set(PREFIX + "writer", "", str(candidate)))
+
+
 def done(store: Any, rank: int) -> None:
     """Says that `rank` read everything it needed from the store: the launcher may take it down."""
     store.set(f"{PREFIX}done/{rank}", "1")

@@ -264,15 +264,17 @@ class Membership:
     def commit(self, quorum: Quorum, ok: bool) -> bool:
         """Module doc, step 4: the round's verdict, the same on every member. Each member reports in one atomic
         addition to the round's counter (1 for success, n + 1 for failure: the sum says how many reported and how
-        many failed); the member whose report is the n-th writes the verdict, "1" only if none failed. The others
-        wait for it (a member that failed too, so it never runs ahead into the next round alone); one that waits
-        `quorum_timeout` in vain (a member died or stalled) writes "0". The first verdict written (compare-and-set)
-        is everyone's: 2-3 store round trips per member."""
+        many failed); the member whose report is the n-th writes the verdict, "1" only if none failed, and a member
+        that failed writes "0" at once. The others wait for it; one that waits `quorum_timeout` in vain (a member
+        died or stalled without failing anywhere else) writes "0". The first verdict written (compare-and-set) is
+        everyone's: 2-3 store round trips per member."""
         n = len(quorum.members)
         verdict_key = self._key(quorum.round, "verdict")
         total = self.store.add(self._key(quorum.round, "reports"), 1 if ok else n + 1)
         failed, succeeded = divmod(total, n + 1)
-        if failed + succeeded == n:
+        if not ok:  # the round failed: nobody need wait for the others' reports (a dead member never sends one)
+            verdict = self.store.compare_set(verdict_key, "", "0")
+        elif failed + succeeded == n:
             verdict = self.store.compare_set(verdict_key, "", "0" if failed else "1")
         else:
             try:

@@ -5,7 +5,9 @@ its own replica and meets the others in rounds (`ddpkit.train.loop.fault_toleran
 process group of one (so the trainer's own bookkeeping works unchanged). If the job is already under way (a
 round was decided), the process joins from live state instead of starting. At the end the lowest member of the
 final quorum that never had to rejoin writes the outputs, with every member's figures from the store and every
-membership change (metrics.json's ``membership``, steps.csv's ``members`` and ``membership_change``).
+membership change (metrics.json's ``membership``, ``never_joined`` and ``trained_ranks``, steps.csv's ``members``
+and ``membership_change``). The rounds are the library's `Manager`'s; its settings are the plain job's agreement
+(`job_settings`), compared at the first round and by every rank that joins later.
 """
 
 from __future__ import annotations
@@ -20,18 +22,19 @@ import torch.distributed as dist
 from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
 from ddpkit.distributed.launch import Placement, choose_gloo_interface
-from ddpkit.distributed.membership import Membership
+from ddpkit.distributed.manager import FellBehind, Manager
 from ddpkit.distributed.rank_guard import say
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar
-from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, FellBehind, GossipSchedule, OuterSchedule
+from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, GossipSchedule, OuterSchedule
 from ddpkit.train.loop.loaders import rank_data
 from ddpkit.train.loop.report import format_summary, parameter_digest, peak_memory_mb, write_metrics
 from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, optimizer_arguments
 from ddpkit.train.loop.summary import summarize as summarize_run
 from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.settings.agreement import job_settings
 from ddpkit.train.settings.config import TrainConfig
 from ddpkit.train.workloads.workload import build_workload
 
@@ -69,14 +72,14 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
         choose_gloo_interface(placement.master_addr, placement.master_port)
     store = job_store.connect(placement.master_addr, placement.master_port, cfg.timeout)
     job_store.heartbeat(placement.master_addr, placement.master_port, cfg.timeout)  # until this process ends
-    waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
-    membership = Membership(
-        store, placement.rank, placement.world_size, cfg.min_replicas, cfg.quorum_timeout, job_store.PREFIX, **waits
-    )
     torch.manual_seed(cfg.seed)
     work = build_workload(cfg, torch.device("cpu"))
     if cfg.out:
         claim_out(cfg.out, placement.rank)
+    waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
+    manager = Manager(store, placement.rank, placement.world_size, min_replicas=cfg.min_replicas,
+                      quorum_timeout=cfg.quorum_timeout, prefix=job_store.PREFIX,
+                      settings=job_settings(cfg, "gloo", work), **waits)  # fmt: skip
     optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
     data = rank_data(cfg, work, placement.rank, placement.world_size)
     loader, total = data.loader, data.total_steps
@@ -85,18 +88,20 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     if cfg.out and (cfg.checkpoint_every is not None or cfg.resume):
         checkpoints = LiveCheckpoints(cfg.out, cfg.checkpoint_every, cfg.keep, resume_settings(cfg), cfg.resume)
     sync = FaultTolerantSync(
-        membership, work.module, optimizer, recorder, total, outer_schedule(cfg), gossip_schedule(cfg), checkpoints
+        manager, work.module, optimizer, recorder, total, outer_schedule(cfg), gossip_schedule(cfg), checkpoints
     )
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
     amp = {"off": None, "bf16": torch.bfloat16}[cfg.amp]
     trainer = Trainer(work.module, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
                       callbacks=[bar, recorder, sync])  # fmt: skip
-    if membership.latest_round() >= 0:
-        say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")
-        sync.rejoin(trainer)
-    else:
+    try:
+        if manager.under_way():
+            say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")
+            raise FellBehind("the job is under way")
         sync.begin(trainer)
+    except FellBehind:  # (begin raises it too when the first round was decided without this rank)
+        sync.rejoin(trainer)
     while True:
         try:
             trainer.fit(cfg.epochs, cfg.max_steps)
@@ -105,7 +110,8 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
             say(f"ddpkit: {exc}; taking the live state again")
             sync.rejoin(trainer)
     final = sync.finish(trainer)
-    return report(cfg, placement, store, trainer, recorder, sync, final.members, started)
+    manager.close()
+    return report(cfg, placement, store, trainer, recorder, manager, final.members, started)
 
 
 def report(
@@ -114,7 +120,7 @@ def report(
     store: Any,
     trainer: Trainer,
     recorder: MetricsRecorder,
-    sync: FaultTolerantSync,
+    manager: Manager,
     members: list[int],
     started: float,
 ) -> dict[str, Any] | None:
@@ -127,16 +133,17 @@ def report(
         "training_seconds": sum(r.seconds for r in steps),
         "peak_memory_mb": peak_memory_mb(),
         "digest": parameter_digest(trainer.model),
-        "rejoined": sync.rejoined,
+        "rejoined": manager.rejoined,
         "last_epoch": trainer.state.history[-1] if trainer.state.history else None,
     }
     job_store.finish(store, placement.rank, members, mine)
     reports = job_store.reports(store, members, cfg.quorum_timeout)
     never_rejoined = [r for r in sorted(reports) if reports[r]["rejoined"] == 0]
-    writer = (never_rejoined or sorted(reports) or [placement.rank])[0]
+    candidate = (never_rejoined or sorted(reports) or [placement.rank])[0]
+    writer = job_store.choose_writer(store, candidate)  # the first rank's choice is everyone's: one writer
     summary = None
     if writer == placement.rank:
-        summary = summarize(cfg, placement, trainer, recorder, sync, reports, members, started)
+        summary = summarize(cfg, placement, trainer, recorder, manager, reports, members, started)
         print(format_summary(summary), flush=True)
         if cfg.out:
             paths = write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows(),
@@ -152,7 +159,7 @@ def summarize(
     placement: Placement,
     trainer: Trainer,
     recorder: MetricsRecorder,
-    sync: FaultTolerantSync,
+    manager: Manager,
     reports: dict[int, dict[str, Any]],
     members: list[int],
     started: float,
@@ -168,7 +175,9 @@ def summarize(
         {
             "strategy": f"{cfg.strategy} (fault-tolerant)",
             "final_members": members,
-            "membership": [event.__dict__ for event in sync.events],
+            "membership": [event.__dict__ for event in manager.events],
+            "never_joined": manager.never_joined,
+            "trained_ranks": sorted({*members, *(r for e in manager.events for r in [*e.members, *e.left])}),
             "peak_memory_mb": [reports[r]["peak_memory_mb"] for r in ranks],
             "sent_bytes_per_step": statistics.fmean(reports[r]["sent_bytes_per_step"] for r in ranks),
             "sent_bytes_total": sum(reports[r]["sent_bytes"] for r in ranks),

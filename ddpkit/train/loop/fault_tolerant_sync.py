@@ -1,8 +1,9 @@
-"""The rounds of `ddpkit train --fault-tolerant`: a Trainer callback that averages over whoever is alive.
+"""The rounds of `ddpkit train --fault-tolerant`: a Trainer callback, a client of the library's `Manager`.
 
 No process group spans a fault-tolerant job. Each rank trains its own replica (the module and a torch optimizer)
-and the ranks meet in rounds through the job's store (`ddpkit.distributed.membership`), each round over the
-members of its quorum only:
+and the ranks meet in rounds through the job's store, each round over the members of its quorum only. The
+rounds, their averaging, commits, live state and membership records are `ddpkit.distributed.manager.Manager`'s
+(the same object a user's own loop holds); this callback decides when a round happens and what it averages:
 
 - **per step** (``--strategy ddp``): the quorum of step s+1 is formed when step s ends (round s+1; round 0 when
   training starts). After the backward of the step the gradients are averaged over the members (one all-reduce
@@ -25,8 +26,9 @@ members of its quorum only:
 A rank that joins (it started late, was started again, or fell behind a round: `FellBehind`) receives the live
 state from a member in the first round it is part of: parameters, optimizer state, slow-momentum buffers, SGP's
 push-sum buffer and graph phase, and the trainer's counters (epoch, position in the epoch's permutation, step, the
-metrics so far). Its parameters are then
-bit-identical to the others' and it trains on from there; in the round's average it counts zero. Its data shard
+metrics so far), registered with the manager. Its parameters are then bit-identical to the others' and it trains
+on from there; in its first round it counts as every member with DDP (its gradient is computed from the live
+parameters) and zero with local SGD (it takes the mean of the others' parameters). Its data shard
 stays its own (the sampler splits each epoch over ``--world-size`` ranks; the shards of absent ranks are not
 trained while they are away).
 
@@ -41,52 +43,23 @@ SGP's push-sum buffer (P + 1) and its copy during a round, and the live state se
 from __future__ import annotations
 
 import dataclasses
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip
+from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip, FaultTolerantLocalSGD
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm_stats
 from ddpkit.distributed.buckets import unflatten_into
-from ddpkit.distributed.membership import (
-    Membership,
-    Quorum,
-    broadcast_from_first,
-    broadcast_object_from,
-    heal_object,
-    quorum_mean,
-)
+from ddpkit.distributed.manager import Manager
+from ddpkit.distributed.membership import Quorum
 from ddpkit.distributed.rank_guard import say
 from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.loop.callbacks import MetricsRecorder
 from ddpkit.train.loop.trainer import Callback, Trainer, TrainerState
-
-
-class FellBehind(Exception):
-    """This rank missed a round (it was stopped or too slow): it must take the live state again (`rejoin`)."""
-
-
-@dataclass
-class MembershipEvent:
-    """A round where the members changed, or that failed: at optimizer step `step` (steps done), who `left` and
-    who `joined`, whether it `committed`, the seconds this rank waited for the quorum (partly in the background,
-    per step), and the seconds the round held up its training (`blocked_seconds`: the quorum's wait that the step
-    did not hide, the live state sent, the average and the commit): the time the round cost this rank."""
-
-    step: int
-    round: int
-    members: list[int]
-    joined: list[int]
-    left: list[int]
-    committed: bool | None
-    waited_seconds: float
-    blocked_seconds: float = 0.0
 
 
 @dataclass
@@ -129,13 +102,13 @@ def _gcd(a: int, b: int) -> int:
 
 
 class FaultTolerantSync(Callback):
-    """Rounds over the live ranks, per step or per outer sync (module doc). `outer`: None for per step, else the
-    outer schedule; `gossip`: per step, gossiping (SGP) instead of averaging gradients. `total_steps`: the run's
-    length (no round is formed for a step that will not come)."""
+    """Rounds over the live ranks, per step or per outer sync (module doc), through `manager`. `outer`: None for
+    per step, else the outer schedule; `gossip`: per step, gossiping (SGP) instead of averaging gradients.
+    `total_steps`: the run's length (no round is formed for a step that will not come)."""
 
     def __init__(
         self,
-        membership: Membership,
+        manager: Manager,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
         recorder: MetricsRecorder,
@@ -146,27 +119,57 @@ class FaultTolerantSync(Callback):
     ) -> None:
         if outer is not None and gossip is not None:
             raise ValueError("FaultTolerantSync: give an outer schedule (local SGD) or a gossip schedule, not both")
-        self.membership, self.module, self.optimizer = membership, module, optimizer
+        self.manager, self.module, self.optimizer = manager, module, optimizer
         self.recorder, self.total_steps, self.outer, self.gossip = recorder, total_steps, outer, gossip
         self.params = list(module.parameters())
         with torch.no_grad():
             flat = self._flat_params()
         rule = outer.rule if outer is not None else gossip.rule if gossip is not None else None
         self.slow = SlowBuffers(flat, 0, None) if rule is not None else None
-        self.push_sum = FaultTolerantGossip(flat, gossip.graph, gossip.peers_per_itr) if gossip is not None else None
+        self.local_sgd = FaultTolerantLocalSGD(manager) if outer is not None else None
         self.checkpoints = checkpoints
         self._saved_at = 0  # the step of the last checkpoint (or of the one resumed)
-        self.quorum: Quorum | None = None
-        self.round_ok = True  # whether the current round went well so far (per step: its heal)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
-        self._next: Future[Quorum] | None = None  # per step: the next round's quorum, being formed
         self._annotated_round = -1
-        self._blocked = (-1, 0.0)  # (round, seconds its sync held up training on this rank so far)
-        self.events: list[MembershipEvent] = []
-        self.rejoined = 0  # times this process took the live state from a peer
-        self.final = False  # the job's last round is done
+        self.trainer: Trainer | None = None
+        self.final = False  # the job's last round is done (or, on a joiner, was the one it joined)
+        self._finishing = False  # the job's last round is being formed: the live state sent says so
+        self._register_live_state()
+        self.push_sum = None
+        if gossip is not None:
+            self.push_sum = FaultTolerantGossip(flat, gossip.graph, gossip.peers_per_itr, manager)
 
     # -- the live state ------------------------------------------------------------------------------------------
+
+    def _register_live_state(self) -> None:
+        """What a joiner receives (and a checkpoint holds), besides SGP's push-sum buffer (`FaultTolerantGossip`
+        registers it): the model, the optimizer, the trainer's counters, the slow buffers, whether it is the end."""
+        manager = self.manager
+        manager.register("model", self.module)
+        manager.register("optimizer", self.optimizer)
+        manager.register_state("trainer", self._trainer_state, self._load_trainer_state)
+        if self.slow is not None:
+            manager.register_state("slow", self._slow_state, self._load_slow_state)
+        manager.register_state("final", lambda: self.final or self._finishing, self._load_final)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        assert self.trainer is not None
+        return dataclasses.asdict(self.trainer.state)
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        assert self.trainer is not None
+        self.trainer.state = TrainerState(**state)
+
+    def _slow_state(self) -> dict[str, torch.Tensor]:
+        assert self.slow is not None
+        return {k: v.clone() for k, v in self.slow.state().items()}
+
+    def _load_slow_state(self, state: dict[str, torch.Tensor]) -> None:
+        assert self.slow is not None
+        self.slow.x0.copy_(state["x0"])  # type: ignore[union-attr]
+        self.slow.u.copy_(state["u"])  # type: ignore[union-attr]
+
+    def _load_final(self, final: bool) -> None:
+        self.final = bool(final)
 
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
@@ -175,84 +178,38 @@ class FaultTolerantSync(Callback):
         with torch.no_grad():
             unflatten_into(flat, self.params)
 
-    def _live_state(self, trainer: Trainer, final: bool) -> dict[str, Any]:
-        slow = {k: v.clone() for k, v in self.slow.state().items()} if self.slow is not None else None
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "trainer": dataclasses.asdict(trainer.state),
-            "slow": slow,
-            "push_sum": self.push_sum.state() if self.push_sum is not None else None,
-            "final": final,
-        }
+    # -- the start -----------------------------------------------------------------------------------------------
 
-    def _load_state(self, trainer: Trainer, state: dict[str, Any], rejoined: bool = True) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        trainer.state = TrainerState(**state["trainer"])
-        if self.slow is not None and state["slow"] is not None:
-            self.slow.x0.copy_(state["slow"]["x0"])  # type: ignore[union-attr]
-            self.slow.u.copy_(state["slow"]["u"])  # type: ignore[union-attr]
-        if self.push_sum is not None and state["push_sum"] is not None:
-            self.push_sum.load(state["push_sum"])
-        elif self.push_sum is not None:  # a checkpoint of local SGD: push-sum starts from its model, weight one
-            self.push_sum.load({"buffer": torch.cat([self._flat_params(), torch.ones(1)]), "phase": 0})
-        self.final = bool(state["final"])
-        self.rejoined += int(rejoined)
+    def begin(self, trainer: Trainer) -> None:
+        """The job's first round (`Manager.start`: the settings agreement, every member on the first member's
+        live state, or with --resume on the state of the checkpoint the first member reads), before
+        `trainer.fit` (so that a resumed state is in place before the other callbacks read it); `fit` calls it
+        itself if it was not called."""
+        self.trainer = trainer
+        resume = self.checkpoints is not None and self.checkpoints.resume
+        quorum = self.manager.start(share_state=not resume)
+        if resume:
+            self._resume(quorum)
+        elif not self.manager.should_commit():
+            raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
+        if self.outer is None and trainer.state.step < self.total_steps:
+            self._form_next(trainer)
 
-    # -- rounds --------------------------------------------------------------------------------------------------
-
-    def _note(self, quorum: Quorum, step: int) -> None:
-        if quorum.changed or quorum.committed is False:
-            blocked = self._blocked[1] if self._blocked[0] == quorum.round else 0.0
-            event = MembershipEvent(step, quorum.round, quorum.members, quorum.joined, quorum.left,
-                                    quorum.committed, round(quorum.waited, 3), round(blocked, 3))  # fmt: skip
-            if self.events and self.events[-1].round == quorum.round:
-                self.events[-1] = event
-            else:
-                self.events.append(event)
-
-    def _live_round(
-        self, round_: int, trainer: Trainer, final: bool = False, formed: Quorum | None = None
-    ) -> tuple[Quorum, bool]:
-        """Forms round `round_` as a live rank (or takes the quorum `formed` in the background) and sends the live
-        state to its joiners. Returns the quorum and whether all went well so far; raises FellBehind if this rank
-        is not a member."""
-        quorum = formed if formed is not None else self.membership.quorum(round_)
-        if not quorum.is_member:
-            raise FellBehind(f"rank {self.membership.rank} was left out of round {round_}")
-        self.quorum = quorum
-        ok = quorum.group is not None
-        if ok and quorum.joined:
-            try:
-                heal_object(quorum, self._live_state(trainer, final))
-            except RuntimeError:
-                ok = False
-        self._note(quorum, trainer.state.step)
-        self.round_ok = ok
-        return quorum, ok
-
-    def _start(self, trainer: Trainer) -> None:
-        """Round 0: every rank starts from the parameters of the first member (as DDP broadcasts rank 0's), or
-        with --resume from the live state of the checkpoint the first member reads."""
-        quorum, ok = self._live_round(0, trainer)
-        resumed: dict[str, Any] = {}
-        try:
-            if ok and self.checkpoints is not None and self.checkpoints.resume:
-                resumed = broadcast_object_from(quorum, self._read_checkpoint() if quorum.index == 0 else None, 0)
-        except RuntimeError:
-            ok = False
-        if "state" in resumed:
-            self._load_state(trainer, resumed["state"], rejoined=False)
-            step = self._saved_at = trainer.state.step
-            self.membership.continue_at(quorum, self.outer.rounds_until(step) if self.outer is not None else step)
-            if not quorum.commit(ok):
-                raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
-            return
+    def _resume(self, quorum: Quorum) -> None:
+        """Round 0 with --resume: the first member reads the newest checkpoint and every member loads it."""
+        resumed = self.manager.broadcast_object(self._read_checkpoint() if quorum.index == 0 else None, 0) or {}
         if "error" in resumed:  # the same error on every member
-            quorum.commit(False)
+            self.manager.fail()
+            self.manager.should_commit()
             raise CheckpointError(resumed["error"])
-        self._start_afresh(trainer, quorum, ok)
+        if "state" in resumed:
+            self.manager.load_live_state(resumed["state"])
+        assert self.trainer is not None
+        step = self._saved_at = self.trainer.state.step
+        self.manager.membership.continue_at(quorum, self.outer.rounds_until(step) if self.outer is not None else step)
+        self.manager.next_round = quorum.round + 1
+        if not self.manager.should_commit():
+            raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
 
     def _read_checkpoint(self) -> dict[str, Any]:
         """The first member's --resume: {"state": the live state} or {"error": why not}."""
@@ -265,132 +222,67 @@ class FaultTolerantSync(Callback):
             say(f"ddpkit: {note}")
         return {"state": state}
 
-    def _start_afresh(self, trainer: Trainer, quorum: Quorum, ok: bool) -> None:
-        flat = self._flat_params()
-        try:
-            if ok:
-                broadcast_from_first(quorum, flat)
-        except RuntimeError:
-            ok = False
-        if not quorum.commit(ok):
-            raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
-        self._set_params(flat)
-        if self.slow is not None:
-            self.slow.x0.copy_(flat)  # type: ignore[union-attr]
-        if self.push_sum is not None:
-            self.push_sum.buffer[:-1].copy_(flat)
+    def on_train_start(self, trainer: Trainer) -> None:
+        if self.manager.quorum is None:  # a rank that joined has its quorum already (and the next one on its way)
+            self.begin(trainer)
 
     def rejoin(self, trainer: Trainer) -> None:
-        """Takes part in the next round that is decided with this rank in it, as a joiner: receives the live state
-        and does the round's work with the others (counting zero in averages)."""
-        round_ = self.membership.announce_join()
+        """Takes part in the next round decided with this rank in it, as a joiner: receives the live state
+        (`Manager.rejoin`) and does the round's work with the others. A joiner of a round that failed joins
+        again."""
+        self.trainer = trainer
         while True:
-            quorum = self.membership.quorum(round_)
-            round_ = quorum.round + 1
-            if not quorum.is_member:
-                continue  # too late for it: the next round expects this rank
-            try:
-                if quorum.group is None:
-                    raise RuntimeError("the round's group could not be made")
-                state = heal_object(quorum, None)
-            except RuntimeError:
-                quorum.commit(False)
-                round_ = self.membership.announce_join()
-                continue
-            self.quorum, self.round_ok = quorum, True
-            self._load_state(trainer, state)
-            self._note(quorum, trainer.state.step)
+            self.manager.rejoin()
+            self.manager.step = trainer.state.step
             if self.gossip is not None:
-                if not self._gossip_work(quorum, True, trainer, joined=True, final=self.final):
-                    round_ = self.membership.announce_join()  # the round failed: the state taken is not the others'
-                    continue
+                if not self._gossip_work(trainer, joined=True, final=self.final):
+                    continue  # the round failed: the state taken is not the others'
                 if not self.final and trainer.state.step < self.total_steps:
-                    self._form_next(trainer.state.step + 1)
-            elif self.outer is not None and self.final:
-                self._outer_work(quorum, True, trainer, counts=False, slow=False)
+                    self._form_next(trainer)
             elif self.outer is not None:
-                self._outer_work(quorum, True, trainer, counts=False)
+                self._outer_work(trainer, counts=False, slow=not self.final)
             elif self.final:
-                quorum.commit(True)
-            return
+                self.manager.should_commit()
+            return  # (DDP: the joined round's gradients are averaged at the end of the next backward)
 
     # -- per step ------------------------------------------------------------------------------------------------
 
-    def begin(self, trainer: Trainer) -> None:
-        """The job's first round (`_start`), before `trainer.fit` (so that a resumed state is in place before
-        the other callbacks read it); `fit` calls it itself if it was not called."""
-        self._start(trainer)
-        if self.outer is None and trainer.state.step < self.total_steps:
-            self._form_next(trainer.state.step + 1)
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        if self.quorum is None:  # a rank that joined has its quorum already (and the next one on its way)
-            self.begin(trainer)
-
-    def _form_next(self, round_: int) -> None:
+    def _form_next(self, trainer: Trainer) -> None:
         """Per step: the next step's quorum is formed in the background while the step computes (the store's
-        waits overlap forward and backward); `after_backward` takes it."""
-        self._next = self._pool.submit(self.membership.quorum, round_)
-
-    def _count_blocked(self, round_: int, since: float) -> None:
-        """Adds the time since `since` to what round `round_`'s sync held up training on this rank."""
-        held = self._blocked[1] if self._blocked[0] == round_ else 0.0
-        self._blocked = (round_, held + time.monotonic() - since)
-
-    def _take_next(self, trainer: Trainer) -> None:
-        if self._next is not None:
-            since = time.monotonic()
-            future, self._next = self._next, None
-            formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
-            self._live_round(formed.round, trainer, formed=formed)
-            self._count_blocked(formed.round, since)  # the wait and the live state sent to joiners
+        waits overlap forward and backward); the manager takes it when the round's work begins."""
+        self.manager.step = trainer.state.step + 1
+        self.manager.start_round(background=True)
 
     def after_backward(self, trainer: Trainer) -> None:
         if self.outer is not None or self.gossip is not None:
             return
-        self._take_next(trainer)  # the live state sent to a joiner now is the step's start: nothing stepped yet
-        quorum = self.quorum
-        assert quorum is not None
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.detach().reshape(-1).to("cpu", torch.float32) for g in grads])
-        since = time.monotonic()
-        committed = _mean_and_commit(quorum, flat, self.round_ok and quorum.group is not None, counts=True)
-        self._count_blocked(quorum.round, since)
-        if committed:
-            offset = 0
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = flat[offset : offset + p.numel()].view_as(p).to(g.device, g.dtype)
-                offset += p.numel()
-        else:
+        manager = self.manager
+        manager.current()  # the live state sent to a joiner now is the step's start: nothing stepped yet
+        manager.average_gradients(self.params)
+        if not manager.should_commit():
             for p in self.params:
                 p.grad = None  # the step is skipped on every member
-        self._note(quorum, trainer.state.step)
 
     def after_step(self, trainer: Trainer) -> None:
         step = trainer.state.step
-        members = self.quorum
+        self.manager.step = step
         with comm_stats.measure() as sent:  # the step's record is made: what this round sends is added to it
             if self.gossip is not None:
                 assert self.push_sum is not None
                 self.push_sum.absorb(self._flat_params())  # before the live state goes to a joiner
-                self._take_next(trainer)  # (counts its own wait in the round's blocked seconds)
-                since = time.monotonic()
-                members = self.quorum
-                assert members is not None
-                self._gossip_work(members, self.round_ok and members.group is not None, trainer, since=since)
+                self._gossip_work(trainer)
             if self.outer is None:
                 if step < self.total_steps:
-                    self._form_next(step + 1)
+                    self._form_next(trainer)
             elif self.outer.due(step):
-                since = time.monotonic()
-                quorum, ok = self._live_round(self.outer.rounds_until(step), trainer)
-                self._outer_work(quorum, ok, trainer, counts=True, since=since)
-        self._annotate(trainer, members, sent.sent_bytes())
+                self.manager.round(self.outer.rounds_until(step))
+                self._outer_work(trainer, counts=True)
+        self._annotate(trainer, self.manager.quorum, sent.sent_bytes())
         self._checkpoint(trainer)
 
     def _checkpoint(self, trainer: Trainer) -> None:
         """After a committed round at or past a multiple of --checkpoint-every: the round's first member saves."""
-        step, quorum, plan = trainer.state.step, self.quorum, self.checkpoints
+        step, quorum, plan = trainer.state.step, self.manager.quorum, self.checkpoints
         if plan is None or quorum is None or not quorum.committed or not plan.due(self._saved_at, step):
             return
         if quorum.round != step if self.outer is None else not self.outer.due(step):
@@ -399,11 +291,11 @@ class FaultTolerantSync(Callback):
         if quorum.index == 0:
             state = trainer.state
             state.carried["totals"] = self.recorder.totals()
-            plan.save(self._live_state(trainer, final=False), step, state.epoch, state.epoch_samples)
+            plan.save(self.manager.live_state(), step, state.epoch, state.epoch_samples)
 
     def _annotate(self, trainer: Trainer, quorum: Quorum | None, sent: float) -> None:
-        """steps.csv: the members of the step's round, who joined or left in it, and the bytes of the round sent
-        after the step's record was made."""
+        """steps.csv: the members of the step's round, who joined or left in it (rank ids: "-2 +2"), and the bytes
+        of the round sent after the step's record was made."""
         assert trainer.last is not None
         trainer.last.sent_bytes += sent
         columns: dict[str, Any] = {"sent_bytes": trainer.last.sent_bytes}
@@ -416,82 +308,53 @@ class FaultTolerantSync(Callback):
 
     # -- per step, gossiping ------------------------------------------------------------------------------------
 
-    def _gossip_work(
-        self,
-        quorum: Quorum,
-        ok: bool,
-        trainer: Trainer,
-        joined: bool = False,
-        final: bool = False,
-        since: float | None = None,
-    ) -> bool:
-        """The round's push-sum work on the buffer the optimizer's step was absorbed into (or, for a rank that
+    def _gossip_work(self, trainer: Trainer, joined: bool = False, final: bool = False) -> bool:
+        """The open round's push-sum work on the buffer the optimizer's step was absorbed into (or, for a rank that
         `joined`, the one it received), committed; then slow momentum on an exact round when due, and the model
         ``x / w`` into the parameters. Returns the verdict. The `final` round (the job's last) is an exact
         average without a slow step (the last step's round made it already when due)."""
         gossip, push_sum, step = self.gossip, self.push_sum, trainer.state.step
         assert gossip is not None and push_sum is not None
-        exact = final or gossip.exact(step)
-        committed = push_sum.run(quorum, ok, exact)
-        if since is not None:
-            self._count_blocked(quorum.round, since)
+        committed = push_sum.run(final or gossip.exact(step))
         slow_due = not final and step % gossip.slow_every == 0
         if committed and slow_due and self.slow is not None and gossip.rule is not None:
             x = push_sum.buffer[:-1]  # w is one after an exact round
             self.slow.local_step(x, float(self.optimizer.param_groups[0]["lr"]), gossip.rule)
         if committed or not joined:
             self._set_params(push_sum.model())
-        self._note(quorum, step)
         return committed
 
     # -- per outer sync ------------------------------------------------------------------------------------------
 
-    def _outer_work(
-        self, quorum: Quorum, ok: bool, trainer: Trainer, counts: bool, slow: bool = True, since: float | None = None
-    ) -> None:
-        """The parameters' mean over the members, committed; then slow momentum when due (and `slow`). `since`:
-        when the round began holding up training (its time is counted in the round's `blocked_seconds`)."""
+    def _outer_work(self, trainer: Trainer, counts: bool, slow: bool = True) -> None:
+        """The parameters' mean over the members (`FaultTolerantLocalSGD`), committed; then slow momentum when
+        due (and `slow`)."""
+        assert self.local_sgd is not None and self.outer is not None
         flat = self._flat_params()
-        committed = _mean_and_commit(quorum, flat, ok, counts)
-        if since is not None:
-            self._count_blocked(quorum.round, since)
-        if committed:
-            step, outer = trainer.state.step, self.outer
-            assert outer is not None
-            if slow and self.slow is not None and outer.rule is not None and step % outer.slow_every == 0:
-                lr = float(self.optimizer.param_groups[0]["lr"])
-                self.slow.local_step(flat, lr, outer.rule)
+        if self.local_sgd.average(flat, counts):
+            rule, step = self.outer.rule, trainer.state.step
+            if slow and self.slow is not None and rule is not None and step % self.outer.slow_every == 0:
+                self.slow.local_step(flat, float(self.optimizer.param_groups[0]["lr"]), rule)
             self._set_params(flat)
-        self._note(quorum, trainer.state.step)
 
     # -- the end -------------------------------------------------------------------------------------------------
 
     def finish(self, trainer: Trainer) -> Quorum:
         """The job's last round (unless this rank joined in it): the live state to late joiners, and with local
-        SGD a last exact average, so that every replica ends alike (as SlowMo's `average_parameters`)."""
+        SGD or SGP a last exact average, so that every replica ends alike (as SlowMo's `average_parameters`)."""
         if self.final:
-            assert self.quorum is not None
-            return self.quorum
+            assert self.manager.quorum is not None
+            return self.manager.quorum
         step = trainer.state.step
+        self.manager.step = step
+        self._finishing = True
+        last = self.outer.rounds_until(step) + 1 if self.outer is not None else step + 1
+        quorum = self.manager.round(last)
         if self.gossip is not None:  # a last exact average: every replica ends with the same model
-            quorum, ok = self._live_round(step + 1, trainer, final=True)
-            self._gossip_work(quorum, ok, trainer, final=True)
+            self._gossip_work(trainer, final=True)
         elif self.outer is None:
-            quorum, ok = self._live_round(step + 1, trainer, final=True)
-            quorum.commit(ok)
+            self.manager.should_commit()
         else:
-            quorum, ok = self._live_round(self.outer.rounds_until(step) + 1, trainer, final=True)
-            self._outer_work(quorum, ok, trainer, counts=True, slow=False)
-        self._note(quorum, step)
+            self._outer_work(trainer, counts=True, slow=False)
         self.final = True
         return quorum
-
-
-def _mean_and_commit(quorum: Quorum, flat: torch.Tensor, ok: bool, counts: bool) -> bool:
-    """`flat` averaged over the members (if all went well so far), then the round's verdict (`Quorum.commit`)."""
-    try:
-        if ok:
-            quorum_mean(quorum, flat, counts=counts)
-    except RuntimeError:
-        ok = False
-    return quorum.commit(ok)

@@ -225,6 +225,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("peak memory", f"{memory} MB per rank"),
         ("replicas equal", "yes" if summary["replicas_equal"] else "NO: parameters differ between ranks"),
     ]
+    if "trained_ranks" in summary:  # a fault-tolerant job: who actually trained
+        missing = summary.get("never_joined") or []
+        note = f" ({', '.join(map(str, missing))} never joined)" if missing else ""
+        rows.insert(1, ("members", f"ranks {', '.join(map(str, summary['trained_ranks']))} trained{note}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

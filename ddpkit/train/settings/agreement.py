@@ -92,11 +92,17 @@ def data_settings(work: Workload) -> str:
     )
 
 
-def check_job_agrees(cfg: TrainConfig, backend: str, work: Workload) -> None:
-    """Raises `RanksDisagree` on every rank, naming the settings and ranks, unless all ranks agree (a collective:
-    call it on every rank, after joining and before building the strategy)."""
+def job_settings(cfg: TrainConfig, backend: str, work: Workload) -> list[tuple[str, Any]]:
+    """Everything the ranks of a job must share (module doc), by name: the settings, the data, the optimizer's
+    arguments and the model's parameters."""
     settings = agreed_settings(cfg, backend)
     settings["data"] = data_settings(work)
     settings["optimizer arguments"] = optimizer_arguments(cfg)
-    entries = [*settings.items(), *(("model " + key, value) for key, value in parameter_settings(work.module))]
-    check_same_across_ranks(entries, what="ddpkit train")
+    return [*settings.items(), *(("model " + key, value) for key, value in parameter_settings(work.module))]
+
+
+def check_job_agrees(cfg: TrainConfig, backend: str, work: Workload) -> None:
+    """Raises `RanksDisagree` on every rank, naming the settings and ranks, unless all ranks agree (a collective:
+    call it on every rank, after joining and before building the strategy). A fault-tolerant job compares the
+    same `job_settings` through its store instead (`ddpkit.distributed.manager.Manager`)."""
+    check_same_across_ranks(job_settings(cfg, backend, work), what="ddpkit train")

@@ -1,0 +1,424 @@
+"""A fault-tolerant job's rounds as one library object: `Manager`, which any training loop runs its rounds through.
+
+A fault-tolerant job has no process group spanning it: ranks ``0..max_world-1`` die and come back, and meet in
+rounds through a store every rank reaches (`ddpkit.distributed.membership` forms each round's quorum). The manager
+is what a training loop holds to take part. Per round it owns:
+
+- **the quorum**: who takes part (`quorum_timeout`, `min_replicas`), formed on the training thread or in the
+  background while the step computes (`start_round(background=True)`);
+- **the round's group and averaging** over its members (`average`, `average_gradients`, `exchange`,
+  `broadcast_object`): a collective that fails (a member died in it) marks the round failed instead of raising;
+- **the commit** (`should_commit`): a round that failed on any member is dropped on every member;
+- **the live state**: a registry of named state (`register_state`, `register`): the model, the optimizer, an
+  averager's buffers, the data position, anything of the user's. The round's joiners receive it from the lowest
+  member that holds it (`heal`), before the round's work;
+- **agreement**: each rank's `settings` are compared at the job's first round (every member refuses, naming the
+  setting and the ranks) and by every rank that joins later, against the job's (the joiner alone is refused,
+  before it takes part);
+- **what happened**: `events` (each round whose members changed or that failed, with the seconds it held this rank
+  up), printed by every member as it happens, and `never_joined` (ranks missing from the first round).
+
+Counting: `average` counts every member by default. A joiner healed at the start of the round holds the live
+state, so a gradient it computes from there is as good as anyone's (DDP counts it); an averager whose joiner holds
+nothing of its own to add (local SGD's parameters) passes ``counts=False`` for it: it receives the mean.
+
+Your own loop (a complete version runs as a test: tests/test_manager.py)::
+
+    manager = Manager(store, rank, max_world=3, min_replicas=1, quorum_timeout=5, settings={"lr": lr})
+    manager.register("model", model)
+    manager.register("optimizer", optimizer)
+    manager.register_state("step", lambda: step, set_step)
+    while step < total_steps:
+        manager.start_round()            # a rank that (re)joins receives the live state here
+        loss_fn(model(x), y).backward()
+        manager.average_gradients(model.parameters())
+        if manager.should_commit():      # False on every member when the round failed anywhere
+            optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+
+What it sends per round: the quorum's store round trips (about ten, no new connection while the members stay the
+same); each `average` an all-reduce of the tensor and a count over the round's group; a heal the registered state,
+serialised once, broadcast from the heal source. What it holds: references to the registered state, the current
+quorum, the events; `average_gradients` a flat copy of the gradients during the call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed.agreement import MAX_NAMED, RanksDisagree, canonical, describe_differences
+from ddpkit.distributed.membership import (
+    DEFAULT_PREFIX,
+    ENDED,
+    Membership,
+    Quorum,
+    broadcast_object_from,
+    heal_object,
+    quorum_exchange,
+    quorum_mean,
+)
+from ddpkit.distributed.rank_guard import say
+
+SETTINGS = "settings"  # key (under the prefix) of the job's settings, as its first round agreed them
+
+
+class FellBehind(Exception):
+    """This rank was left out of a round (it stalled or fell too far behind): it must take the live state again
+    (`Manager.rejoin`)."""
+
+
+@dataclass
+class MembershipEvent:
+    """A round whose members changed, or that failed: at `step` (the client's count; the round number unless it
+    sets `Manager.step`), who `left` and who `joined`, whether it `committed`, the seconds this rank waited for the
+    quorum (partly in the background when formed so), and the seconds the round held up this rank's training
+    (`blocked_seconds`: every manager call of the round on the training thread, the wait it did not hide, the heal,
+    the averages and the commit)."""
+
+    step: int
+    round: int
+    members: list[int]
+    joined: list[int]
+    left: list[int]
+    committed: bool | None
+    waited_seconds: float
+    blocked_seconds: float = 0.0
+
+
+@dataclass
+class _Entry:
+    save: Callable[[], Any]
+    load: Callable[[Any], None]
+
+
+def _settings_texts(settings: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, str]:
+    items = settings.items() if isinstance(settings, Mapping) else settings
+    return {str(k): v if isinstance(v, str) else canonical(v) for k, v in items}
+
+
+class Manager:
+    """The rounds of a fault-tolerant job, for any training loop (module doc).
+
+    `store`: a client of the job's store (a ``torch.distributed`` Store: TCPStore, or HashStore in one process);
+    `rank` in ``[0, max_world)``; the round timeouts as `Membership`'s; `settings`: what every rank must share
+    (name -> value), compared at the first round and at every join; `report`: where each membership change is
+    written as it happens (default: a line on stderr; None: nowhere).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        max_world: int,
+        *,
+        min_replicas: int = 1,
+        quorum_timeout: float = 10.0,
+        start_timeout: float | None = None,
+        join_timeout: float = 300.0,
+        prefix: str = DEFAULT_PREFIX,
+        settings: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
+        report: Callable[[str], None] | None = say,
+    ) -> None:
+        self.membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
+                                     start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
+        self.store, self.rank, self.max_world, self.prefix = store, rank, max_world, prefix
+        self.settings = _settings_texts(settings)
+        self.report = report
+        self._registry: dict[str, _Entry] = {}
+        self.quorum: Quorum | None = None
+        self.ok = True  # whether the current round went well on this rank so far
+        self.next_round = 0  # the round this rank takes part in next
+        self.step: int | None = None  # the client's step, recorded with each event (None: the round number)
+        self.events: list[MembershipEvent] = []
+        self.never_joined: list[int] = []  # ranks missing from the job's first round (and not back by its end)
+        self.rejoined = 0  # times this process took the live state from a member
+        self._blocked = 0.0  # seconds the current round held up the training thread so far
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
+        self._pending: Future[Quorum] | None = None  # a quorum being formed in the background
+
+    # -- the live state ----------------------------------------------------------------------------------------
+
+    def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """Adds `name` to the live state a joiner receives: `state_dict()` gives it on the member that sends it
+        (anything `torch.save` takes), `load_state_dict(value)` takes it on the joiner."""
+        if name in self._registry:
+            raise ValueError(f"Manager.register_state: the name {name!r} is registered already")
+        self._registry[name] = _Entry(state_dict, load_state_dict)
+
+    def register(self, name: str, obj: Any) -> None:
+        """`register_state` for an object with ``state_dict()`` and ``load_state_dict()`` (a module, an
+        optimizer, a scheduler, a wrapper)."""
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise TypeError(f"Manager.register: {name!r} has no {method}(); use register_state(name, save, load)")
+        self.register_state(name, obj.state_dict, obj.load_state_dict)
+
+    def live_state(self) -> dict[str, Any]:
+        """Every registered entry's state, by name."""
+        return {name: entry.save() for name, entry in self._registry.items()}
+
+    def load_live_state(self, state: Mapping[str, Any]) -> None:
+        """Loads `live_state()`'s output into the registered entries (in registration order)."""
+        missing = [name for name in self._registry if name not in state]
+        if missing:
+            raise ValueError(f"Manager: the live state received lacks {missing} (ranks registered different state)")
+        for name, entry in self._registry.items():
+            entry.load(state[name])
+
+    # -- the job's first round -----------------------------------------------------------------------------------
+
+    def under_way(self) -> bool:
+        """Whether the job has decided a round already (a process starting now joins it: `rejoin`)."""
+        return self.membership.latest_round() >= 0
+
+    def start(self, share_state: bool = True) -> Quorum:
+        """The job's first round (round 0): the quorum of the ranks that start within `start_timeout`, the
+        settings agreement (`RanksDisagree` on every member, naming the settings and ranks), the ranks that never
+        joined (written to `report`), and with `share_state` every member loading the first member's live state
+        (one model for all, as DDP's broadcast from rank 0). Not committed: the caller does the round's work and
+        `should_commit`."""
+        self.store.set(self._settings_key(self.rank), _encode(self.settings))
+        quorum = self.round(0)
+        self._agree(quorum)
+        self.never_joined = [r for r in range(self.max_world) if r not in quorum.members]
+        if self.never_joined:
+            self._say(f"{_ranks(self.never_joined)} never joined: training with {len(quorum.members)} of "
+                      f"{self.max_world}")  # fmt: skip
+        if share_state:
+            state = self.broadcast_object(self.live_state() if quorum.index == 0 else None, 0)
+            if self.ok and quorum.index != 0:
+                self.load_live_state(state)
+        return quorum
+
+    def _settings_key(self, rank: int | None = None) -> str:
+        return self.prefix + SETTINGS + ("" if rank is None else f"/{rank}")
+
+    def _agree(self, quorum: Quorum) -> None:
+        texts = self.store.multi_get([self._settings_key(r) for r in quorum.members])
+        per_member = [_decode(t) for t in texts]
+        lines = describe_differences(per_member)
+        if lines:
+            named = [_relabel(line, quorum.members) for line in lines]
+            message = "ranks disagree on their settings: " + " | ".join(named)
+            self.store.compare_set(self.prefix + ENDED, "", message)
+            raise RanksDisagree(f"rank {self.rank}: {message}")
+        if quorum.index == 0:
+            self.store.set(self._settings_key(), _encode(self.settings))
+
+    def _check_against_job(self) -> None:
+        """A joiner's settings against the job's (before it announces itself): `RanksDisagree` on this rank."""
+        key = self._settings_key()
+        try:
+            self.store.wait([key], timedelta(seconds=self.membership.join_timeout))
+        except dist.DistStoreError:
+            raise RanksDisagree(f"rank {self.rank}: the job's settings never appeared in its store") from None
+        job = _decode(self.store.get(key))
+        differ = [k for k in dict.fromkeys([*job, *self.settings]) if job.get(k) != self.settings.get(k)]
+        if differ:
+            named = " | ".join(f"{k}: {job.get(k, '(none)')} in the job, {self.settings.get(k, '(none)')} on rank "
+                               f"{self.rank}" for k in differ[:MAX_NAMED])  # fmt: skip
+            raise RanksDisagree(f"rank {self.rank} may not join: its settings differ from the job's: {named}")
+
+    # -- a round ---------------------------------------------------------------------------------------------------
+
+    def start_round(self, *, background: bool = False) -> Quorum | None:
+        """Your loop's round: forms the next round's quorum (in the background with `background`: taken by the
+        next call that needs it) and, as a rank that joins or was left out, takes the live state first (`rejoin`).
+        Returns the quorum (None with `background`)."""
+        if self._pending is not None:
+            self.take()
+        self._blocked = 0.0
+        if self.quorum is None:  # this process's first round
+            if self.under_way():
+                return self.rejoin()
+            self.start()
+            if not self.should_commit():
+                raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
+            self._blocked = 0.0
+        if background:
+            self._pending = self._pool.submit(self.membership.quorum, self.next_round)
+            return None
+        try:
+            quorum = self.round(self.next_round)
+        except FellBehind:
+            quorum = self.rejoin()
+        return quorum
+
+    def take(self) -> Quorum:
+        """The quorum formed in the background (`start_round(background=True)`), entered (`round`)."""
+        assert self._pending is not None, "Manager.take: no round is being formed"
+        since = time.monotonic()
+        future, self._pending = self._pending, None
+        formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
+        blocked = self._blocked + time.monotonic() - since
+        quorum = self.round(formed.round, formed)
+        self._blocked += blocked
+        return quorum
+
+    def round(self, round_: int, formed: Quorum | None = None) -> Quorum:
+        """Forms round `round_` (or enters `formed`, formed in the background) as a rank that holds live state,
+        and sends the live state to its joiners. Raises `FellBehind` if this rank is not a member, or is one of
+        its joiners (its state is not the others': `rejoin`)."""
+        since = time.monotonic()
+        quorum = formed if formed is not None else self.membership.quorum(round_)
+        self.next_round = quorum.round + 1
+        if not quorum.is_member or self.rank in quorum.joined:
+            raise FellBehind(f"rank {self.rank} was left out of round {quorum.round}")
+        self._enter(quorum)
+        if quorum.joined and self.ok:
+            self._guarded(heal_object, quorum, self.live_state())
+        self._blocked = time.monotonic() - since
+        return quorum
+
+    def _enter(self, quorum: Quorum) -> None:
+        self.quorum, self.ok = quorum, quorum.group is not None  # None: a member vanished before it connected
+
+    def rejoin(self) -> Quorum:
+        """Takes part as a joiner: checks this rank's settings against the job's, announces itself, and enters
+        the next round decided with it in it, receiving the live state there (loaded into the registry). Returns
+        that round's quorum: do its work and `should_commit` as every member does (a joiner of a round that
+        fails joins again at the next `start_round`)."""
+        self._check_against_job()
+        round_ = self.membership.announce_join()
+        while True:
+            since = time.monotonic()
+            quorum = self.membership.quorum(round_)
+            round_ = self.next_round = quorum.round + 1
+            if not quorum.is_member:
+                continue  # too late for it: the next round expects this rank
+            self._enter(quorum)
+            state = self._guarded(heal_object, quorum, None)
+            if not self.ok:
+                quorum.commit(False)
+                round_ = self.membership.announce_join()
+                continue
+            self.load_live_state(state)
+            self.rejoined += 1
+            self._blocked = time.monotonic() - since
+            return quorum
+
+    # -- the round's work ------------------------------------------------------------------------------------------
+
+    def _guarded(self, work: Callable[..., Any], *args: Any) -> Any:
+        """Runs a collective of the round unless the round failed already; a RuntimeError (a member died or
+        stalled in it) marks the round failed. Counted in the round's blocked seconds."""
+        if not self.ok:
+            return None
+        since = time.monotonic()
+        try:
+            return work(*args)
+        except RuntimeError:
+            self.ok = False
+            return None
+        finally:
+            self._blocked += time.monotonic() - since
+
+    def current(self) -> Quorum:
+        """The open round's quorum (taking the one formed in the background, if any)."""
+        if self._pending is not None:
+            self.take()
+        if self.quorum is None:
+            raise RuntimeError("Manager: no round is open (call start_round first)")
+        return self.quorum
+
+    def average(self, tensor: torch.Tensor, counts: bool = True) -> None:
+        """In place on every member: the mean of `tensor` over the members whose `counts` is True (the others
+        receive it). One all-reduce of the tensor and a count over the round's group."""
+        self._guarded(quorum_mean, self.current(), tensor, counts)
+
+    def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Every gradient of `params` replaced by its mean over the round's members (a parameter without a
+        gradient sends zeros), in one flat all-reduce after backward. On a failed round the gradients are left
+        alone: `should_commit` is False everywhere, so do not step."""
+        params = [p for p in params if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.detach().reshape(-1).to("cpu", torch.float32) for g in grads])
+        self.average(flat)
+        if not self.ok:
+            return
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + p.numel()].view_as(p).to(g.device, g.dtype)
+            offset += p.numel()
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Point-to-point messages between the round's members (`quorum_exchange`: indices in the round)."""
+        self._guarded(quorum_exchange, self.current(), sends, recvs)
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """`obj` as member index `root` holds it, on every member (None where the round failed)."""
+        return self._guarded(broadcast_object_from, self.current(), obj, root)
+
+    def fail(self) -> None:
+        """Marks the current round failed on this rank (the commit then drops it on every member)."""
+        self.ok = False
+
+    def should_commit(self) -> bool:
+        """The round's verdict, the same on every member: True only if it went well on every member. A joiner of a
+        round that failed joins again (its state is not the others')."""
+        quorum = self.current()
+        since = time.monotonic()
+        committed = quorum.commit(self.ok)
+        self._blocked += time.monotonic() - since
+        self._note(quorum)
+        if not committed and self.rank in quorum.joined:
+            self.membership.announce_join()
+            self.next_round = max(self.next_round, self.membership.latest_round() + 1)
+        return committed
+
+    # -- what happened ---------------------------------------------------------------------------------------------
+
+    def _note(self, quorum: Quorum) -> None:
+        if not (quorum.changed or quorum.committed is False):
+            return
+        step = quorum.round if self.step is None else self.step
+        event = MembershipEvent(step, quorum.round, quorum.members, quorum.joined, quorum.left, quorum.committed,
+                                round(quorum.waited, 3), round(self._blocked, 3))  # fmt: skip
+        self.events.append(event)
+        self.never_joined = [r for r in self.never_joined if r not in quorum.members]
+        parts = [f"{_ranks(quorum.left)} left"] if quorum.left else []
+        parts += [f"{_ranks(quorum.joined)} joined"] if quorum.joined else []
+        parts += [] if quorum.committed else ["the round failed and was dropped everywhere"]
+        parts.append(f"training with {len(quorum.members)} of {self.max_world} ({self._blocked:.1f} s held up)")
+        self._say(f"round {quorum.round} (step {step}): " + "; ".join(parts))
+
+    def _say(self, line: str) -> None:
+        if self.report is not None:
+            self.report(f"ddpkit: rank {self.rank}: {line}")
+
+    def close(self) -> None:
+        """Stops the background quorum thread (a round being formed is abandoned)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _relabel(line: str, members: list[int]) -> str:
+    """`describe_differences`'s line, whose ranks are positions among `members`, in global ranks."""
+
+    def one(match: re.Match[str]) -> str:
+        ranks = [members[int(r)] for r in match.group(2).split(", ")]
+        return _ranks(ranks)
+
+    return re.sub(r"(ranks?) ((?:\d+)(?:, \d+)*)", one, line)
+
+
+def _encode(settings: dict[str, str]) -> str:
+    return json.dumps(settings)
+
+
+def _decode(text: bytes | str) -> dict[str, str]:
+    return json.loads(text)

@@ -1,0 +1,122 @@
+"""`ddpkit train --fault-tolerant`'s rounds (`FaultTolerantSync`, a client of the `Manager`), in one process.
+
+Each rank is a thread running the `Trainer` with the callback the command runs, meeting the others in a HashStore.
+The reference is written apart from the code under test: one model stepped by torch's SGD (with momentum) on the
+mean gradient of each committed round's members (DDP), or local SGD's definition (every member takes its local
+steps, a committed sync replaces the parameters by their mean). A round that fails on one rank must leave every
+member where it was: applying the un-averaged gradient there (or keeping the un-averaged parameters) fails here.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit.distributed.manager import Manager
+from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, OuterSchedule
+from ddpkit.train.loop.trainer import Trainer
+
+LR, MOMENTUM, STEPS, BATCH = 0.1, 0.9, 8, 6
+SEEDING = threading.Lock()
+
+
+def _model(seed: int) -> nn.Module:
+    with SEEDING:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(STEPS * BATCH, 4, generator=g), torch.randint(0, 3, (STEPS * BATCH,), generator=g)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _data(rank)
+    return x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
+
+
+class _Recorder:
+    def annotate_last(self, **columns: Any) -> None:
+        pass
+
+
+def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, out: dict) -> None:
+    model = _model(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    manager = Manager(store, rank, 2, quorum_timeout=1.0, start_timeout=20, report=None)
+    if rank == 1:  # this rank fails in `fail_round` after its average (both ranks hold the average then)
+        real = manager.average
+
+        def average(tensor: torch.Tensor, counts: bool = True) -> None:
+            real(tensor, counts)
+            if manager.current().round == fail_round:
+                manager.fail()
+
+        manager.average = average  # type: ignore[method-assign]
+    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer)  # type: ignore[arg-type]
+    loader = DataLoader(TensorDataset(*_data(rank)), batch_size=BATCH, shuffle=False)
+    trainer = Trainer(model, optimizer, loader, callbacks=[sync])
+    trainer.fit(epochs=1)
+    sync.finish(trainer)
+    out[rank] = ([p.detach().clone() for p in model.parameters()], [(e.round, e.committed) for e in manager.events])
+
+
+def _train(outer: OuterSchedule | None, fail_round: int) -> dict:
+    store, out = dist.HashStore(), {}
+    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(out) == [0, 1], "a rank failed or hung"
+    return out
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b, strict=True))
+
+
+def test_ddp_rounds_equal_torch_sgd_on_the_mean_gradient_and_a_failed_round_steps_nowhere():
+    out = _train(None, fail_round=4)  # round s is step s: step 4's gradients are dropped on both ranks
+    assert out[0][1] == out[1][1] == [(4, False)]
+    model = _model(0)  # the first round gives every rank rank 0's model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(STEPS):
+        if step + 1 == 4:
+            continue
+        grads = []
+        for rank in (0, 1):
+            model.zero_grad()
+            nn.functional.cross_entropy(model(_batch(rank, step)[0]), _batch(rank, step)[1]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = (grads[0][i] + grads[1][i]) / 2
+        optimizer.step()
+    want = [p.detach() for p in model.parameters()]
+    assert _close(out[0][0], want) and _close(out[1][0], want)
+
+
+def test_local_sgd_rounds_equal_the_definition_and_a_failed_sync_averages_nothing():
+    outer = OuterSchedule(every=2, slow_every=4, rule=None)  # a sync every 2 steps (rounds 1..4), no slow momentum
+    out = _train(outer, fail_round=2)  # the sync after step 4 is dropped: both keep their local parameters
+    assert out[0][1] == out[1][1] == [(2, False)]
+    models = [_model(0), _model(0)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in models]
+    for step in range(STEPS):
+        for rank, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(_batch(rank, step)[0]), _batch(rank, step)[1]).backward()
+            optimizer.step()
+        if (step + 1) % 2 == 0 and step + 1 != 4:
+            with torch.no_grad():
+                for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+                    a.copy_((a + b) / 2)
+                    b.copy_(a)
+    for rank in (0, 1):
+        assert _close(out[rank][0], [p.detach() for p in models[rank].parameters()]), rank

@@ -1,0 +1,263 @@
+"""`ddpkit.distributed.manager.Manager` (issue 33): a fault-tolerant job's rounds under a loop of any shape.
+
+Deterministic and in one process: each rank is a thread holding its own Manager, all meeting in one HashStore,
+each round's gloo group made between the threads. The README's own-loop example runs here as written (read from
+README.md), with a failed round, a lost rank and a rank that starts late. The reference is written apart from
+the code under test: one model stepped by torch's own SGD (with momentum) on the mean of the members' gradients
+of every round that committed, the rounds' members and verdicts read from the ranks' logs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_readme import snippet
+from torch import nn
+
+from ddpkit.distributed.agreement import RanksDisagree
+from ddpkit.distributed.manager import Manager
+from ddpkit.distributed.membership import TooFewReplicas
+
+LR, MOMENTUM, STEPS = 0.1, 0.9, 40
+START = 3.0  # seconds round 0 waits for every rank: the threads start at once, the late one does not count
+README_LOOP = "manager.average_gradients(model.parameters())"
+
+
+class MyModel(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)  # every rank starts elsewhere: the first round gives them rank 0's model
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+class Logged(Manager):
+    """The README's Manager, with a log of every round this rank committed or dropped, and faults on request:
+    `fail_round` fails this rank's average in that round; `vanish_round`: the rank stops in that round's middle
+    (after its backward, before averaging: its thread ends, as a process killed there would)."""
+
+    def __init__(self, *args: Any, fail_round: int = -1, vanish_round: int = -1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_round, self.vanish_round = fail_round, vanish_round
+        self.log: list[tuple[int, list[int], bool]] = []
+
+    def average(self, tensor: torch.Tensor, counts: bool = True) -> None:
+        quorum = self.current()
+        if quorum.round == self.vanish_round:
+            raise Vanished
+        super().average(tensor, counts)
+        if quorum.round == self.fail_round:
+            self.fail()
+
+    def should_commit(self) -> bool:
+        committed = super().should_commit()
+        assert self.quorum is not None
+        if self.quorum.round > 0:
+            self.log.append((self.quorum.round, list(self.quorum.members), committed))
+        return committed
+
+
+class Vanished(Exception):
+    pass
+
+
+SEEDING = threading.Lock()
+
+
+def _rank(store: Any, rank: int, world: int, results: dict, **faults: Any) -> None:
+    """Runs the README's loop as rank `rank`, its names supplied as a reader would."""
+    code = snippet(README_LOOP)
+    with SEEDING:  # the global generator, one thread at a time
+        model = MyModel(seed=rank)
+    steps = STEPS
+    namespace: dict[str, Any] = {"store": store, "rank": rank, "world_size": world, "MyModel": lambda: model,
+                                 "batch": batch, "loss_fn": loss_fn, "total_steps": steps}  # fmt: skip
+
+    def make(*args: Any, **kwargs: Any) -> Logged:
+        kwargs.update(quorum_timeout=1.5, start_timeout=START, report=None)
+        results.setdefault("managers", {})[rank] = manager = Logged(*args, **faults, **kwargs)
+        return manager
+
+    code = code.replace("from ddpkit.distributed import Manager\n", "")
+    namespace["Manager"] = make
+    try:
+        exec(compile(code, "README.md", "exec"), namespace)
+        results[rank] = ("done", [p.detach().clone() for p in model.parameters()])
+    except Vanished:
+        results[rank] = ("vanished", None)
+    except Exception as exc:  # reported to the test's thread
+        results[rank] = ("error", exc)
+
+
+def _reference(logs: list[list[tuple[int, list[int], bool]]]) -> list[torch.Tensor]:
+    """Rank 0's initial model stepped by torch's SGD on the mean gradient of each committed round's members."""
+    rounds: dict[int, tuple[list[int], bool]] = {}
+    for log in logs:
+        for round_, members, committed in log:
+            assert rounds.setdefault(round_, (members, committed)) == (members, committed), (round_, logs)
+    model = MyModel(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for round_ in sorted(rounds):
+        members, committed = rounds[round_]
+        if not committed:
+            continue
+        grads = []
+        for rank in members:
+            model.zero_grad()
+            x, y = batch(round_ - 1, rank)  # round r is the loop's step r - 1 (round 0 is the start)
+            loss_fn(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.stack([g[i] for g in grads]).mean(0)
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _run(world: int, late: dict[int, int] | None = None, **faults_by_rank: dict) -> tuple[dict, dict]:
+    """Ranks 0..world-1 as threads; `late`: rank -> the round the others reach before it starts."""
+    store, results = dist.HashStore(), {}
+    late = late or {}
+    threads = {}
+    for rank in range(world):
+        if rank not in late:
+            threads[rank] = threading.Thread(target=_rank, args=(store, rank, world, results),
+                                             kwargs=faults_by_rank.get(f"rank{rank}", {}), daemon=True)  # fmt: skip
+            threads[rank].start()
+    for rank, after in late.items():
+        deadline = time.monotonic() + 60
+        while not store.check(["ddpkit/ft/latest"]) or int(store.get("ddpkit/ft/latest")) < after:
+            assert time.monotonic() < deadline, f"the job did not reach round {after}"
+            time.sleep(0.01)
+        threads[rank] = threading.Thread(target=_rank, args=(store, rank, world, results), daemon=True)
+        threads[rank].start()
+    for thread in threads.values():
+        thread.join(120)
+        assert not thread.is_alive(), "a rank hung"
+    return results, results.pop("managers")
+
+
+def test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_the_reference():
+    """Rank 1's average fails in round 5 (dropped on every member); rank 2 vanishes in round 12's middle (the
+    round fails, it is dropped from the next); rank 3 starts once round 20 is decided and joins from live state."""
+    results, managers = _run(4, late={3: 20}, rank1={"fail_round": 5}, rank2={"vanish_round": 12})
+    ends = {rank: results[rank][0] for rank in range(4)}
+    assert ends == {0: "done", 1: "done", 2: "vanished", 3: "done"}, results
+    logs = {rank: managers[rank].log for rank in (0, 1, 3)}
+    by_round = {r: (m, c) for r, m, c in logs[0]}
+    assert by_round[5] == ([0, 1, 2], False)  # one member's failure drops the round on every member
+    assert by_round[12][1] is False and 2 not in by_round[13][0]  # lost mid-round: dropped, then left out
+    joined = [r for r, m, _ in logs[0] if 3 in m]
+    assert joined and joined[0] > 20 and managers[0].events[-1].joined == [3], managers[0].events
+    assert [r for r, _, _ in logs[0]] == list(range(1, STEPS + 1))  # rank 0 took part in every round
+    reference = _reference(list(logs.values()))
+    for rank in (0, 1, 3):
+        for got, want in zip(results[rank][1], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[3][1], strict=True))  # bit for bit
+    assert managers[3].rejoined == 1 and managers[0].rejoined == 0
+
+
+def test_an_uncommitted_round_leaves_every_member_where_it_was():
+    """Counter-check of the reference: had the failed round's gradients been applied (the un-averaged one on
+    the rank that failed, or the average elsewhere), the models would differ from it."""
+    results, managers = _run(2, rank0={"fail_round": 3})
+    logs = [managers[r].log for r in (0, 1)]
+    assert [c for r, _, c in logs[0] if r == 3] == [False]
+    reference = _reference(logs)
+    forced = _reference([[(r, m, True) for r, m, _ in log] for log in logs])
+    for rank in (0, 1):
+        got = results[rank][1]
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, reference, strict=True))
+        assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, forced, strict=True))
+
+
+# -- agreement and visibility --------------------------------------------------------------------------------------
+
+
+def _managers(store: Any, world: int, settings: list[dict], **kwargs: Any) -> list[Manager]:
+    lines: list[str] = []
+    return [Manager(store, r, world, settings=settings[r], report=lines.append, **kwargs) for r in range(world)]
+
+
+def _in_threads(work: dict[int, Any]) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = work[rank]()
+        except Exception as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_ranks_whose_settings_differ_are_refused_at_the_first_round_naming_the_setting_and_the_ranks():
+    store = dist.HashStore()
+    settings = [{"--lr": 0.05, "--seed": 1}, {"--lr": 0.2, "--seed": 1}, {"--lr": 0.05, "--seed": 1}]
+    managers = _managers(store, 3, settings, start_timeout=20)
+    out = _in_threads({r: managers[r].start for r in range(3)})
+    for rank in range(3):
+        assert isinstance(out[rank], RanksDisagree), out
+        assert "--lr: 0.05 on ranks 0, 2; 0.2 on rank 1" in str(out[rank]), out[rank]
+
+
+def test_a_joiner_whose_settings_differ_is_refused_before_it_takes_part():
+    store = dist.HashStore()
+    good = {"--lr": 0.05, "model parameter 0": "w: shape (4, 2)"}
+    managers = _managers(store, 2, [good, good], start_timeout=20, quorum_timeout=1)
+    out = _in_threads({0: lambda: managers[0].start_round(), 1: lambda: managers[1].start_round()})
+    assert all(q.members == [0, 1] for q in out.values()), out
+    stranger = Manager(store, 1, 2, settings={**good, "--lr": 0.2}, quorum_timeout=1, report=None)
+    with pytest.raises(RanksDisagree, match=r"rank 1 may not join.*--lr: 0.05 in the job, 0.2 on rank 1"):
+        stranger.start_round()
+    assert not store.check(["ddpkit/ft/r3/joiners"]) and not store.check(["ddpkit/ft/r2/joiners"])
+
+
+def test_a_rank_that_never_starts_is_named_on_every_member_and_training_goes_on():
+    store, lines = dist.HashStore(), []
+    managers = [Manager(store, r, 3, start_timeout=1, quorum_timeout=1, report=lines.append) for r in range(2)]
+    out = _in_threads({r: managers[r].start_round for r in range(2)})
+    assert all(q.members == [0, 1] for q in out.values()), out
+    assert managers[0].never_joined == managers[1].never_joined == [2]
+    assert sorted(lines) == [f"ddpkit: rank {r}: rank 2 never joined: training with 2 of 3" for r in range(2)]
+
+
+def test_too_few_ranks_end_every_member_with_the_minimum_named():
+    store = dist.HashStore()
+    manager = Manager(store, 0, 2, min_replicas=2, start_timeout=0.5, quorum_timeout=0.5, report=None)
+    with pytest.raises(TooFewReplicas, match="fewer than min_replicas=2"):
+        manager.start_round()
+
+
+def test_manager_arguments_are_checked():
+    manager = Manager(dist.HashStore(), 0, 2, report=None)
+    manager.register("model", nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="'model' is registered already"):
+        manager.register("model", nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="'step' has no state_dict"):
+        manager.register("step", 3)
+    with pytest.raises(ValueError, match="lacks \\['model'\\]"):
+        manager.load_live_state({})
+    with pytest.raises(RuntimeError, match="no round is open"):
+        manager.should_commit()
