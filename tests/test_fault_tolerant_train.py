@@ -146,6 +146,52 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
     assert summary["test_accuracy"] > 0.85
 
 
+@pytest.mark.slow
+def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(tmp_path, procs):  # noqa: F811
+    """Two jobs side by side: in one, rank 1 has another --lr (every rank is refused at the first round, naming
+    the flag and the ranks); in the other, the third rank of --world-size 3 never starts (the others train, say
+    so on stdout as it happens and record it)."""
+    flags = ["--strategy", "slowmo", *SLOW_RUN, "--max-steps", "20"]
+    port_a, port_b = free_port(), free_port()
+    a = [_node(procs, port_a, r, 2, tmp_path / f"a{r}", *flags, *(["--lr", "0.2"] if r else []), name=f"a{r}")
+         for r in range(2)]  # fmt: skip
+    b = [_node(procs, port_b, r, 3, tmp_path / f"b{r}", *flags, "--timeout", "6", name=f"b{r}") for r in range(2)]
+    for proc in a:
+        result = proc.wait(120)
+        assert result.returncode == 1, result
+        assert "ranks disagree on their settings: --lr: 0.01 on rank 0; 0.2 on rank 1" in result.stderr, result
+    for proc in b:
+        result = proc.wait(120)
+        assert result.returncode == 0, result
+    assert "rank 2 never joined: training with 2 of 3" in b[0].result().stdout
+    summary = _summary(tmp_path / "b0")
+    assert summary["never_joined"] == [2] and summary["trained_ranks"] == [0, 1], summary
+    assert "ranks 0, 1 trained (2 never joined)" in b[0].result().stdout
+
+
+@pytest.mark.slow
+def test_the_first_machine_lost_the_others_finish_by_themselves(tmp_path, procs):  # noqa: F811
+    """Node 0's machine hosts the job's store: SIGKILL to its launcher and rank mid-run. The two others meet in
+    a standby store (rank 1's), train to the end, exit 0 and write the outputs; the round that was open is
+    dropped on both, and they end bit-identical."""
+    port = free_port()
+    flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "150"]
+    nodes = [_node(procs, port, r, 3, tmp_path / f"n{r}", *flags, name=f"node{r}") for r in range(3)]
+    _wait_for_round(_store(port), 30, 120)
+    nodes[0].kill()
+    killed = time.monotonic()
+    for proc in nodes[1:]:
+        result = proc.wait(180)
+        assert result.returncode == 0, result
+    assert "meet in rank 1's standby store" in nodes[1].result().stdout, nodes[1].result().stdout
+    summary = _summary(tmp_path / "n1")  # the lowest final member that never rejoined writes the outputs
+    assert summary["final_members"] == [1, 2] and summary["replicas_equal"], summary
+    assert any(e["left"] == [0] for e in summary["membership"]), summary["membership"]
+    assert [int(r["step"]) for r in _steps(tmp_path / "n1")] == list(range(150))
+    assert not (tmp_path / "n2" / "metrics.json").exists()  # one writer
+    assert time.monotonic() - killed < 120
+
+
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(c) for c in path.read_text().split()] if path.exists() else []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -80,7 +81,7 @@ class Vanished(Exception):
 SEEDING = threading.Lock()
 
 
-def _rank(store: Any, rank: int, world: int, results: dict, **faults: Any) -> None:
+def _rank(store: Any, rank: int, world: int, results: dict, standby: bool = False, **faults: Any) -> None:
     """Runs the README's loop as rank `rank`, its names supplied as a reader would."""
     code = snippet(README_LOOP)
     with SEEDING:  # the global generator, one thread at a time
@@ -91,6 +92,8 @@ def _rank(store: Any, rank: int, world: int, results: dict, **faults: Any) -> No
 
     def make(*args: Any, **kwargs: Any) -> Logged:
         kwargs.update(quorum_timeout=1.5, start_timeout=START, report=None)
+        if standby:
+            kwargs.update(standby_address="127.0.0.1")
         results.setdefault("managers", {})[rank] = manager = Logged(*args, **faults, **kwargs)
         return manager
 
@@ -100,6 +103,7 @@ def _rank(store: Any, rank: int, world: int, results: dict, **faults: Any) -> No
         exec(compile(code, "README.md", "exec"), namespace)
         results[rank] = ("done", [p.detach().clone() for p in model.parameters()])
     except Vanished:
+        results["managers"][rank].close()  # its standby store goes with it
         results[rank] = ("vanished", None)
     except Exception as exc:  # reported to the test's thread
         results[rank] = ("error", exc)
@@ -129,22 +133,40 @@ def _reference(logs: list[list[tuple[int, list[int], bool]]]) -> list[torch.Tens
     return [p.detach() for p in model.parameters()]
 
 
-def _run(world: int, late: dict[int, int] | None = None, **faults_by_rank: dict) -> tuple[dict, dict]:
-    """Ranks 0..world-1 as threads; `late`: rank -> the round the others reach before it starts."""
-    store, results = dist.HashStore(), {}
+def _client(port: int) -> Any:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def _run(
+    world: int,
+    late: dict[int, int] | None = None,
+    port: int | None = None,
+    results: dict | None = None,
+    **faults_by_rank: dict,
+) -> tuple[dict, dict]:
+    """Ranks 0..world-1 as threads; `late`: rank -> the round the others reach before it starts; `port`: a
+    TCPStore server's, each rank a client of it with a standby store of its own (None: one HashStore shared,
+    no standby); `results`: where the ranks' ends go (read by the caller while they run)."""
+    standby, results = port is not None, {} if results is None else results
+    shared = dist.HashStore()
+
+    def store() -> Any:
+        return _client(port) if port is not None else shared
+
+    reader = store()
     late = late or {}
     threads = {}
     for rank in range(world):
         if rank not in late:
-            threads[rank] = threading.Thread(target=_rank, args=(store, rank, world, results),
+            threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results, standby),
                                              kwargs=faults_by_rank.get(f"rank{rank}", {}), daemon=True)  # fmt: skip
             threads[rank].start()
     for rank, after in late.items():
         deadline = time.monotonic() + 60
-        while not store.check(["ddpkit/ft/latest"]) or int(store.get("ddpkit/ft/latest")) < after:
+        while not reader.check(["ddpkit/ft/latest"]) or int(reader.get("ddpkit/ft/latest")) < after:
             assert time.monotonic() < deadline, f"the job did not reach round {after}"
             time.sleep(0.01)
-        threads[rank] = threading.Thread(target=_rank, args=(store, rank, world, results), daemon=True)
+        threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results, standby), daemon=True)
         threads[rank].start()
     for thread in threads.values():
         thread.join(120)
@@ -185,6 +207,37 @@ def test_an_uncommitted_round_leaves_every_member_where_it_was():
         got = results[rank][1]
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, reference, strict=True))
         assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, forced, strict=True))
+
+
+def test_the_machine_hosting_the_store_is_lost_and_the_survivors_train_on_in_a_standby_store():
+    """The job's store and rank 0 (its machine) go in round 10: the survivors meet in rank 1's standby, settle the
+    round that was open (dropped: nobody saw its verdict), and train to the end, equal to the reference."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    holder = {"server": server}
+    del server
+
+    def kill_the_store_once_rank_0_is_gone(results: dict) -> None:
+        deadline = time.monotonic() + 60
+        while results.get(0) is None:
+            assert time.monotonic() < deadline, "rank 0 never vanished"
+            time.sleep(0.01)
+        holder.pop("server")  # the only reference: the server stops, every client's connection breaks
+
+    results: dict = {}
+    killer = threading.Thread(target=kill_the_store_once_rank_0_is_gone, args=(results,), daemon=True)
+    killer.start()
+    got, managers = _run(3, port=holder["server"].port, results=results, rank0={"vanish_round": 10})
+    killer.join(5)
+    assert {rank: got[rank][0] for rank in range(3)} == {0: "vanished", 1: "done", 2: "done"}, got
+    logs = {rank: managers[rank].log for rank in (1, 2)}
+    by_round = {r: (m, c) for r, m, c in logs[1]}
+    assert by_round[10] == ([0, 1, 2], False) and by_round[11][0] == [1, 2], by_round
+    assert [r for r, _, _ in logs[1]] == list(range(1, STEPS + 1))
+    assert managers[1].recoveries == managers[2].recoveries == 1 and managers[1].standby.host == 1
+    reference = _reference(list(logs.values()))
+    for rank in (1, 2):
+        for a, b in zip(got[rank][1], reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # -- agreement and visibility --------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ runs its own torchrun) and every rank reaches as a client (`connect`): a
 rank's death does not take it down, and a rank started again finds the job where it is. The launcher keeps it up
 until the job is over: every rank of the final quorum has said it finished (`finish`, `wait_until_finished`), or
 no rank is left (each live rank beats a heartbeat into the store every second: `heartbeat`). Losing node 0's
-launcher (its machine) ends the job, as losing torchft's lighthouse does.
+launcher (its machine) does not end the job: the survivors meet in a standby store that one of them hosts
+(`ddpkit.distributed.standby`), which then stays up until the others are done (`wait_for_done`).
 Memory: the keys of the quorums (`ddpkit.distributed.membership`), a few bytes per rank and round.
 """
 
@@ -104,3 +105,12 @@ def choose_writer(store: Any, candidate: int) -> int:
 def done(store: Any, rank: int) -> None:
     """Says that `rank` read everything it needed from the store: the launcher may take it down."""
     store.set(f"{PREFIX}done/{rank}", "1")
+
+
+def wait_for_done(store: Any, members: list[int], timeout: float) -> None:
+    """Waits up to `timeout` seconds until every one of `members` said `done` (the store's host, a rank whose
+    standby store the job met in after losing its own, stays until the others have read their outputs)."""
+    try:
+        store.wait([f"{PREFIX}done/{r}" for r in members], timedelta(seconds=timeout))
+    except dist.DistStoreError:
+        pass

@@ -69,6 +69,7 @@ from ddpkit.distributed.membership import (
     quorum_mean,
 )
 from ddpkit.distributed.rank_guard import say
+from ddpkit.distributed.standby import Standby, StoreLost, is_store_loss, settle
 
 SETTINGS = "settings"  # key (under the prefix) of the job's settings, as its first round agreed them
 
@@ -129,6 +130,7 @@ class Manager:
         prefix: str = DEFAULT_PREFIX,
         settings: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
         report: Callable[[str], None] | None = say,
+        standby_address: str | None = None,
     ) -> None:
         self.membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
                                      start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
@@ -146,6 +148,9 @@ class Manager:
         self._blocked = 0.0  # seconds the current round held up the training thread so far
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
         self._pending: Future[Quorum] | None = None  # a quorum being formed in the background
+        self.standby = Standby(rank, standby_address, prefix) if standby_address is not None else None
+        self._verdicts: dict[int, bool] = {}  # the latest rounds' verdicts (for the survivors of a lost store)
+        self.recoveries = 0  # times the job's store was lost and the survivors met again in a standby
 
     # -- the live state ----------------------------------------------------------------------------------------
 
@@ -189,8 +194,12 @@ class Manager:
         (one model for all, as DDP's broadcast from rank 0). Not committed: the caller does the round's work and
         `should_commit`."""
         self.store.set(self._settings_key(self.rank), _encode(self.settings))
+        if self.standby is not None:
+            self.standby.publish(self.store)
         quorum = self.round(0)
         self._agree(quorum)
+        if self.standby is not None:
+            self.standby.learn(self.store, quorum.members)
         self.never_joined = [r for r in range(self.max_world) if r not in quorum.members]
         if self.never_joined:
             self._say(f"{_ranks(self.never_joined)} never joined: training with {len(quorum.members)} of "
@@ -260,7 +269,12 @@ class Manager:
         assert self._pending is not None, "Manager.take: no round is being formed"
         since = time.monotonic()
         future, self._pending = self._pending, None
-        formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
+        try:
+            formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
+        except Exception as exc:
+            if not self._recover(exc):
+                raise
+            return self.round(self.next_round)
         blocked = self._blocked + time.monotonic() - since
         quorum = self.round(formed.round, formed)
         self._blocked += blocked
@@ -271,11 +285,18 @@ class Manager:
         and sends the live state to its joiners. Raises `FellBehind` if this rank is not a member, or is one of
         its joiners (its state is not the others': `rejoin`)."""
         since = time.monotonic()
-        quorum = formed if formed is not None else self.membership.quorum(round_)
+        try:
+            quorum = formed if formed is not None else self.membership.quorum(round_)
+        except Exception as exc:
+            if round_ == 0 or not self._recover(exc):
+                raise
+            return self.round(self.next_round)
         self.next_round = quorum.round + 1
         if not quorum.is_member or self.rank in quorum.joined:
             raise FellBehind(f"rank {self.rank} was left out of round {quorum.round}")
         self._enter(quorum)
+        if quorum.joined and self.standby is not None:
+            self.standby.learn(self.store, quorum.joined)
         if quorum.joined and self.ok:
             self._guarded(heal_object, quorum, self.live_state())
         self._blocked = time.monotonic() - since
@@ -290,10 +311,19 @@ class Manager:
         that round's quorum: do its work and `should_commit` as every member does (a joiner of a round that
         fails joins again at the next `start_round`)."""
         self._check_against_job()
+        if self.standby is not None:
+            self.standby.publish(self.store)
+            self.standby.learn(self.store, list(range(self.max_world)))
         round_ = self.membership.announce_join()
         while True:
             since = time.monotonic()
-            quorum = self.membership.quorum(round_)
+            try:
+                quorum = self.membership.quorum(round_)
+            except Exception as exc:
+                if not self._recover(exc):
+                    raise
+                round_ = self.membership.announce_join()
+                continue
             round_ = self.next_round = quorum.round + 1
             if not quorum.is_member:
                 continue  # too late for it: the next round expects this rank
@@ -369,13 +399,58 @@ class Manager:
         round that failed joins again (its state is not the others')."""
         quorum = self.current()
         since = time.monotonic()
-        committed = quorum.commit(self.ok)
+        try:
+            committed = quorum.commit(self.ok)
+        except Exception as exc:
+            if not self._recover(exc, open_quorum=quorum):
+                raise
+            committed = bool(quorum.committed)
+        self._verdicts = {r: v for r, v in self._verdicts.items() if r > quorum.round - 3} | {quorum.round: committed}
         self._blocked += time.monotonic() - since
         self._note(quorum)
         if not committed and self.rank in quorum.joined:
             self.membership.announce_join()
             self.next_round = max(self.next_round, self.membership.latest_round() + 1)
         return committed
+
+    # -- a lost store ----------------------------------------------------------------------------------------------
+
+    def _recover(self, exc: BaseException, open_quorum: Quorum | None = None) -> bool:
+        """When the job's store was lost (`exc` says its connection broke) and this manager keeps a standby: meets
+        the survivors in the lowest live member's standby store, settles with them the round that was open
+        (`open_quorum`: this rank's, whose commit broke) and re-seeds the new store (`ddpkit.distributed.standby`).
+        Returns False (the caller raises) for any other error; raises `StoreLost` when no standby answers."""
+        if self.standby is None or not is_store_loss(exc):
+            return False
+        since, timeout = time.monotonic(), self.membership.timeout
+        try:
+            store = self.standby.meet(sorted(self.standby.known), timeout)
+        except StoreLost as lost:
+            raise StoreLost(f"rank {self.rank}: the job's store is gone ({exc}) and {lost}") from exc
+        self.store = self.membership.store = store
+        last = open_quorum or self.membership.last
+        mine = last.round if last is not None else -1
+        expected = last.members if last is not None else [self.rank]
+        settled = settle(store, self.rank, self.prefix, self.recoveries, mine, self._verdicts, expected, timeout,
+                         can_decide=last is not None)  # fmt: skip
+        self.recoveries += 1
+        if open_quorum is not None:
+            open_quorum.committed = settled.verdict(open_quorum.round)
+            open_quorum.group = open_quorum.group if open_quorum.committed else None
+        live = self.rank in settled.in_step and mine == settled.open_round
+        self.membership.reseed(settled.open_round, settled.in_step, live, settled.verdict(settled.open_round))
+        store.compare_set(self._settings_key(), "", _encode(self.settings))
+        self.standby.publish(store)
+        self.next_round = settled.open_round + 1
+        lost = sorted(set(expected) - set(settled.in_step))
+        held = time.monotonic() - since
+        step = settled.open_round if self.step is None else self.step
+        self.events.append(MembershipEvent(step, settled.open_round, settled.in_step, [], lost,
+                                           settled.verdict(settled.open_round), 0.0, round(held, 3)))  # fmt: skip
+        self._say(f"the job's store was lost{' with ' + _ranks(lost) if lost else ''}: the survivors "
+                  f"({_ranks(settled.in_step)}) meet in rank {self.standby.host}'s standby store from round "
+                  f"{self.next_round} on ({held:.1f} s held up)")  # fmt: skip
+        return True
 
     # -- what happened ---------------------------------------------------------------------------------------------
 
@@ -398,8 +473,10 @@ class Manager:
             self.report(f"ddpkit: rank {self.rank}: {line}")
 
     def close(self) -> None:
-        """Stops the background quorum thread (a round being formed is abandoned)."""
+        """Stops the background quorum thread (a round being formed is abandoned) and the standby store."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.standby is not None:
+            self.standby.close()
 
 
 def _ranks(ranks: list[int]) -> str:

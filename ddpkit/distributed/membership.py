@@ -240,8 +240,9 @@ class Membership:
         """The round's process group: the previous round's when it committed with the same members, else a new
         one (None if a member vanished before connecting: the round then fails, see `commit`)."""
         last = self.last
-        if last is not None and last.round == quorum.round - 1 and last.committed and last.members == quorum.members:
-            return last.group
+        same = last is not None and last.round == quorum.round - 1 and last.members == quorum.members
+        if same and last.committed and last.group is not None:  # type: ignore[union-attr]
+            return last.group  # type: ignore[union-attr]
         store = dist.PrefixStore(self._key(quorum.round, "pg") + "/", self.store)
         try:
             return dist.ProcessGroupGloo(store, quorum.index, len(quorum.members), timedelta(seconds=self.timeout))
@@ -258,6 +259,18 @@ class Membership:
             self.store.set(self.prefix + LATEST, str(round_))
         quorum.round = round_
         self.last = quorum
+
+    def reseed(self, round_: int, members: list[int], live: bool, committed: bool) -> None:
+        """After the job's store was lost (`ddpkit.distributed.standby`), in the new one: round `round_` was the
+        latest, its ranks still in step are `members`; this rank goes on as one of them (`live`) or joins again.
+        Every survivor writes the same (compare-and-set), so the first write stands."""
+        self.store.compare_set(self._key(round_, "members"), "", json.dumps(members))
+        self.store.compare_set(self.prefix + LATEST, "", str(round_))
+        if live:
+            self.last = Quorum(round_, members, [], [], committed=committed, _membership=self)  # no group: made anew
+            self.joining = False
+        else:
+            self.announce_join()
 
     # -- commit ----------------------------------------------------------------------------------------------------
 

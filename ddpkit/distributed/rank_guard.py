@@ -29,17 +29,24 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def say(line: str) -> None:
-    """Writes `line` and its newline to stderr in one write, so that lines of processes sharing the stream never
-    mix: print's separate write of the newline (unbuffered stderr) let the launcher's last line land in between."""
-    sys.stderr.flush()
+def say(line: str, stream: Any = None) -> None:
+    """Writes `line` and its newline to `stream` (default: stderr) in one write, so that lines of processes
+    sharing the stream never mix: print's separate write of the newline (unbuffered stderr) let the launcher's
+    last line land in between."""
+    stream = sys.stderr if stream is None else stream
+    stream.flush()
     try:
-        fd = sys.stderr.fileno()
+        fd = stream.fileno()
     except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor (a test's capture)
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        stream.write(line + "\n")
+        stream.flush()
         return
     os.write(fd, (line + "\n").encode())
+
+
+def tell(line: str) -> None:
+    """`say` on stdout: what a user reads as the job's progress (membership changes), not as an error."""
+    say(line, sys.stdout)
 
 
 def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
-from ddpkit.distributed.launch import Placement, choose_gloo_interface
+from ddpkit.distributed.launch import Placement, choose_gloo_interface, route_source_address
 from ddpkit.distributed.manager import FellBehind, Manager
-from ddpkit.distributed.rank_guard import say
+from ddpkit.distributed.rank_guard import say, tell
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_lock import claim_out
@@ -79,7 +79,9 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
     manager = Manager(store, placement.rank, placement.world_size, min_replicas=cfg.min_replicas,
                       quorum_timeout=cfg.quorum_timeout, prefix=job_store.PREFIX,
-                      settings=job_settings(cfg, "gloo", work), **waits)  # fmt: skip
+                      settings=job_settings(cfg, "gloo", work), report=tell,
+                      standby_address=route_source_address(placement.master_addr, placement.master_port) or "127.0.0.1",
+                      **waits)  # fmt: skip
     optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
     data = rank_data(cfg, work, placement.rank, placement.world_size)
     loader, total = data.loader, data.total_steps
@@ -110,8 +112,11 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
             say(f"ddpkit: {exc}; taking the live state again")
             sync.rejoin(trainer)
     final = sync.finish(trainer)
+    summary = report(cfg, placement, manager.store, trainer, recorder, manager, final.members, started)
+    if manager.standby is not None and manager.standby.host == placement.rank:  # the job meets in this rank's store
+        job_store.wait_for_done(manager.store, final.members, cfg.quorum_timeout + 30)
     manager.close()
-    return report(cfg, placement, store, trainer, recorder, manager, final.members, started)
+    return summary
 
 
 def report(
@@ -126,11 +131,12 @@ def report(
 ) -> dict[str, Any] | None:
     """Leaves this rank's figures in the store; the writer (module doc) gathers them and writes the outputs."""
     steps = recorder.steps
+    totals = recorder.totals()  # the loop's wall time up to now, as a plain run's summary reads it: one clock
     mine = {
         "sent_bytes_per_step": statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0,
         "sent_bytes": sum(r.sent_bytes for r in steps),
         "samples": sum(r.samples for r in steps),
-        "training_seconds": sum(r.seconds for r in steps),
+        "training_seconds": totals["wall_seconds"] - totals["eval_seconds"],
         "peak_memory_mb": peak_memory_mb(),
         "digest": parameter_digest(trainer.model),
         "rejoined": manager.rejoined,
