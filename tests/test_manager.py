@@ -296,6 +296,23 @@ def test_a_rank_that_never_starts_is_named_on_every_member_and_training_goes_on(
     assert sorted(lines) == [f"ddpkit: rank {r}: rank 2 never joined: training with 2 of 3" for r in range(2)]
 
 
+def test_the_store_keeps_a_bounded_number_of_rounds():
+    store = dist.HashStore()
+    managers = [Manager(store, r, 2, quorum_timeout=2, start_timeout=10, report=None) for r in range(2)]
+
+    def loop(manager: Manager) -> None:
+        for _ in range(40):
+            manager.start_round()
+            manager.average(torch.ones(3))
+            assert manager.should_commit()
+
+    _in_threads({r: lambda r=r: loop(managers[r]) for r in range(2)})
+    time.sleep(0.5)  # the deletions run beside training
+    assert not store.check(["ddpkit/ft/r3/members"]) and not store.check(["ddpkit/ft/r3/in/0"])
+    assert store.check(["ddpkit/ft/r40/members"])
+    assert store.num_keys() < 90, store.num_keys()  # 40 rounds kept would be about 280
+
+
 def test_too_few_ranks_end_every_member_with_the_minimum_named():
     store = dist.HashStore()
     manager = Manager(store, 0, 2, min_replicas=2, start_timeout=0.5, quorum_timeout=0.5, report=None)

@@ -61,6 +61,7 @@ from ddpkit.distributed.agreement import MAX_NAMED, RanksDisagree, canonical, de
 from ddpkit.distributed.membership import (
     DEFAULT_PREFIX,
     ENDED,
+    KEPT_ROUNDS,
     Membership,
     Quorum,
     broadcast_object_from,
@@ -406,6 +407,8 @@ class Manager:
                 raise
             committed = bool(quorum.committed)
         self._verdicts = {r: v for r, v in self._verdicts.items() if r > quorum.round - 3} | {quorum.round: committed}
+        if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
+            self._pool.submit(self.membership.forget, quorum.round - KEPT_ROUNDS)
         self._blocked += time.monotonic() - since
         self._note(quorum)
         if not committed and self.rank in quorum.joined:

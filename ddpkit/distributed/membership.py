@@ -26,7 +26,9 @@ decided one; the quorum tells the others it `joined`, and the members send it th
 group (`heal`, `heal_object`: a broadcast from the lowest member that was in the previous quorum).
 
 What it costs when nothing fails: per round about ten store round trips per rank (about 15 us each on one host)
-and no new connection. Memory: the store keeps a few bytes per rank and round.
+and no new connection; a round's first member deletes the keys of the round `KEPT_ROUNDS` before (`forget`, in
+the background: one delete per key, max_world + 4 + the group's). Memory: the store keeps a few bytes per rank
+for `KEPT_ROUNDS` rounds.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 
 DEFAULT_PREFIX = "ddpkit/ft/"
+KEPT_ROUNDS = 8  # a round's keys are deleted once this many later rounds committed (a late joiner may still read)
 LATEST = "latest"  # key (under the prefix) of the latest decided round
 ENDED = "ended"  # key of the message that ended the job (too few replicas)
 
@@ -161,7 +164,11 @@ class Membership:
             arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
             members = self._decide(round_, sorted(arrived))
         else:
-            members = self._await_decision(round_)
+            decided = self._await_decision(round_)
+            if decided is None:  # long past: not a member; the next round to be decided expects this rank
+                self._expect(self.latest_round() + 1)
+                return Quorum(round_, [], [], [], previous, waited=time.monotonic() - arrival, _membership=self)
+            members = decided
         joined = self._joined(round_, members) if previous is not None else []
         left = sorted(set(previous) - set(members)) if previous is not None else []
         quorum = Quorum(round_, members, joined, left, previous, waited=time.monotonic() - arrival, _membership=self)
@@ -210,8 +217,9 @@ class Membership:
             pass  # someone is missing: the quorum is whoever is here now
         return {r for r in range(self.max_world) if self.store.check([self._key(round_, "in", r)])}
 
-    def _await_decision(self, round_: int) -> list[int]:
-        """The members of `round_` as the live ranks decide them; TooFewReplicas if none does in `join_timeout`."""
+    def _await_decision(self, round_: int) -> list[int] | None:
+        """The members of `round_` as the live ranks decide them (None: the round is long past and its keys were
+        deleted); TooFewReplicas if none is decided in `join_timeout`."""
         key, ended = self._key(round_, "members"), self.prefix + ENDED
         deadline = time.monotonic() + self.join_timeout
         while True:
@@ -219,6 +227,8 @@ class Membership:
                 self.store.wait([key], timedelta(seconds=min(1.0, max(1e-3, deadline - time.monotonic()))))
                 return json.loads(self.store.get(key))
             except dist.DistStoreError:
+                if self.latest_round() >= round_ + KEPT_ROUNDS // 2:
+                    return None  # this rank was stopped for a long while: it joins a later round
                 if self.store.check([ended]):
                     raise TooFewReplicas(f"the job ended: {self.store.get(ended).decode()}") from None
                 if time.monotonic() > deadline:
@@ -299,6 +309,16 @@ class Membership:
         if not quorum.committed and quorum.group is not None:
             quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
         return quorum.committed
+
+    def forget(self, round_: int) -> None:
+        """Deletes round `round_`'s keys from the store (arrivals, joiners, members, reports, verdict and its
+        group's rendezvous keys), so the store holds a bounded number of rounds however long the job runs."""
+        members = self._decided(round_) or []
+        keys = [self._key(round_, "in", r) for r in range(self.max_world)]
+        keys += [self._key(round_, part) for part in ("joiners", "members", "reports", "verdict")]
+        keys += [self._key(round_, "pg") + f"//0/{i}" for i in range(len(members))]
+        for key in keys:
+            self.store.delete_key(key)
 
 
 def heal_source(quorum: Quorum) -> int | None:
