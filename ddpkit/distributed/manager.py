@@ -45,19 +45,15 @@ quorum, the events; `average_gradients` a flat copy of the gradients during the 
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ddpkit.distributed.agreement import MAX_NAMED, RanksDisagree, canonical, describe_differences
+from ddpkit.distributed import store_agreement
 from ddpkit.distributed.membership import (
     DEFAULT_PREFIX,
     ENDED,
@@ -71,8 +67,6 @@ from ddpkit.distributed.membership import (
 )
 from ddpkit.distributed.rank_guard import say
 from ddpkit.distributed.standby import Standby, StoreLost, is_store_loss, settle
-
-SETTINGS = "settings"  # key (under the prefix) of the job's settings, as its first round agreed them
 
 
 class FellBehind(Exception):
@@ -104,11 +98,6 @@ class _Entry:
     load: Callable[[Any], None]
 
 
-def _settings_texts(settings: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, str]:
-    items = settings.items() if isinstance(settings, Mapping) else settings
-    return {str(k): v if isinstance(v, str) else canonical(v) for k, v in items}
-
-
 class Manager:
     """The rounds of a fault-tolerant job, for any training loop (module doc).
 
@@ -136,7 +125,7 @@ class Manager:
         self.membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
                                      start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
         self.store, self.rank, self.max_world, self.prefix = store, rank, max_world, prefix
-        self.settings = _settings_texts(settings)
+        self.settings = store_agreement.settings_texts(settings)
         self.report = report
         self._registry: dict[str, _Entry] = {}
         self.quorum: Quorum | None = None
@@ -194,11 +183,11 @@ class Manager:
         joined (written to `report`), and with `share_state` every member loading the first member's live state
         (one model for all, as DDP's broadcast from rank 0). Not committed: the caller does the round's work and
         `should_commit`."""
-        self.store.set(self._settings_key(self.rank), _encode(self.settings))
+        store_agreement.offer(self.store, self.prefix, self.rank, self.settings)
         if self.standby is not None:
             self.standby.publish(self.store)
         quorum = self.round(0)
-        self._agree(quorum)
+        store_agreement.agree(self.store, self.prefix, self.rank, quorum.members, self.prefix + ENDED)
         if self.standby is not None:
             self.standby.learn(self.store, quorum.members)
         self.never_joined = [r for r in range(self.max_world) if r not in quorum.members]
@@ -210,35 +199,6 @@ class Manager:
             if self.ok and quorum.index != 0:
                 self.load_live_state(state)
         return quorum
-
-    def _settings_key(self, rank: int | None = None) -> str:
-        return self.prefix + SETTINGS + ("" if rank is None else f"/{rank}")
-
-    def _agree(self, quorum: Quorum) -> None:
-        texts = self.store.multi_get([self._settings_key(r) for r in quorum.members])
-        per_member = [_decode(t) for t in texts]
-        lines = describe_differences(per_member)
-        if lines:
-            named = [_relabel(line, quorum.members) for line in lines]
-            message = "ranks disagree on their settings: " + " | ".join(named)
-            self.store.compare_set(self.prefix + ENDED, "", message)
-            raise RanksDisagree(f"rank {self.rank}: {message}")
-        if quorum.index == 0:
-            self.store.set(self._settings_key(), _encode(self.settings))
-
-    def _check_against_job(self) -> None:
-        """A joiner's settings against the job's (before it announces itself): `RanksDisagree` on this rank."""
-        key = self._settings_key()
-        try:
-            self.store.wait([key], timedelta(seconds=self.membership.join_timeout))
-        except dist.DistStoreError:
-            raise RanksDisagree(f"rank {self.rank}: the job's settings never appeared in its store") from None
-        job = _decode(self.store.get(key))
-        differ = [k for k in dict.fromkeys([*job, *self.settings]) if job.get(k) != self.settings.get(k)]
-        if differ:
-            named = " | ".join(f"{k}: {job.get(k, '(none)')} in the job, {self.settings.get(k, '(none)')} on rank "
-                               f"{self.rank}" for k in differ[:MAX_NAMED])  # fmt: skip
-            raise RanksDisagree(f"rank {self.rank} may not join: its settings differ from the job's: {named}")
 
     # -- a round ---------------------------------------------------------------------------------------------------
 
@@ -311,7 +271,7 @@ class Manager:
         the next round decided with it in it, receiving the live state there (loaded into the registry). Returns
         that round's quorum: do its work and `should_commit` as every member does (a joiner of a round that
         fails joins again at the next `start_round`)."""
-        self._check_against_job()
+        store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings, self.membership.join_timeout)
         if self.standby is not None:
             self.standby.publish(self.store)
             self.standby.learn(self.store, list(range(self.max_world)))
@@ -442,7 +402,7 @@ class Manager:
             open_quorum.group = open_quorum.group if open_quorum.committed else None
         live = self.rank in settled.in_step and mine == settled.open_round
         self.membership.reseed(settled.open_round, settled.in_step, live, settled.verdict(settled.open_round))
-        store.compare_set(self._settings_key(), "", _encode(self.settings))
+        store_agreement.record(store, self.prefix, self.settings)
         self.standby.publish(store)
         self.next_round = settled.open_round + 1
         lost = sorted(set(expected) - set(settled.in_step))
@@ -484,21 +444,3 @@ class Manager:
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _relabel(line: str, members: list[int]) -> str:
-    """`describe_differences`'s line, whose ranks are positions among `members`, in global ranks."""
-
-    def one(match: re.Match[str]) -> str:
-        ranks = [members[int(r)] for r in match.group(2).split(", ")]
-        return _ranks(ranks)
-
-    return re.sub(r"(ranks?) ((?:\d+)(?:, \d+)*)", one, line)
-
-
-def _encode(settings: dict[str, str]) -> str:
-    return json.dumps(settings)
-
-
-def _decode(text: bytes | str) -> dict[str, str]:
-    return json.loads(text)
