@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from ddpkit.distributed import store_agreement
+from ddpkit.distributed.liveness import STALE_AFTER, Heartbeat, Liveness
 from ddpkit.distributed.membership import (
     DEFAULT_PREFIX,
     ENDED,
@@ -138,6 +139,9 @@ class Manager:
         self._blocked = 0.0  # seconds the current round held up the training thread so far
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
         self._pending: Future[Quorum] | None = None  # a quorum being formed in the background
+        self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
+        self.membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
+        self._heartbeat: Heartbeat | None = None
         self.standby = Standby(rank, standby_address, prefix) if standby_address is not None else None
         self._verdicts: dict[int, bool] = {}  # the latest rounds' verdicts (for the survivors of a lost store)
         self.recoveries = 0  # times the job's store was lost and the survivors met again in a standby
@@ -184,6 +188,7 @@ class Manager:
         (one model for all, as DDP's broadcast from rank 0). Not committed: the caller does the round's work and
         `should_commit`."""
         store_agreement.offer(self.store, self.prefix, self.rank, self.settings)
+        self._beat()
         if self.standby is not None:
             self.standby.publish(self.store)
         quorum = self.round(0)
@@ -275,6 +280,7 @@ class Manager:
         if self.standby is not None:
             self.standby.publish(self.store)
             self.standby.learn(self.store, list(range(self.max_world)))
+        self._beat()
         round_ = self.membership.announce_join()
         while True:
             since = time.monotonic()
@@ -368,7 +374,7 @@ class Manager:
             committed = bool(quorum.committed)
         self._verdicts = {r: v for r, v in self._verdicts.items() if r > quorum.round - 3} | {quorum.round: committed}
         if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
-            self._pool.submit(self.membership.forget, quorum.round - KEPT_ROUNDS)
+            self._cleaner.submit(self.membership.forget, quorum.round - KEPT_ROUNDS)
         self._blocked += time.monotonic() - since
         self._note(quorum)
         if not committed and self.rank in quorum.joined:
@@ -391,6 +397,7 @@ class Manager:
         except StoreLost as lost:
             raise StoreLost(f"rank {self.rank}: the job's store is gone ({exc}) and {lost}") from exc
         self.store = self.membership.store = store
+        self._beat()
         last = open_quorum or self.membership.last
         mine = last.round if last is not None else -1
         expected = last.members if last is not None else [self.rank]
@@ -435,9 +442,19 @@ class Manager:
         if self.report is not None:
             self.report(f"ddpkit: rank {self.rank}: {line}")
 
+    def _beat(self) -> None:
+        """(Re)starts this rank's heartbeat on the current store (`ddpkit.distributed.liveness`)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        connection = self.store.clone() if hasattr(self.store, "clone") else self.store
+        self._heartbeat = Heartbeat(connection, self.prefix, self.rank)
+
     def close(self) -> None:
         """Stops the background quorum thread (a round being formed is abandoned) and the standby store."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._cleaner.shutdown(wait=False, cancel_futures=True)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if self.standby is not None:
             self.standby.close()
 

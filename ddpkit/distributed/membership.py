@@ -8,7 +8,9 @@ hosted where no rank's death takes it down, such as the launcher):
 1. **Arrive**: each rank writes its arrival key for the round. A *live* rank (a member of the previous round, or
    any rank at round 0) then waits until every rank it expects has arrived (the previous round's members and the
    ranks that announced they join), or `quorum_timeout` seconds have passed (`start_timeout` at round 0, when
-   ranks are still starting): a rank lost since the last round costs that timeout once, not every round.
+   ranks are still starting): a rank lost since the last round costs that timeout once, not every round. With
+   heartbeats (`liveness`, `ddpkit.distributed.liveness`), a wait that lasts past `FIRST_WAIT` also ends once
+   every rank still missing has stopped beating.
 2. **Decide**: the first live rank to finish waiting writes the member list with an atomic compare-and-set; every
    rank reads that same list. A rank that is not live (it starts late, restarts, or stalled past a round) never
    decides: it waits for the live ranks' decision (up to `join_timeout`), so it cannot form a quorum of its own
@@ -20,13 +22,17 @@ hosted where no rank's death takes it down, such as the launcher):
    nothing is connected while nothing changes.
 4. **Commit**: after the round's work each member says whether it succeeded; the first verdict written (all
    succeeded, or not) is everyone's, so a round that failed anywhere is dropped everywhere (`Quorum.commit`).
+   When every member succeeded and no rank asked to join the next round, the verdict's writer also decides the
+   next round with the same members (`predict_next`): the members then start it without a store round trip. A
+   rank lost between two such rounds makes the next one's collective fail (at once when its machine resets the
+   connection, within `quorum_timeout` when it is silent) and is dropped at the round after.
 
 A rank that starts late or restarts calls `announce_join` and takes part from the next round after the latest
 decided one; the quorum tells the others it `joined`, and the members send it the live state over the round's
 group (`heal`, `heal_object`: a broadcast from the lowest member that was in the previous quorum).
 
-What it costs when nothing fails: per round about ten store round trips per rank (about 15 us each on one host)
-and no new connection; a round's first member deletes the keys of the round `KEPT_ROUNDS` before (`forget`, in
+What it costs when nothing fails: per round the commit's 3-4 store round trips per member (about 100 us each
+from Python on one host) and no new connection; a round's first member deletes the keys of the round `KEPT_ROUNDS` before (`forget`, in
 the background: one delete per key, max_world + 4 + the group's). Memory: the store keeps a few bytes per rank
 for `KEPT_ROUNDS` rounds.
 """
@@ -47,6 +53,8 @@ from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 
 DEFAULT_PREFIX = "ddpkit/ft/"
+FIRST_WAIT = 1.0  # seconds a quorum waits for everyone before it asks whether those missing still beat
+POLL_SECONDS = 0.05  # how often it looks again after that
 KEPT_ROUNDS = 8  # a round's keys are deleted once this many later rounds committed (a late joiner may still read)
 LATEST = "latest"  # key (under the prefix) of the latest decided round
 ENDED = "ended"  # key of the message that ended the job (too few replicas)
@@ -70,6 +78,7 @@ class Quorum:
     group: Any = None
     index: int | None = None
     committed: bool | None = None  # the round's verdict, once `commit` returned
+    next_decided: bool = False  # its commit decided the next round too: the same members (module doc, step 4)
     waited: float = 0.0
     _membership: Membership | None = field(default=None, repr=False)
 
@@ -101,6 +110,7 @@ class Membership:
         *,
         start_timeout: float | None = None,
         join_timeout: float = 300.0,
+        predict_next: bool = True,
     ) -> None:
         if not 0 <= rank < max_world:
             raise ValueError(f"Membership: rank must be in [0, max_world={max_world}), got {rank}")
@@ -112,6 +122,9 @@ class Membership:
         self.min_replicas, self.timeout, self.prefix = min_replicas, quorum_timeout, prefix
         self.start_timeout = max(quorum_timeout, start_timeout or 0.0)
         self.join_timeout = join_timeout
+        self.predict_next = predict_next
+        self._forgetting: Any = None  # the store connection `forget` deletes through
+        self.liveness: Any = None  # a `ddpkit.distributed.liveness.Liveness`: stop waiting for ranks that are gone
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
 
@@ -156,6 +169,9 @@ class Membership:
 
     def quorum(self, round_: int) -> Quorum:
         """Arrives at round `round_`, waits, and returns the decided quorum (module doc, steps 1-3)."""
+        last = self.last
+        if last is not None and last.round == round_ - 1 and last.next_decided:  # decided by the last commit
+            return self._member_of(Quorum(round_, last.members, [], [], last.members, _membership=self))
         arrival = time.monotonic()
         live = self._live(round_)
         self.store.set(self._key(round_, "in", self.rank), "live" if live else "joining")
@@ -183,12 +199,17 @@ class Membership:
             self.store.compare_set(self.prefix + ENDED, "", message)  # ranks waiting to join stop too
             raise TooFewReplicas(message)
         if self.rank in members:
-            quorum.index = members.index(self.rank)
-            if quorum.index == 0:
+            if members.index(self.rank) == 0:
                 self.store.set(self.prefix + LATEST, str(round_))
-            quorum.group = self._group_for(quorum)
-            self.joining = False
-            self.last = quorum
+            self._member_of(quorum)
+        return quorum
+
+    def _member_of(self, quorum: Quorum) -> Quorum:
+        """`quorum`, decided with this rank in it, as this rank's latest: its index and group."""
+        quorum.index = quorum.members.index(self.rank)
+        quorum.group = self._group_for(quorum)
+        self.joining = False
+        self.last = quorum
         return quorum
 
     def _previous(self, round_: int) -> list[int] | None:
@@ -207,14 +228,21 @@ class Membership:
         return base | self._joiners(round_) | {self.rank}
 
     def _await_arrivals(self, round_: int, expected: set[int], since: float) -> set[int]:
-        """The ranks that arrived at `round_` once all of `expected` did or the round's timeout passed."""
+        """The ranks that arrived at `round_` once all of `expected` did, the round's timeout passed, or (after
+        round 0, with `liveness`) every rank still missing stopped beating (`ddpkit.distributed.liveness`)."""
         limit = self.start_timeout if round_ == 0 else self.timeout
         keys = [self._key(round_, "in", r) for r in sorted(expected)]
+        first = limit if self.liveness is None or round_ == 0 else min(limit, FIRST_WAIT)
         try:
-            self.store.wait(keys, timedelta(seconds=max(1e-3, since + limit - time.monotonic())))
+            self.store.wait(keys, timedelta(seconds=max(1e-3, since + first - time.monotonic())))
             return expected  # (a rank that was not expected announced itself too late: it is expected next round)
         except dist.DistStoreError:
-            pass  # someone is missing: the quorum is whoever is here now
+            pass  # someone is missing: wait on while it beats, quietly (a timed-out wait logs a warning)
+        while time.monotonic() < since + limit:
+            missing = [r for r, key in zip(sorted(expected), keys, strict=True) if not self.store.check([key])]
+            if not missing or (self.liveness is not None and self.liveness.gone(self.store, missing)):
+                break
+            time.sleep(POLL_SECONDS)
         return {r for r in range(self.max_world) if self.store.check([self._key(round_, "in", r)])}
 
     def _await_decision(self, round_: int) -> list[int] | None:
@@ -298,27 +326,46 @@ class Membership:
         if not ok:  # the round failed: nobody need wait for the others' reports (a dead member never sends one)
             verdict = self.store.compare_set(verdict_key, "", "0")
         elif failed + succeeded == n:
-            verdict = self.store.compare_set(verdict_key, "", "0" if failed else "1")
+            verdict = self.store.compare_set(verdict_key, "", "0" if failed else self._success(quorum))
         else:
             try:
                 self.store.wait([verdict_key], timedelta(seconds=self.timeout))
                 verdict = self.store.get(verdict_key)
             except dist.DistStoreError:
                 verdict = self.store.compare_set(verdict_key, "", "0")
-        quorum.committed = verdict == b"1"
+        quorum.committed = verdict in (b"1", b"1+")
+        quorum.next_decided = verdict == b"1+"
         if not quorum.committed and quorum.group is not None:
             quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
         return quorum.committed
 
+    def _success(self, quorum: Quorum) -> str:
+        """The verdict of a round that succeeded on every member, written by its last reporter: "1+" when it also
+        decided the next round with the same members (nobody asked to join it: the members' next quorum needs
+        no store round trip), else "1"."""
+        following = quorum.round + 1
+        if not self.predict_next or self._joiners(following):
+            return "1"
+        # the next round's members are written by this report's writer alone (every other member waits for the
+        # verdict, a joiner never decides): one write of both keys
+        self.store.multi_set([self._key(following, "members"), self.prefix + LATEST],
+                             [json.dumps(quorum.members), str(following)])  # fmt: skip
+        return "1+"
+
     def forget(self, round_: int) -> None:
         """Deletes round `round_`'s keys from the store (arrivals, joiners, members, reports, verdict and its
-        group's rendezvous keys), so the store holds a bounded number of rounds however long the job runs."""
-        members = self._decided(round_) or []
+        group's rendezvous keys), so the store holds a bounded number of rounds however long the job runs. On a
+        connection of its own (`store.clone()`), so that it never holds up the rounds' store calls."""
+        if self._forgetting is None:
+            self._forgetting = self.store.clone() if hasattr(self.store, "clone") else self.store
+        store = self._forgetting
+        key = self._key(round_, "members")
+        members = json.loads(store.get(key)) if store.check([key]) else []
         keys = [self._key(round_, "in", r) for r in range(self.max_world)]
         keys += [self._key(round_, part) for part in ("joiners", "members", "reports", "verdict")]
         keys += [self._key(round_, "pg") + f"//0/{i}" for i in range(len(members))]
         for key in keys:
-            self.store.delete_key(key)
+            store.delete_key(key)
 
 
 def heal_source(quorum: Quorum) -> int | None:

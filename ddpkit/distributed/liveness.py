@@ -1,0 +1,70 @@
+"""Heartbeats of a fault-tolerant job's ranks, so that a quorum stops waiting for a rank that is gone.
+
+Each rank's `Heartbeat` thread adds one to its own counter in the job's store every `INTERVAL` seconds, on a
+connection of its own. A rank waiting for others' arrival at a round reads the counters of those still missing
+(`Liveness.gone`): a counter that has not moved for `stale_after` seconds of this rank's own clock (no clocks are
+compared across machines) belongs to a rank that is dead, stopped or cut off, and the round goes on without it
+instead of waiting its whole `quorum_timeout`. A rank that never beat (started without a heartbeat) is waited for
+as before. Sends: one store addition per rank every `INTERVAL` seconds; reads only while a quorum waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+INTERVAL = 0.25  # seconds between a rank's beats
+STALE_AFTER = 2.0  # seconds without a beat after which a rank counts as gone (at most the quorum timeout)
+
+
+def _key(prefix: str, rank: int) -> str:
+    return f"{prefix}alive/{rank}"
+
+
+class Heartbeat:
+    """This rank's beat (module doc), on `store` (give it a connection of its own: `store.clone()`)."""
+
+    def __init__(self, store: Any, prefix: str, rank: int) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(store, _key(prefix, rank)), daemon=True,
+                                        name="ddpkit-alive")  # fmt: skip
+        self._thread.start()
+
+    def _beat(self, store: Any, key: str) -> None:
+        while not self._stop.is_set():
+            try:
+                store.add(key, 1)
+            except (RuntimeError, dist.DistError):
+                return  # the store is gone: the rank learns it from its next round
+            self._stop.wait(INTERVAL)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Liveness:
+    """What this rank has seen of the others' beats (module doc)."""
+
+    def __init__(self, prefix: str, stale_after: float = STALE_AFTER) -> None:
+        self.prefix, self.stale_after = prefix, stale_after
+        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (its counter, when this rank saw it change)
+
+    def gone(self, store: Any, ranks: list[int]) -> bool:
+        """Whether every one of `ranks` has a counter that did not move for `stale_after` seconds (False while
+        any of them beats, never beat, or was first seen less than `stale_after` ago)."""
+        keys = [_key(self.prefix, r) for r in ranks]
+        present = [store.check([k]) for k in keys]
+        if not ranks or not all(present):
+            return False
+        now, stale = time.monotonic(), True
+        for rank, value in zip(ranks, store.multi_get(keys), strict=True):
+            old = self._seen.get(rank)
+            if old is None or old[0] != value:
+                self._seen[rank] = (value, now)
+                stale = False
+            elif now - old[1] < self.stale_after:
+                stale = False
+        return stale
