@@ -32,9 +32,9 @@ decided one; the quorum tells the others it `joined`, and the members send it th
 group (`heal`, `heal_object`: a broadcast from the lowest member that was in the previous quorum).
 
 What it costs when nothing fails: per round the commit's 3-4 store round trips per member (about 100 us each
-from Python on one host) and no new connection; a round's first member deletes the keys of the round `KEPT_ROUNDS` before (`forget`, in
-the background: one delete per key, max_world + 4 + the group's). Memory: the store keeps a few bytes per rank
-for `KEPT_ROUNDS` rounds.
+from Python on one host) and no new connection; a round's first member deletes the keys of the round
+`KEPT_ROUNDS` before (`forget`, in the background: one delete per key, max_world + 4 + the group's). Memory:
+the store keeps a few bytes per rank for `KEPT_ROUNDS` rounds.
 """
 
 from __future__ import annotations
