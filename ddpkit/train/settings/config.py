@@ -360,24 +360,27 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
         )
     if not 1 <= cfg.min_replicas <= cfg.world_size:
         raise ValueError(f"--min-replicas must be in [1, the world size {cfg.world_size}]; got {cfg.min_replicas}")
-    unsupported = {
-        "--no-push-sum (PushPull: weights must travel once members change)": not cfg.push_sum,
-        "--overlap": cfg.overlap,
-        "--slowmo-compression/--slowmo-fragments/--slowmo-sync-delay": cfg.slowmo_compression != "none"
-        or cfg.slowmo_fragments > 1
-        or cfg.slowmo_sync_delay > 0,
-        "--slowmo-nprocs-per-node > 1": (cfg.nprocs_per_node_slowmo or 1) > 1,
-        "--adascale": cfg.adascale,
-        "--amp fp16": cfg.amp == "fp16",
-        "--device cuda / --backend nccl": cfg.device == "cuda" or cfg.backend == "nccl",
+    unsupported = {  # flag -> (given, why it is refused under --fault-tolerant)
+        "--no-push-sum": (not cfg.push_sum, "PushPull keeps every weight at one, which a change of members breaks"),
+        "--overlap": (cfg.overlap, "an overlapped gossip round runs beside the next step, whose members may differ"),
+        "--slowmo-compression/--slowmo-fragments/--slowmo-sync-delay": (
+            cfg.slowmo_compression != "none" or cfg.slowmo_fragments > 1 or cfg.slowmo_sync_delay > 0,
+            "the pseudo-gradient averager keeps one group for the job; it does not take each round's group yet",
+        ),
+        "--slowmo-nprocs-per-node > 1": (
+            (cfg.nprocs_per_node_slowmo or 1) > 1,
+            "a node group of several processes is one group for the job, which a lost process breaks (not yet)",
+        ),
+        "--adascale": (cfg.adascale, "its gain is measured over a fixed set of ranks; a round's members change"),
+        "--amp fp16": (cfg.amp == "fp16", "the loss scale does not travel with the live state yet (bf16 works)"),
+        "--device cuda / --backend nccl": (
+            cfg.device == "cuda" or cfg.backend == "nccl",
+            "each round's group is a gloo group made for its members; NCCL groups per round are not built yet",
+        ),
     }
-    given = [name for name, on in unsupported.items() if on]
+    given = [f"{name} ({why})" for name, (on, why) in unsupported.items() if on]
     if given:
-        raise ValueError(
-            f"--fault-tolerant does not combine with {', '.join(given)} yet: the live state it hands to a rank that "
-            "rejoins (and its checkpoints hold) parameters, a torch optimizer, slow momentum, SGP's push-sum buffer "
-            "and the data position on the CPU, and its rounds wait for each gossip exchange"
-        )
+        raise ValueError(f"--fault-tolerant does not combine with {'; '.join(given)}")
 
 
 HELDOUT_TEXT_BYTES = (
