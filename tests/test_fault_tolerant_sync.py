@@ -10,8 +10,10 @@ member where it was: applying the un-averaged gradient there (or keeping the un-
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -120,3 +122,35 @@ def test_local_sgd_rounds_equal_the_definition_and_a_failed_sync_averages_nothin
                     b.copy_(a)
     for rank in (0, 1):
         assert _close(out[rank][0], [p.detach() for p in models[rank].parameters()]), rank
+
+
+def test_a_checkpoint_is_written_beside_training_and_a_failed_write_is_raised(tmp_path, monkeypatch):
+    """A slow disk must not hold up the next round: `save` returns once the state is serialised; `wait` ends the
+    write (its folder committed, the state intact); a write that fails is raised by the next `wait`."""
+    from ddpkit.train.checkpoints import checkpoint_files, live_checkpoint
+
+    real = checkpoint_files.write_atomic
+
+    def slow(path: str, data: bytes) -> None:
+        time.sleep(1.0)
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint_files, "write_atomic", slow)
+    plan = live_checkpoint.LiveCheckpoints(str(tmp_path), 10, 2, {"world_size": 2, "strategy": "ddp"})
+    state = {"model": {"w": torch.arange(4.0)}}
+    began = time.monotonic()
+    plan.save(state, 10, 0, 0)
+    state["model"]["w"].add_(100)  # training goes on: the checkpoint holds the state as it was saved
+    assert time.monotonic() - began < 0.5
+    folder = plan.wait()
+    assert folder is not None and (tmp_path / "checkpoint" / "step-00000010").is_dir()
+    saved = torch.load(tmp_path / "checkpoint" / "step-00000010" / "live.pt")
+    assert torch.equal(saved["model"]["w"], torch.arange(4.0))
+
+    def full(path: str, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_files, "write_atomic", full)
+    plan.save(state, 20, 0, 0)
+    with pytest.raises(OSError, match="No space left"):
+        plan.wait()

@@ -7,16 +7,26 @@ step folder of its own ``--out``, then the folder's commit marker with the file'
 and marker as `ddpkit.train.checkpoints.checkpoint`, so a torn or damaged checkpoint is passed over the same way).
 With ``--out`` on a shared file system the job keeps one series of checkpoints whichever member writes.
 
+The state is serialised on the training thread (a copy in memory) and written, committed and pruned by a thread
+of its own, so that a slow disk never holds up the next round (a save longer than `--quorum-timeout` would
+otherwise drop that round on every member); `wait` ends the job's last write before it exits, and a write that
+failed (a full disk) is raised at the next save or at `wait`.
+
 On ``--resume`` the first member of the job's first round reads the newest intact one from its ``--out`` and
 sends it to the others over that round's group (`FaultTolerantSync`), so only that machine needs the file.
-Memory: the live state serialised once per checkpoint. Communication: none here.
+Memory: the live state serialised once per checkpoint, until it is written. Communication: none here.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ddpkit.train.checkpoints import checkpoint_files as files
 from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
@@ -34,16 +44,31 @@ class LiveCheckpoints:
     keep: int
     settings: dict[str, Any]
     resume: bool = False
+    _writer: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "ddpkit-checkpoint"), repr=False)
+    _pending: Future[str] | None = field(default=None, repr=False)
 
     def due(self, last_saved: int, step: int) -> bool:
         """Whether a committed round at `step` should be saved, the last save being at `last_saved`."""
         return self.every is not None and step // self.every > last_saved // self.every
 
-    def save(self, live_state: dict[str, Any], step: int, epoch: int, epoch_samples: int) -> str:
-        """Writes and commits the checkpoint of `step`; keeps the newest `keep`. Returns its folder."""
+    def save(self, live_state: dict[str, Any], step: int, epoch: int, epoch_samples: int) -> None:
+        """Serialises `live_state` now and writes, commits and prunes the checkpoint of `step` in the background
+        (module doc); raises what the previous write raised."""
+        self.wait()
+        buffer = io.BytesIO()
+        torch.save(live_state, buffer)
+        self._pending = self._writer.submit(self._write, buffer.getvalue(), step, epoch, epoch_samples)
+
+    def wait(self) -> str | None:
+        """Ends the write in progress (if any); returns its folder, raising what it raised."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def _write(self, data: bytes, step: int, epoch: int, epoch_samples: int) -> str:
         folder = os.path.join(files.checkpoint_root(self.out), files.folder_name(step))
         os.makedirs(folder, exist_ok=True)
-        digest = files.save_file(live_state, os.path.join(folder, LIVE))
+        files.write_atomic(os.path.join(folder, LIVE), data)
+        digest = hashlib.sha256(data).hexdigest()
         manifest = {"step": step, "epoch": epoch, "epoch_samples": epoch_samples, "files": {LIVE: digest},
                     "world_size": self.settings["world_size"], "strategy": self.settings["strategy"],
                     "settings": self.settings, "fault_tolerant": True}  # fmt: skip

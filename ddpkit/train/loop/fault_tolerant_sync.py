@@ -281,7 +281,8 @@ class FaultTolerantSync(Callback):
         self._checkpoint(trainer)
 
     def _checkpoint(self, trainer: Trainer) -> None:
-        """After a committed round at or past a multiple of --checkpoint-every: the round's first member saves."""
+        """After a committed round at or past a multiple of --checkpoint-every: the round's first member saves
+        (written in the background: `LiveCheckpoints`)."""
         step, quorum, plan = trainer.state.step, self.manager.quorum, self.checkpoints
         if plan is None or quorum is None or not quorum.committed or not plan.due(self._saved_at, step):
             return
@@ -357,4 +358,6 @@ class FaultTolerantSync(Callback):
         else:
             self._outer_work(trainer, counts=True, slow=False)
         self.final = True
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # the last checkpoint is written before the job ends
         return quorum
