@@ -48,20 +48,14 @@ class _Recorder:
         pass
 
 
-def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, out: dict) -> None:
+def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, out: dict, overlap: bool) -> None:
     model = _model(rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     manager = Manager(store, rank, 2, quorum_timeout=1.0, start_timeout=20, report=None)
     if rank == 1:  # this rank fails in `fail_round` after its average (both ranks hold the average then)
-        real = manager.average
-
-        def average(tensor: torch.Tensor, counts: bool = True) -> None:
-            real(tensor, counts)
-            if manager.current().round == fail_round:
-                manager.fail()
-
-        manager.average = average  # type: ignore[method-assign]
-    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer)  # type: ignore[arg-type]
+        for name in ("average", "average_gradients"):
+            _fail_after(manager, name, fail_round)
+    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer, overlap=overlap)  # type: ignore[arg-type]
     loader = DataLoader(TensorDataset(*_data(rank)), batch_size=BATCH, shuffle=False)
     trainer = Trainer(model, optimizer, loader, callbacks=[sync])
     trainer.fit(epochs=1)
@@ -69,9 +63,21 @@ def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, o
     out[rank] = ([p.detach().clone() for p in model.parameters()], [(e.round, e.committed) for e in manager.events])
 
 
-def _train(outer: OuterSchedule | None, fail_round: int) -> dict:
+def _fail_after(manager: Manager, name: str, fail_round: int) -> None:
+    real = getattr(manager, name)
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        if manager.current().round == fail_round:
+            manager.fail()
+
+    setattr(manager, name, failing)
+
+
+def _train(outer: OuterSchedule | None, fail_round: int, overlap: bool = True) -> dict:
     store, out = dist.HashStore(), {}
-    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out), daemon=True) for r in (0, 1)]
+    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out, overlap), daemon=True)
+               for r in (0, 1)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
@@ -84,8 +90,9 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b, strict=True))
 
 
-def test_ddp_rounds_equal_torch_sgd_on_the_mean_gradient_and_a_failed_round_steps_nowhere():
-    out = _train(None, fail_round=4)  # round s is step s: step 4's gradients are dropped on both ranks
+@pytest.mark.parametrize("overlap", [True, False], ids=["buckets-during-backward", "flat-after-backward"])
+def test_ddp_rounds_equal_torch_sgd_on_the_mean_gradient_and_a_failed_round_steps_nowhere(overlap):
+    out = _train(None, fail_round=4, overlap=overlap)  # round s is step s: step 4's gradients dropped on both
     assert out[0][1] == out[1][1] == [(4, False)]
     model = _model(0)  # the first round gives every rank rank 0's model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)

@@ -296,6 +296,42 @@ def test_a_rank_that_never_starts_is_named_on_every_member_and_training_goes_on(
     assert sorted(lines) == [f"ddpkit: rank {r}: rank 2 never joined: training with 2 of 3" for r in range(2)]
 
 
+def test_gradients_averaged_in_buckets_while_backward_runs_equal_the_mean_gradient():
+    """Several buckets (a tiny bucket size), a parameter that backward never reaches (it sends zeros, as DDP with
+    find_unused_parameters), every bucket's average in its own parameters: the mean of the ranks' gradients."""
+    store = dist.HashStore()
+    with SEEDING:
+        torch.manual_seed(3)
+        models = [MyModel(seed=3) for _ in range(2)]
+    for model in models:
+        model.unused = nn.Linear(2, 2)  # never in forward
+    inputs = [batch(0, r) for r in range(2)]
+    want = []
+    for rank, model in enumerate(models):
+        model.zero_grad()
+        loss_fn(model(inputs[rank][0]), inputs[rank][1]).backward()
+        want.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    mean = [(a + b) / 2 for a, b in zip(*want, strict=True)]
+    managers = [Manager(store, r, 2, quorum_timeout=5, start_timeout=10, report=None) for r in range(2)]
+
+    def step(rank: int) -> list[torch.Tensor]:
+        manager, model = managers[rank], models[rank]
+        manager.overlap_gradients(model.parameters(), bucket_mb=4 / 2**20)  # 4 bytes: a bucket per tensor
+        assert len(manager._buckets.buckets) > 3, manager._buckets.buckets
+        manager.start_round()
+        loss_fn(model(inputs[rank][0]), inputs[rank][1]).backward()
+        manager.average_gradients(model.parameters())
+        assert manager.should_commit()
+        return [p.grad for p in model.parameters()]
+
+    got = _in_threads({r: lambda r=r: step(r) for r in range(2)})
+    assert all(isinstance(g, list) for g in got.values()), got
+    for rank in range(2):
+        for a, b in zip(got[rank], mean, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 def test_the_store_keeps_a_bounded_number_of_rounds():
     store = dist.HashStore()
     managers = [Manager(store, r, 2, quorum_timeout=2, start_timeout=10, report=None) for r in range(2)]

@@ -67,6 +67,7 @@ from ddpkit.distributed.membership import (
     quorum_mean,
 )
 from ddpkit.distributed.rank_guard import say
+from ddpkit.distributed.round_buckets import RoundBuckets
 from ddpkit.distributed.standby import Standby, StoreLost, is_store_loss, settle
 
 
@@ -142,6 +143,7 @@ class Manager:
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
         self.membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
         self._heartbeat: Heartbeat | None = None
+        self._buckets: RoundBuckets | None = None  # gradients averaged while backward runs (`overlap_gradients`)
         self.standby = Standby(rank, standby_address, prefix) if standby_address is not None else None
         self._verdicts: dict[int, bool] = {}  # the latest rounds' verdicts (for the survivors of a lost store)
         self.recoveries = 0  # times the job's store was lost and the survivors met again in a standby
@@ -334,11 +336,31 @@ class Manager:
         receive it). One all-reduce of the tensor and a count over the round's group."""
         self._guarded(quorum_mean, self.current(), tensor, counts)
 
+    def overlap_gradients(self, params: Iterable[torch.nn.Parameter], bucket_mb: float = 25.0) -> None:
+        """Makes `average_gradients(params)` start while backward runs: buckets of about `bucket_mb` MB of
+        gradients are all-reduced over the round's members as soon as backward has produced them (as DDP
+        does; `ddpkit.distributed.round_buckets`). Every backward then needs an open round: with gradient
+        accumulation, call `average_gradients` without it (the hooks would send every micro-batch)."""
+        if self._buckets is not None:
+            self._buckets.remove()
+        self._buckets = RoundBuckets(params, int(bucket_mb * 2**20), self._round_group,
+                                     lambda: len(self.current().members), self.fail)  # fmt: skip
+
+    def _round_group(self) -> Any:
+        quorum = self.current()
+        return quorum.group if self.ok else None
+
     def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Every gradient of `params` replaced by its mean over the round's members (a parameter without a
-        gradient sends zeros), in one flat all-reduce after backward. On a failed round the gradients are left
-        alone: `should_commit` is False everywhere, so do not step."""
+        gradient sends zeros): the buckets sent while backward ran (`overlap_gradients`) are waited for, or one
+        flat all-reduce after backward. On a failed round the gradients are left alone: `should_commit` is False
+        everywhere, so do not step."""
         params = [p for p in params if p.requires_grad]
+        if self._buckets is not None and params == self._buckets.params:
+            since = time.monotonic()
+            self._buckets.finish()
+            self._blocked += time.monotonic() - since
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.detach().reshape(-1).to("cpu", torch.float32) for g in grads])
         self.average(flat)
@@ -455,6 +477,8 @@ class Manager:
         self._cleaner.shutdown(wait=False, cancel_futures=True)
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self._buckets is not None:
+            self._buckets.remove()
         if self.standby is not None:
             self.standby.close()
 

@@ -89,9 +89,8 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     checkpoints = None
     if cfg.out and (cfg.checkpoint_every is not None or cfg.resume):
         checkpoints = LiveCheckpoints(cfg.out, cfg.checkpoint_every, cfg.keep, resume_settings(cfg), cfg.resume)
-    sync = FaultTolerantSync(
-        manager, work.module, optimizer, recorder, total, outer_schedule(cfg), gossip_schedule(cfg), checkpoints
-    )
+    sync = FaultTolerantSync(manager, work.module, optimizer, recorder, total, outer_schedule(cfg),
+                             gossip_schedule(cfg), checkpoints, overlap=cfg.grad_accum == 1)  # fmt: skip
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
     amp = {"off": None, "bf16": torch.bfloat16}[cfg.amp]

@@ -6,8 +6,9 @@ rounds, their averaging, commits, live state and membership records are `ddpkit.
 (the same object a user's own loop holds); this callback decides when a round happens and what it averages:
 
 - **per step** (``--strategy ddp``): the quorum of step s+1 is formed when step s ends (round s+1; round 0 when
-  training starts). After the backward of the step the gradients are averaged over the members (one all-reduce
-  of the P gradients and a count), and the round is committed before the optimizer steps: a step that failed on
+  training starts). The gradients are averaged over the members in buckets all-reduced while backward runs
+  (`Manager.overlap_gradients`; one flat all-reduce after backward with ``--grad-accum`` > 1), and the round is
+  committed before the optimizer steps: a step that failed on
   any member (a member died during the all-reduce) is skipped on every member (the gradients are dropped; torch
   optimizers then leave the parameters and their state alone).
 - **per outer sync** (``--strategy slowmo``: local SGD, SlowMo's slow momentum, DiLoCo's Nesterov outer step):
@@ -104,7 +105,8 @@ def _gcd(a: int, b: int) -> int:
 class FaultTolerantSync(Callback):
     """Rounds over the live ranks, per step or per outer sync (module doc), through `manager`. `outer`: None for
     per step, else the outer schedule; `gossip`: per step, gossiping (SGP) instead of averaging gradients.
-    `total_steps`: the run's length (no round is formed for a step that will not come)."""
+    `total_steps`: the run's length (no round is formed for a step that will not come). `overlap`: per step, the
+    gradients are all-reduced in buckets while backward runs (off with gradient accumulation)."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class FaultTolerantSync(Callback):
         outer: OuterSchedule | None = None,
         gossip: GossipSchedule | None = None,
         checkpoints: LiveCheckpoints | None = None,
+        overlap: bool = True,
     ) -> None:
         if outer is not None and gossip is not None:
             raise ValueError("FaultTolerantSync: give an outer schedule (local SGD) or a gossip schedule, not both")
@@ -134,6 +137,8 @@ class FaultTolerantSync(Callback):
         self.final = False  # the job's last round is done (or, on a joiner, was the one it joined)
         self._finishing = False  # the job's last round is being formed: the live state sent says so
         self._register_live_state()
+        if outer is None and gossip is None and overlap:
+            manager.overlap_gradients(self.params)  # DDP's average starts while backward runs
         self.push_sum = None
         if gossip is not None:
             self.push_sum = FaultTolerantGossip(flat, gossip.graph, gossip.peers_per_itr, manager)
