@@ -16,7 +16,11 @@ is what a training loop holds to take part. Per round it owns:
   setting and the ranks) and by every rank that joins later, against the job's (the joiner alone is refused,
   before it takes part);
 - **what happened**: `events` (each round whose members changed or that failed, with the seconds it held this rank
-  up), printed by every member as it happens, and `never_joined` (ranks missing from the first round).
+  up), printed by every member as it happens, and `never_joined` (ranks missing from the first round);
+- **staying up**: a heartbeat, so that a quorum stops waiting for ranks that are gone (`liveness`); the keys of
+  old rounds deleted; with `standby_address`, a standby store where the survivors meet and settle the open round
+  when the job's store is lost (`standby`); gradients all-reduced in buckets while backward runs
+  (`overlap_gradients`, `round_buckets`).
 
 Counting: `average` counts every member by default. A joiner healed at the start of the round holds the live
 state, so a gradient it computes from there is as good as anyone's (DDP counts it); an averager whose joiner holds
@@ -106,7 +110,9 @@ class Manager:
     `store`: a client of the job's store (a ``torch.distributed`` Store: TCPStore, or HashStore in one process);
     `rank` in ``[0, max_world)``; the round timeouts as `Membership`'s; `settings`: what every rank must share
     (name -> value), compared at the first round and at every join; `report`: where each membership change is
-    written as it happens (default: a line on stderr; None: nowhere).
+    written as it happens (default: a line on stderr; None: nowhere); `standby_address`: the address the other
+    ranks reach this machine at, to host a standby store where the survivors meet if the job's store is lost
+    (`ddpkit.distributed.standby`; None: no standby, a lost store ends the job).
     """
 
     def __init__(
