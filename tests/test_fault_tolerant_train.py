@@ -170,6 +170,7 @@ def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(t
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 30 s; tests/test_manager.py loses the store and rank 0 in the default tier, in threads
 def test_the_first_machine_lost_the_others_finish_by_themselves(tmp_path, procs):  # noqa: F811
     """Node 0's machine hosts the job's store: SIGKILL to its launcher and rank mid-run. The two others meet in
     a standby store (rank 1's), train to the end, exit 0 and write the outputs; the round that was open is
