@@ -40,9 +40,11 @@ def test_the_sharded_recipe_trains_checkpoints_and_resumes_as_accelerates_ddp(tm
         ddp, sharded = (json.loads((tmp_path / f"{mode}.rank{rank}.json").read_text()) for mode in modes)
         assert (ddp["model"], sharded["model"]) == ("DistributedDataParallel", "ShardedDataParallel")
         assert _close(sharded["losses"], ddp["losses"]) < 1e-6 and _close(sharded["params"], ddp["params"]) < 1e-6
-        for run in (ddp, sharded):  # load_state, then the same steps: the uninterrupted run's end, exactly
-            assert run["resumed"] == run["params"], rank
-            assert run["resumed_losses"] == run["losses"][-len(run["resumed_losses"]) :], rank
+        for run in (ddp, sharded):  # load_state, then the same steps: the uninterrupted run's end (to an fp32 ulp:
+            # bit for bit up to accelerate 1.14; with 1.15 accelerate's own DDP resume differs in the last bit too)
+            assert _close(run["resumed"], run["params"]) < 1e-7, rank
+            tail = run["losses"][-len(run["resumed_losses"]) :]
+            assert _close(run["resumed_losses"], tail) < 1e-7, rank
         assert 0 < sharded["state_bytes"] < ddp["state_bytes"], (sharded["state_bytes"], ddp["state_bytes"])
         ddp, sharded = (json.loads((tmp_path / f"{mode}-scaled.rank{rank}.json").read_text()) for mode in modes)
         assert (ddp["scaler"], sharded["scaler"]) == ("GradScaler", "ShardedGradScaler")

@@ -65,6 +65,7 @@ def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time; the default tier checks the same rounds in threads (tests/test_fault_tolerant_sync.py)
 def test_without_failures_it_trains_exactly_as_ddp_slowmo_and_sgp(tmp_path, procs):  # noqa: F811
     slowmo = ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05"]
     runs = {"ddp": ["--strategy", "ddp", "--lr", "0.01"], "slowmo": [*slowmo, "--localsgd-frequency", "3"]}
@@ -210,6 +211,7 @@ def _wait_for_worker(agent: int, other_than: int | None, timeout: float) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: torchrun stays in the default tier through tests/test_train_cli.py
 def test_under_torchrun_a_lost_worker_is_restarted_by_torchrun_and_rejoins(tmp_path, procs):  # noqa: F811
     """One torchrun per machine (--nnodes 1 --max-restarts 1) meeting at `ddpkit store`: torchrun starts the killed
     worker again, it rejoins from live state; the other machine's worker never stops."""
@@ -288,6 +290,7 @@ def test_when_every_rank_is_gone_node_0s_launcher_ends_within_the_heartbeat_sile
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: tests/test_manager.py and tests/test_membership.py check the minimum in the default tier
 def test_fewer_live_ranks_than_min_replicas_end_the_job_with_a_clear_error(tmp_path, procs):  # noqa: F811
     port = free_port()
     flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "2000", "--min-replicas", "2"]
