@@ -178,6 +178,10 @@ class Membership:
         previous = self._previous(round_)
         if live:  # (a round decided already, without this late rank, is what `_decide` returns)
             arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
+            if self._forgotten(round_):  # this rank was stopped while the job went on: it joins a later round
+                self._expect(self.latest_round() + 1)
+                self.joining, self.last = True, None
+                return Quorum(round_, [], [], [], previous, waited=time.monotonic() - arrival, _membership=self)
             members = self._decide(round_, sorted(arrived))
         else:
             decided = self._await_decision(round_)
@@ -270,6 +274,11 @@ class Membership:
         if round_ < 0 or not self.store.check([key]):
             return None
         return json.loads(self.store.get(key))
+
+    def _forgotten(self, round_: int) -> bool:
+        """Whether `round_` is long past: later rounds were decided and its keys deleted (`forget`), so deciding
+        it now would make a quorum of this late rank alone."""
+        return self.latest_round() > round_ and not self.store.check([self._key(round_, "members")])
 
     def _decide(self, round_: int, arrived: list[int]) -> list[int]:
         return json.loads(self.store.compare_set(self._key(round_, "members"), "", json.dumps(arrived)))
