@@ -110,7 +110,8 @@ SGP = ["--strategy", "slowmo", "--slowmo-base", "sgp", "--slowmo-frequency", "12
 
 @pytest.mark.slow
 # DDP's kill and rejoin also runs in the torchrun test below; its own run is in the long tier (CI time)
-@pytest.mark.parametrize("strategy", [pytest.param(DDP, marks=pytest.mark.long), SGP], ids=["ddp", "sgp"])
+@pytest.mark.long  # CI time: tests/test_manager.py loses and regains ranks in threads in the default tier
+@pytest.mark.parametrize("strategy", [DDP, SGP], ids=["ddp", "sgp"])
 def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path, procs, strategy):  # noqa: F811
     """Per step: DDP's gradient average, and SGP's gossip (its last round averages exactly: replicas end equal)."""
     port = free_port()
@@ -148,6 +149,7 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: tests/test_manager.py checks agreement and never-joined in threads, default tier
 def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(tmp_path, procs):  # noqa: F811
     """Two jobs side by side: in one, rank 1 has another --lr (every rank is refused at the first round, naming
     the flag and the ranks); in the other, the third rank of --world-size 3 never starts (the others train, say
