@@ -29,7 +29,7 @@ hosted where no rank's death takes it down, such as the launcher):
 
 A rank that starts late or restarts calls `announce_join` and takes part from the next round after the latest
 decided one; the quorum tells the others it `joined`, and the members send it the live state over the round's
-group (`heal`, `heal_object`: a broadcast from the lowest member that was in the previous quorum).
+group (`heal_object`: a broadcast from the lowest member that was in the previous quorum).
 
 What it costs when nothing fails: per round the commit's 3-4 store round trips per member (about 100 us each
 from Python on one host) and no new connection; a round's first member deletes the keys of the round
@@ -397,23 +397,6 @@ def _broadcast(quorum: Quorum, tensor: torch.Tensor, root: int) -> None:
     sent = (len(quorum.members) - 1) * size if quorum.index == root else 0.0
     comm_stats.record("broadcast", "quorum", size, float(sent))
     quorum.group.broadcast(tensor, root).wait()
-
-
-def broadcast_from_first(quorum: Quorum, tensor: torch.Tensor) -> None:
-    """`tensor` as the round's first member holds it, on every member (the start of a job: one model for all)."""
-    _broadcast(quorum, tensor, 0)
-
-
-def heal(quorum: Quorum, tensors: list[torch.Tensor]) -> bool:
-    """Sends `tensors` (the live state, the same shapes on every member) from the lowest member that holds live
-    state to every member of this one, over the round's group, when someone joined; True if it did.
-    A collective of the members (they all decide alike: the quorum is the same on each)."""
-    root = _heal_root(quorum)
-    if root is None:
-        return False
-    for tensor in tensors:
-        _broadcast(quorum, tensor, root)
-    return True
 
 
 def heal_object(quorum: Quorum, obj: Any) -> Any:
