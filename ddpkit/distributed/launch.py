@@ -203,7 +203,7 @@ def join(placement: Placement, backend: str, timeout: float, *, multi_node: bool
     threading.Thread(target=watchdog, name="ddpkit-join-watchdog", daemon=True).start()
     try:
         dist.init_process_group(
-            backend,
+            process_group_backends(backend),
             init_method=f"tcp://{placement.master_addr}:{placement.master_port}",
             rank=placement.rank,
             world_size=placement.world_size,
@@ -214,6 +214,13 @@ def join(placement: Placement, backend: str, timeout: float, *, multi_node: bool
         raise LaunchError(_join_failure(placement, timeout, f"{type(exc).__name__}: {first}{where}")) from exc
     finally:
         joined.set()
+
+
+def process_group_backends(backend: str) -> str:
+    """The backend string the job's process group is made with: NCCL for CUDA tensors always comes with gloo for
+    CPU tensors ("cpu:gloo,cuda:nccl"), so the job's small control messages (settings agreement, metrics, object
+    broadcasts) work whatever device they live on; gloo alone takes both."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def leave() -> None:

@@ -56,10 +56,13 @@ def test_nccl_at_world_size_one(real_cuda):
 def _side_stream(rank, world, device):
     assert os.environ.get("CUDA_LAUNCH_BLOCKING", "0") == "0", "this test must run with asynchronous kernels"
     with placed(device) as dev:
+        # The same Adam kernel on both sides (OSS picks the fused one by itself): this model is chaotic enough that
+        # torch's default (foreach) kernel, 1 ulp apart per step, ends 0.01 away from the fused one in 20 steps
+        # (measured on an H200 and on CPU), which would hide the stream error this test is for.
         ref = DDP(mlp(dev, shape=WIDE))
-        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, fused=True)
         model = mlp(dev, shape=WIDE)
-        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3, fused=True)
         sdp = ShardedDataParallel(model, opt, reduce_buffer_size=2**20)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

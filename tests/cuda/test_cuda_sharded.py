@@ -23,16 +23,17 @@ TOL = 1e-6
 
 
 def _clearing(rank, world, device):
-    """SDP + OSS(Adam) against DDP + Adam for each way of clearing gradients and two bucket sizes."""
+    """SDP + OSS(Adam) against DDP + Adam for each way of clearing gradients and two bucket sizes (the bucketed
+    one with and without `keep_bucketed_grads`, which keeps a non-owner's own gradient of a bucketed parameter)."""
     out = {}
     with placed(device) as dev:
         for how in ("model", "optimizer", "set_to_none=False"):
-            for bucket in (0, 2**23):
+            for bucket, keep in ((0, True), (2**23, False), (2**23, True)):
                 ref = DDP(mlp(dev))
                 ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
                 model = mlp(dev)
                 opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
-                sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket)
+                sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket, keep_bucketed_grads=keep)
                 worst_grad, foreign = 0.0, 0
                 for step in range(STEPS):
                     x, y = batch(rank, step, dev)
@@ -48,7 +49,7 @@ def _clearing(rank, world, device):
                                         foreign += p.grad is not None
                             o.step()
                 own = nbytes(p for p in model.parameters() if opt.owner_of(p) == rank)
-                out[(how, bucket)] = {
+                out[(how, bucket, keep)] = {
                     "diff": max_diff(ref.parameters(), model.parameters()),
                     "grad_diff": worst_grad,
                     "foreign_grads": foreign,
@@ -64,10 +65,11 @@ def _clearing(rank, world, device):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_data_parallel_matches_ddp_for_each_way_of_clearing(device, world):
     for rank, results in enumerate(run_distributed(_clearing, world, device, device=device)):
-        assert len(results) == 6
+        assert len(results) == 9
         for case, r in results.items():
             assert r["diff"] <= TOL and r["grad_diff"] <= TOL, (case, rank, r)
-            assert r["foreign_grads"] == 0, (case, rank)
+            bucketed_and_kept = case[1] > 0 and case[2]  # the small parameters share buckets; the rank keeps its own
+            assert (r["foreign_grads"] > 0) == bucketed_and_kept, (case, rank, r["foreign_grads"])
             # each gradient is reduced to its owner once, each parameter broadcast from it once, as on CPU
             assert r["reduce"] == r["broadcast"] == r["param_bytes"], (case, rank, r)
             # on gloo: every gradient copied out once, the owned ones back once; every parameter crosses once

@@ -17,7 +17,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.distributed import comm
-from ddpkit.distributed.env import group_size
+from ddpkit.distributed.env import comm_device, group_size
 from ddpkit.distributed.objects import gather_objects
 from ddpkit.train.loop.strategies import optimizer_arguments, slowmo_node_size
 from ddpkit.train.settings.config import SLOW_LINK_FLAGS, TrainConfig
@@ -40,9 +40,9 @@ def peak_memory_mb() -> float:
 
 def gather_per_rank(value: float) -> list[float]:
     """`value` from every rank, in rank order (one small all-gather)."""
-    world = group_size()
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    comm.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
+    world, device = group_size(), comm_device()
+    out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
+    comm.all_gather(out, torch.tensor([float(value)], dtype=torch.float64, device=device))
     return [t.item() for t in out]
 
 
