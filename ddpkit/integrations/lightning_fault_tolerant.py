@@ -1,0 +1,206 @@
+"""Lightning and Fabric strategies that train on through lost machines: one process per replica under a
+`ddpkit.distributed.Manager` (the same manager as ``ddpkit train --fault-tolerant`` and your own loop).
+
+Each process runs Lightning on one device and no process group spans the job: the ranks meet in rounds through
+the manager's store. Per optimizer step the strategy
+
+1. starts the manager's round before the training step: a process that starts late, or comes back after it was
+   lost, receives the live state from a member first (the module, the optimizers, the learning-rate schedulers
+   and, for the Trainer, Lightning's loop counters: epoch, batch and optimizer-step progress, so ``global_step``
+   and ``current_epoch`` equal the members' right after the heal);
+2. averages the gradients over the round's members after backward (before gradient clipping and
+   ``on_before_optimizer_step``, which then see the averaged gradients, as under DDP);
+3. steps the optimizer only if the round committed on every member: a round that failed anywhere (a member died
+   during it) leaves every member's parameters and optimizer state as they were, and Lightning's loop goes on to
+   the next batch.
+
+Sends per step what `Manager.average_gradients` sends (one all-reduce of the gradients over the round's group)
+plus the quorum's store round trips, and the live state to joiners. Holds a flat copy of the gradients during the
+average. Data: each process reads what its dataloader gives it; split the data by the manager's rank yourself
+(``DistributedSampler(dataset, num_replicas=max_world, rank=rank)``) so replicas see different batches. A joiner
+takes the members' loop counters, not their dataloader position: it reads its own epoch from the start until the
+epoch ends at the members' batch count.
+
+Refused, with the reason: manual optimization and ``accumulate_grad_batches > 1`` (the round starts inside the
+optimizer step, after the backward passes of manual optimization and of earlier micro-batches ran on state a
+joiner had not received yet); several devices per process (a replica is one process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    needs = 'ddpkit.integrations.lightning_fault_tolerant needs lightning: pip install "ddpkit[lightning]"'
+    raise ImportError(needs) from exc
+
+from ddpkit.distributed.manager import Manager
+
+__all__ = ["DDPKitFabricFaultTolerantStrategy", "DDPKitFaultTolerantStrategy"]
+
+
+def _check_manager(manager: Any, who: str) -> Manager:
+    if not isinstance(manager, Manager):
+        raise TypeError(f"{who}: manager must be a ddpkit.distributed.Manager, got {type(manager).__name__}")
+    return manager
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _register_optimizers(manager: Manager, optimizers: Callable[[], list[torch.optim.Optimizer]]) -> None:
+    def load(states: list[dict[str, Any]]) -> None:
+        for optimizer, state in zip(optimizers(), states, strict=True):
+            optimizer.load_state_dict(state)
+
+    manager.register_state("optimizers", lambda: [o.state_dict() for o in optimizers()], load)
+
+
+def _loops(trainer: pl.Trainer) -> dict[str, Any]:
+    """The progress objects of the fit loop that decide ``global_step``, ``current_epoch`` and the epoch's end."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return {
+        "epoch": trainer.fit_loop.epoch_progress,
+        "batch": epoch_loop.batch_progress,
+        "optimizer": epoch_loop.automatic_optimization.optim_progress,
+        "scheduler": epoch_loop.scheduler_progress,
+    }
+
+
+def loop_counters(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's loop counters of a fit in progress (what a joiner takes so its loop is where the members' are)."""
+    counters: dict[str, Any] = {name: progress.state_dict() for name, progress in _loops(trainer).items()}
+    counters["batches_that_stepped"] = trainer.fit_loop.epoch_loop._batches_that_stepped
+    return counters
+
+
+def load_loop_counters(trainer: pl.Trainer, counters: dict[str, Any]) -> None:
+    for name, progress in _loops(trainer).items():
+        progress.load_state_dict(counters[name])
+    trainer.fit_loop.epoch_loop._batches_that_stepped = counters["batches_that_stepped"]
+
+
+class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
+    """``Trainer(strategy=DDPKitFaultTolerantStrategy(manager))``: a fault-tolerant replica (module doc).
+
+    `manager`: this process's `ddpkit.distributed.Manager` (its store, rank, ``max_world``, ``min_replicas``,
+    timeouts). `device`: where the module trains (default the CPU). Register anything else a joiner needs
+    (a data position, your own counters) with the manager before ``fit``."""
+
+    strategy_name = "ddpkit_fault_tolerant"
+
+    def __init__(self, manager: Manager, device: str | torch.device = "cpu", **kwargs: Any) -> None:
+        super().__init__(device=torch.device(device), **kwargs)
+        self.manager = _check_manager(manager, "DDPKitFaultTolerantStrategy")
+        self._registered = False
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != "fit" or self._registered:
+            return
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "DDPKitFaultTolerantStrategy: manual optimization is not supported (the round starts in the "
+                "optimizer step, after your backward ran on state a joining replica had not received yet); use "
+                "automatic optimization"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"DDPKitFaultTolerantStrategy: accumulate_grad_batches must be 1, got "
+                f"{trainer.accumulate_grad_batches} (the earlier micro-batches' backward would run before the "
+                "round that heals a joining replica)"
+            )
+        self.manager.register("module", self.lightning_module)
+        _register_optimizers(self.manager, lambda: self.optimizers)
+
+        def load_schedulers(states: list[dict[str, Any]]) -> None:
+            for config, state in zip(trainer.lr_scheduler_configs, states, strict=True):
+                config.scheduler.load_state_dict(state)
+
+        schedulers = lambda: [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]  # noqa: E731
+        self.manager.register_state("schedulers", schedulers, load_schedulers)
+        self.manager.register_state("loops", lambda: loop_counters(trainer), lambda c: load_loop_counters(trainer, c))
+        self._registered = True
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        self.manager.step = self.lightning_module.trainer.global_step  # events name Lightning's step
+        self.manager.start_round()  # a joiner takes the live state here, before its training step
+        result = closure()  # training_step and backward
+        self.manager.average_gradients(_trainable(self.lightning_module))
+        if not self.manager.should_commit():  # failed on some member: every member skips this step
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+
+class _RoundOnForward(nn.Module):
+    """Fabric's module under the fault-tolerant strategy: a training forward opens the manager's round first (a
+    joiner receives the live state before it computes), unless the round is open already."""
+
+    def __init__(self, module: nn.Module, strategy: DDPKitFabricFaultTolerantStrategy) -> None:
+        super().__init__()
+        self.module = module
+        self._strategy = [strategy]  # in a list: not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training:
+            self._strategy[0].open_round()
+        return self.module(*args, **kwargs)
+
+
+class DDPKitFabricFaultTolerantStrategy(FabricSingleDeviceStrategy):
+    """``Fabric(strategy=DDPKitFabricFaultTolerantStrategy(manager))``: the same replica for a Fabric loop.
+
+    ``fabric.setup(model, optimizer)`` registers both with the manager; the first training forward of a step opens
+    the round, ``optimizer.step()`` averages the gradients and steps only if the round committed everywhere
+    (it returns None when it did not). Register your loop's own counters with the manager
+    (``manager.register_state("step", ...)``) so a joiner continues from the members' step."""
+
+    def __init__(self, manager: Manager, device: str | torch.device = "cpu", **kwargs: Any) -> None:
+        super().__init__(device=torch.device(device), **kwargs)
+        self.manager = _check_manager(manager, "DDPKitFabricFaultTolerantStrategy")
+        self._module: nn.Module | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._round_open = False
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        if self._module is not None:
+            raise ValueError("DDPKitFabricFaultTolerantStrategy: set up one module per process (one replica)")
+        self._module = module
+        self.manager.register("module", module)
+        _register_optimizers(self.manager, lambda: self._optimizers)
+        return _RoundOnForward(module, self)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self._optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    def open_round(self) -> None:
+        """Starts the manager's round unless one is open (called by the module's training forward)."""
+        if not self._round_open:
+            self.manager.start_round()
+            self._round_open = True
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        assert self._module is not None, "DDPKitFabricFaultTolerantStrategy: fabric.setup(model, optimizer) first"
+        self.open_round()  # a step without a training forward still takes part in the round
+        self._round_open = False
+        self.manager.average_gradients(_trainable(self._module))
+        if not self.manager.should_commit():
+            return None
+        return super().optimizer_step(optimizer, **kwargs)
