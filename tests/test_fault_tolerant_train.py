@@ -66,11 +66,14 @@ def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name:
 
 @pytest.mark.slow
 @pytest.mark.long  # CI time; the default tier checks the same rounds in threads (tests/test_fault_tolerant_sync.py)
-def test_without_failures_it_trains_exactly_as_ddp_slowmo_and_sgp(tmp_path, procs):  # noqa: F811
+def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_and_compressed_diloco(tmp_path, procs):  # noqa: F811
     slowmo = ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05"]
     runs = {"ddp": ["--strategy", "ddp", "--lr", "0.01"], "slowmo": [*slowmo, "--localsgd-frequency", "3"]}
     runs["slowmo"] += ["--slowmo-frequency", "6"]
     runs["sgp"] = [*slowmo, "--slowmo-base", "sgp", "--slowmo-frequency", "6"]
+    runs["diloco-int8"] = ["--strategy", "slowmo", "--optimizer", "adamw", "--lr", "0.01", "--localsgd-frequency", "4"]
+    runs["diloco-int8"] += ["--slowmo-frequency", "4", "--slowmo-nesterov", "--slowmo-momentum", "0.9"]
+    runs["diloco-int8"] += ["--slowmo-compression", "int8", "--slowmo-error-feedback", "--slowmo-fragments", "2"]
     for name, flags in runs.items():
         plain = procs([*DDPKIT, "train", *flags, *SHORT, "--out", tmp_path / name], name, env=ENV)
         ft = procs([*DDPKIT, "train", "--fault-tolerant", *flags, *SHORT, "--out", tmp_path / f"{name}-ft"],
@@ -335,7 +338,7 @@ def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, pro
         ({"strategy": "sharded"}, "--fault-tolerant works with --strategy ddp"),
         ({"adascale": True, "optimizer": "sgd"}, "does not combine with --adascale"),
         ({"amp": "fp16"}, "does not combine with --amp fp16"),
-        ({"slowmo_compression": "int8", "strategy": "slowmo"}, "does not combine with --slowmo-compression"),
+        ({"slowmo_sync_delay": 1, "strategy": "slowmo"}, "does not combine with --slowmo-sync-delay"),
         ({"slowmo_base": "sgp", "overlap": True, "strategy": "slowmo"}, "does not combine with --overlap"),
         ({"slowmo_base": "sgp", "push_sum": False, "strategy": "slowmo"}, "does not combine with --no-push-sum"),
         ({"min_replicas": 3}, "--min-replicas must be in [1, the world size 2]"),

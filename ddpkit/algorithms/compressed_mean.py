@@ -31,11 +31,18 @@ started (the same order on every rank, as for any collective); on NCCL the excha
 thread and streams (no second thread issues NCCL calls). So a mean in flight never interleaves with the
 collectives the caller keeps issuing on its own groups. `compressed_mean` starts one and waits for it.
 `simulate_compressed_mean` computes, in one process, the very result N ranks get, bit for bit.
+
+The ranks may also be a fault-tolerant round's members (`start_mean_on` with a `MeanWay` over
+`ddpkit.distributed.round_channel.RoundChannel`: the exchange runs at once on the caller's thread), where a
+member that just joined takes part without counting: the owners sum only the counted ranks' messages and divide
+by their number.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -57,12 +64,18 @@ def chunk_bounds(numel: int, parts: int, block: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _owner_mean(messages: list[Quantized], compression: str, block: int) -> Quantized:
-    """What an owner computes from the N messages of its chunk: their fp32 mean (rank order), quantised."""
-    total = dequantize(messages[0])
-    for message in messages[1:]:
+def _owner_mean(
+    messages: list[Quantized], compression: str, block: int, counted: list[bool] | None = None
+) -> Quantized:
+    """What an owner computes from the N messages of its chunk: the fp32 mean (rank order) of those whose rank
+    is `counted` (None: all), quantised."""
+    kept = messages if counted is None else [m for m, c in zip(messages, counted, strict=True) if c]
+    if not kept:
+        raise ValueError("compressed mean: no rank counts (counted is all False)")
+    total = dequantize(kept[0])
+    for message in kept[1:]:
         total += dequantize(message)
-    return quantize(total.div_(len(messages)), compression, block)
+    return quantize(total.div_(len(kept)), compression, block)
 
 
 def simulate_messages(
@@ -129,21 +142,43 @@ def start_compressed_mean(flat: torch.Tensor, group: ProcessGroup | None, compre
     start the same means, with the same sizes and settings, in the same order.
     """
     check_compression(compression, block)
-    _check_flat(flat)
     n, me = group_size(group), group_rank(group)
     if me < 0:
         raise ValueError("compressed mean: this rank is not in `group`")
+    return start_mean_on(flat, MeanWay(n, me, group_label(group), lambda: channel_for(group)), compression, block)
+
+
+class MeanWay:
+    """Where a mean travels: `size` ranks, this one `rank` among them, the `label` its bytes are counted under
+    in `comm_stats`, and `channel()`, the channel its job runs on (made when first needed: a mean over one rank
+    sends nothing). `counted`: per rank, whether its input counts in the mean (None: every rank's does); a rank
+    that does not count still takes part in the exchange (its messages are ignored) and receives the mean.
+
+    A job's group is one of the job (`channel_for`) or a fault-tolerant round's (`ddpkit.distributed.
+    round_channel.RoundChannel`, whose jobs run at once on the caller's thread)."""
+
+    def __init__(self, size: int, rank: int, label: str, channel: Callable[[], Any],
+                 counted: list[bool] | None = None) -> None:  # fmt: skip
+        if counted is not None and len(counted) != size:
+            raise ValueError(f"compressed mean: counted has {len(counted)} entries for {size} ranks")
+        self.size, self.rank, self.label, self.channel, self.counted = size, rank, label, channel, counted
+
+
+def start_mean_on(flat: torch.Tensor, way: MeanWay, compression: str, block: int) -> PendingMean:
+    """`start_compressed_mean` over the ranks `way` names (the same rules)."""
+    check_compression(compression, block)
+    _check_flat(flat)
+    n, me = way.size, way.rank
     bounds = chunk_bounds(flat.numel(), n, block)
     pending = PendingMean([quantize(flat[a:b], compression, block) for a, b in bounds], flat.device)
     if n == 1:
-        owner = _owner_mean(pending.sent, compression, block)
+        owner = _owner_mean(pending.sent, compression, block, way.counted)
         pending._finish(owner, dequantize(owner), None)
         return pending
     sizes = [q.nbytes() for q in pending.sent]
-    label = group_label(group)
-    comm_stats.record("all_to_all", label, sum(sizes), float(sum(sizes) - sizes[me]))
-    comm_stats.record("all_gather", label, sizes[me], float((n - 1) * sizes[me]))
-    channel_for(group).submit(_Job(pending, bounds, sizes, (compression, block, label)))
+    comm_stats.record("all_to_all", way.label, sum(sizes), float(sum(sizes) - sizes[me]))
+    comm_stats.record("all_gather", way.label, sizes[me], float((n - 1) * sizes[me]))
+    way.channel().submit(_Job(pending, bounds, sizes, (compression, block, way.label, way.counted)))
     return pending
 
 
@@ -157,7 +192,7 @@ class _Job:
 
     def __init__(self, pending: PendingMean, bounds: list[tuple[int, int]], sizes: list[int], settings: tuple) -> None:
         self.pending, self.bounds, self.sizes = pending, bounds, sizes
-        self.compression, self.block, self.label = settings
+        self.compression, self.block, self.label, self.counted = settings
         self.event = torch.cuda.Event() if pending.device.type == "cuda" else None
         if self.event is not None:
             self.event.record()  # the quantisation queued on the caller's stream
@@ -194,7 +229,7 @@ class _Job:
         send = torch.cat([to_bytes(q) for q in self.pending.sent])
         mine = self._transport(channel, send, [sizes[me]] * n, sizes)
         received = [from_bytes(m, numels[me], self.compression, self.block) for m in mine]
-        owner = _owner_mean(received, self.compression, self.block)
+        owner = _owner_mean(received, self.compression, self.block, self.counted)
         gathered = self._transport(channel, to_bytes(owner).repeat(n), sizes, [sizes[me]] * n)
         chunks = [from_bytes(m, k, self.compression, self.block) for m, k in zip(gathered, numels, strict=True)]
         return owner, torch.cat([dequantize(q) for q in chunks])

@@ -13,6 +13,9 @@ next round (its steps since the last round are lost). Nothing waits on a dead ra
 Communication per round: the quorum's store round trips, an all-reduce of the P parameters and a count among the
 members (plus the live state to joiners). Memory: one copy of the parameters during a round.
 
+**DiLoCo's pseudo-gradients** (`FaultTolerantOuterSync`): the plain job's `OuterSync` (compressed with error
+feedback, in fragments), each sync over a round's members (its class doc).
+
 **SGP** (push-sum gossip): `FaultTolerantGossip` (its class doc): a lost peer drops out of the graph, which is
 rebuilt over each round's members.
 """
@@ -25,10 +28,15 @@ from typing import Any
 
 import torch
 
+from ddpkit.algorithms.compressed_mean import MeanWay, PendingMean, start_mean_on
 from ddpkit.algorithms.gossip_graphs import GRAPHS, GraphManager, NPeerDynamicDirectedExponentialGraph
 from ddpkit.algorithms.gossip_mixing import UniformMixing
+from ddpkit.algorithms.pseudo_gradient import OuterSync
+from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
+from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed.manager import Manager
 from ddpkit.distributed.membership import Quorum, heal_source
+from ddpkit.distributed.round_channel import RoundChannel
 
 
 class FaultTolerantLocalSGD:
@@ -56,6 +64,109 @@ class FaultTolerantLocalSGD:
         if not committed:
             flat.copy_(before)
         return committed
+
+
+class RoundLink:
+    """A fault-tolerant round as `OuterSync`'s `OuterLink`: each member is a replica; the members that joined in
+    this round do not count (they hold nothing of their own to add); the mean goes over the round's group."""
+
+    def __init__(self, quorum: Quorum) -> None:
+        assert quorum.index is not None
+        self.quorum = quorum
+        self.replicas = len(quorum.members)
+        self.counted = [m not in quorum.joined for m in quorum.members]
+        self.counts = self.counted[quorum.index]
+
+    def start(self, d: torch.Tensor, settings: OuterSyncSettings) -> PendingMean:
+        quorum, index = self.quorum, self.quorum.index
+        assert index is not None
+        way = MeanWay(self.replicas, index, "quorum", lambda: RoundChannel(quorum), self.counted)
+        return start_mean_on(d, way, settings.compression, settings.block)  # done when it returns
+
+    def share(self, mean: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+        assert mean is not None  # every member is its own replica: it has the mean already
+        return mean
+
+
+class FaultTolerantOuterSync:
+    """DiLoCo's outer sync (Douillard et al. 2023) by pseudo-gradients, compressed with error feedback and in
+    fragments (Streaming DiLoCo): the plain job's `OuterSync`, run over the members of each round of a
+    fault-tolerant job (one round per step at which some fragment syncs).
+
+    The round's work, on the flat fp32 parameters x of each member, for the fragments due after the step: the
+    pseudo-gradient ``d = g - x + e`` goes to the compressed mean over the round's group (`RoundLink`: quantised
+    all-to-all to chunk owners, fp32 mean, quantised all-gather); the members that joined in this round send
+    their part but are left out of the mean (its divisor counts the others); each counted member's residual
+    becomes ``e = d - dequantize(quantize(d))``; then ``g -= mean``, on a slow step SlowMo's or Nesterov's rule
+    moves g from the anchor x0, and ``x = g``. A round of one member averages nothing: it applies its d whole.
+
+    Committed like every round: where it failed on any member, every member puts back its parameters, g, the
+    residual and the slow buffers (x0, u) as they were before the round. A joiner receives g here (registered as
+    ``outer_sync``) beside the model, the optimizer and the slow buffers (registered by the caller), and its
+    residual starts at zero: a residual is what this rank's own quantisation dropped, so a copy of the healer's
+    would add the healer's error twice; the error a lost rank held is lost with it. `sync_delay` must be 0: a sync
+    in flight over the next steps would cross a change of members (refused by ``ddpkit train``).
+
+    Sends per round what `OuterSync` sends for the fragments due (about 2 (N-1)/N of their quantised size per
+    member), plus the quorum's store round trips. Holds `OuterSync`'s state (g, the residual) and, during a round,
+    a copy of the parameters, g, the residual and the slow buffers (up to 5P fp32).
+    """
+
+    def __init__(
+        self,
+        manager: Manager,
+        flat: torch.Tensor,
+        sizes: list[int],
+        settings: OuterSyncSettings,
+        slow: tuple[SlowBuffers, SlowMoRule] | None,
+        frequencies: tuple[int, int | None],
+    ) -> None:
+        if settings.sync_delay:
+            raise ValueError("FaultTolerantOuterSync: sync_delay must be 0 (a delayed sync would cross the next round)")
+        self.manager = manager
+        self.outer = OuterSync(flat, sizes, settings, None, slow, frequencies)
+        manager.register_state("outer_sync", self.state_dict, self.load_state_dict)
+
+    def due(self, step: int) -> bool:
+        """Whether a fragment syncs after step `step`."""
+        return bool(self.outer.starting(step))
+
+    def run(self, flat: torch.Tensor, step: int, lr: float) -> bool:
+        """The open round's work (class doc) for the syncs due after step `step` (base learning rate `lr`), in place
+        on `flat`, committed; returns the verdict (on False everything is as it was before)."""
+        before = [t.clone() for t in self._held(flat)]
+        self.manager.collective(self._sync, flat, step, lr)
+        committed = self.manager.should_commit()
+        if not committed:
+            for now, then in zip(self._held(flat), before, strict=True):
+                now.copy_(then)
+            self.outer.in_flight.clear()  # (none stays in flight with sync_delay 0; a failed one may have)
+        return committed
+
+    def _sync(self, quorum: Quorum, flat: torch.Tensor, step: int, lr: float) -> None:
+        self.outer.step(flat, step, lr, RoundLink(quorum))
+
+    def _held(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """What a round changes: the parameters, g, the residual, the slow buffers."""
+        held = [flat, self.outer.synced]
+        held += [self.outer.residual] if self.outer.residual is not None else []
+        if self.outer.slow is not None:
+            buffers = self.outer.slow[0]
+            held += [t for t in (buffers.x0, buffers.u) if t is not None]
+        return held
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a joiner receives: g and the fragments' bounds (the residual stays this rank's)."""
+        return {"synced": self.outer.synced.clone(), "bounds": list(self.outer.bounds)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes a member's g; the residual starts at zero (class doc)."""
+        if [tuple(b) for b in state["bounds"]] != self.outer.bounds:
+            raise ValueError(f"FaultTolerantOuterSync: fragments {state['bounds']} differ from {self.outer.bounds}")
+        self.outer.synced.copy_(state["synced"])
+        if self.outer.residual is not None:
+            self.outer.residual.zero_()
+        self.outer.in_flight.clear()
 
 
 @cache

@@ -2,14 +2,16 @@
 
 `OuterSync` replaces SlowMo's exact parameter average between nodes when one of `OuterSyncSettings` asks for it.
 Its algorithm (DiLoCo, Douillard et al. 2023; Streaming DiLoCo, Douillard et al. 2025; error feedback as in
-Seide et al. 2014 and Karimireddy et al. 2019) is spelled out in `OuterSync`'s docstring.
+Seide et al. 2014 and Karimireddy et al. 2019) is spelled out in `OuterSync`'s docstring. Whom a sync averages
+with is its `OuterLink`: the plain job's nodes (`NodeLink`, fixed for the job), or a fault-tolerant job's round,
+given per sync (`ddpkit.algorithms.fault_tolerant.FaultTolerantOuterSync`): one implementation for both.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,7 +25,8 @@ from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm
 from ddpkit.distributed.groups import NodeGroups
 
-__all__ = ["MERGE_ALPHA", "OuterSync", "OuterSyncSettings", "PseudoGradientAverager", "fragment_bounds"]
+__all__ = ["MERGE_ALPHA", "NodeLink", "OuterLink", "OuterSync", "OuterSyncSettings", "PseudoGradientAverager"]
+__all__ += ["fragment_bounds", "fragment_shifts"]
 
 
 def fragment_bounds(sizes: list[int], k: int) -> list[tuple[int, int]]:
@@ -44,6 +47,63 @@ def fragment_bounds(sizes: list[int], k: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
+def fragment_shifts(localsgd_frequency: int, fragments: int) -> list[int]:
+    """Each fragment's offset ``s_j = H - (j + 1) H // K`` (`OuterSync`): fragment j syncs after step t when
+    ``(t + s_j) % H == 0`` (H = `localsgd_frequency`, K = `fragments`)."""
+    h, k = localsgd_frequency, fragments
+    return [h - (j + 1) * h // k for j in range(k)]
+
+
+class OuterLink(Protocol):
+    """Whom one sync averages with, and how (`OuterSync`): the plain job's nodes (`NodeLink`, the same for every
+    sync) or a fault-tolerant round's members (`ddpkit.algorithms.fault_tolerant.RoundLink`, given per sync)."""
+
+    @property
+    def replicas(self) -> int:
+        """The replicas (nodes) the mean is over; 1: there is nothing to average with."""
+        ...
+
+    @property
+    def counts(self) -> bool:
+        """Whether this rank's pseudo-gradient counts in the mean (else it takes the others' mean, and its
+        residual is left as it was: nothing it sent was used)."""
+        ...
+
+    def start(self, d: torch.Tensor, settings: OuterSyncSettings) -> PendingMean | None:
+        """Starts the compressed mean of `d`; None on a rank that receives it at `share` instead."""
+        ...
+
+    def share(self, mean: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+        """The mean on every rank of this replica (`mean`: what `start`'s mean gave, None where it gave none)."""
+        ...
+
+
+class NodeLink:
+    """The plain job's `OuterLink`: the node masters' group between nodes, and a broadcast inside each node
+    (`NodeGroups`, fixed for the job); every node counts."""
+
+    counts = True
+
+    def __init__(self, groups: NodeGroups) -> None:
+        self.groups = groups
+
+    @property
+    def replicas(self) -> int:
+        return self.groups.num_nodes
+
+    def start(self, d: torch.Tensor, settings: OuterSyncSettings) -> PendingMean | None:
+        if self.groups.master is None:
+            return None
+        return start_compressed_mean(d, self.groups.master, settings.compression, settings.block)
+
+    def share(self, mean: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+        if self.groups.nprocs_per_node > 1:  # the node master shares it
+            mean = mean if mean is not None else torch.empty(numel, device=device)
+            comm.broadcast(mean, 0, self.groups.local)
+        assert mean is not None
+        return mean
+
+
 @dataclass
 class _InFlight:
     """One fragment's sync between its start and its merge."""
@@ -53,6 +113,7 @@ class _InFlight:
     lr: float  # the base optimizer's learning rate when it started
     work: PendingMean | None = None  # node masters, while the mean travels
     mean: torch.Tensor | None = None  # node masters, once it arrived (non-masters get it at the merge)
+    link: OuterLink | None = None  # whom it averages with (None: the sync's own link, `OuterSync.link`)
 
 
 class OuterSync:
@@ -80,6 +141,12 @@ class OuterSync:
     than about 1/K of the model (when slowmo_frequency is a multiple of localsgd_frequency).
     Memory: g (P fp32), the residual (P fp32, with error feedback and compression), each sync in flight (its
     pseudo-gradient and mean, about P/K each), and SlowMo's x0 and u whole (2P) on every rank.
+
+    Whom a sync averages with is its `OuterLink`: `groups` (a plain job's nodes, `NodeLink`), or, with `groups`
+    None, the link each `step` is given (a fault-tolerant job's round: `ddpkit.algorithms.fault_tolerant.
+    FaultTolerantOuterSync`, whose members change between syncs). A rank whose link says it does not count sends
+    its part but is left out of the mean (it receives the others'), and keeps its residual; a link of one replica
+    averages nothing: the pseudo-gradient is applied whole, residual included (which becomes zero).
     """
 
     def __init__(
@@ -87,19 +154,20 @@ class OuterSync:
         flat: torch.Tensor,
         sizes: list[int],
         settings: OuterSyncSettings,
-        groups: NodeGroups,
+        groups: NodeGroups | None,
         slow: tuple[SlowBuffers, SlowMoRule] | None,
         frequencies: tuple[int, int | None],
     ) -> None:
         self.settings = settings
         self.groups = groups
+        self.link: OuterLink | None = NodeLink(groups) if groups is not None else None
         self.slow = slow
         self.localsgd_frequency, self.slowmo_frequency = frequencies
-        k, h = settings.fragments, self.localsgd_frequency
-        self.bounds = fragment_bounds(sizes, k)
-        self.shifts = [h - (j + 1) * h // k for j in range(k)]
+        self.bounds = fragment_bounds(sizes, settings.fragments)
+        self.shifts = fragment_shifts(self.localsgd_frequency, settings.fragments)
         self.synced = flat.detach().float().clone()
-        keep_residual = settings.error_feedback and settings.compression != "none" and groups.num_nodes > 1
+        several = groups is None or groups.num_nodes > 1  # (a fault-tolerant job's rounds may have several)
+        keep_residual = settings.error_feedback and settings.compression != "none" and several
         self.residual = torch.zeros_like(self.synced) if keep_residual else None
         self.in_flight: dict[int, _InFlight] = {}
 
@@ -120,12 +188,13 @@ class OuterSync:
         """Whether step `step` starts or merges a sync (else `step` has nothing to do)."""
         return bool(self.merging(step) or self.starting(step))
 
-    def step(self, flat: torch.Tensor, step: int, lr: float) -> None:
-        """After the base optimizer's step `step`: merges the syncs due, starts the new ones (in place on `flat`)."""
+    def step(self, flat: torch.Tensor, step: int, lr: float, link: OuterLink | None = None) -> None:
+        """After the base optimizer's step `step`: merges the syncs due, starts the new ones (in place on `flat`),
+        those over `link` (default: the nodes of `groups`)."""
         for j in self.merging(step):
             self._merge(flat, j)
         for j, slow in self.starting(step):
-            self._start(flat, j, _InFlight(step, slow, lr))
+            self._start(flat, j, _InFlight(step, slow, lr, link=link or self.link))
             if self.settings.sync_delay == 0:
                 self._merge(flat, j)
 
@@ -137,18 +206,22 @@ class OuterSync:
     def _start(self, flat: torch.Tensor, j: int, flight: _InFlight) -> None:
         a, b = self.bounds[j]
         d = self.synced[a:b] - flat[a:b]
-        s = self.settings
+        link = flight.link
+        assert link is not None, "OuterSync.step: no link (a job without groups gives one per sync)"
         if self.residual is not None:
             d.add_(self.residual[a:b])
-        if self.groups.num_nodes == 1:
+        if link.replicas == 1:
             flight.mean = d  # nothing to average with
-        elif self.groups.master is not None:  # travels in the background until `_arrived` waits for it
-            flight.work = start_compressed_mean(d, self.groups.master, s.compression, s.block)
-        if self.residual is not None:  # what quantisation dropped: a master's messages say what they carry
-            work = flight.work
-            sent = work.sent_values() if work is not None else dequantize(quantize(d, s.compression, s.block))
-            self.residual[a:b] = d - sent
+        else:  # travels in the background until `_arrived` waits for it (None: not a node master)
+            flight.work = link.start(d, self.settings)
+        if self.residual is not None and link.counts:
+            self.residual[a:b] = d - self._sent(d, flight) if link.replicas > 1 else 0.0
         self.in_flight[j] = flight
+
+    def _sent(self, d: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        """What this rank's messages of `d` carry (a master's say it; a node's other ranks quantise as it did)."""
+        s = self.settings
+        return flight.work.sent_values() if flight.work is not None else dequantize(quantize(d, s.compression, s.block))
 
     def _arrived(self, flight: _InFlight) -> torch.Tensor | None:
         """The mean of a sync on node masters (waiting for it if it still travels); None on the other ranks."""
@@ -160,9 +233,8 @@ class OuterSync:
         flight = self.in_flight.pop(j)
         a, b = self.bounds[j]
         mean = self._arrived(flight)
-        if self.groups.num_nodes > 1 and self.groups.nprocs_per_node > 1:  # the node master shares it
-            mean = mean if mean is not None else torch.empty(b - a, device=self.synced.device)
-            comm.broadcast(mean, 0, self.groups.local)
+        if flight.link is not None and flight.link.replicas > 1:
+            mean = flight.link.share(mean, b - a, self.synced.device)
         assert mean is not None
         synced = self.synced[a:b]
         synced.sub_(mean)
@@ -213,8 +285,9 @@ class OuterSync:
         if self.residual is not None:  # saved without error feedback: the residual starts at zero
             saved = state["outer_residual"]
             self.residual.copy_(saved) if saved is not None else self.residual.zero_()
+        device = self.synced.device
         self.in_flight = {
-            int(j): _InFlight(f["start"], f["slow"], f["lr"], mean=_clone(f["mean"], self.synced.device))
+            int(j): _InFlight(f["start"], f["slow"], f["lr"], mean=_clone(f["mean"], device), link=self.link)
             for j, f in state["outer_in_flight"].items()
         }
 
@@ -246,4 +319,5 @@ class PseudoGradientAverager(OuterSync):
 
     def average_now(self, flat: torch.Tensor) -> None:
         self.flush(flat)
+        assert self.groups is not None
         average_between_nodes(flat, self.groups)

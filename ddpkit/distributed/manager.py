@@ -337,6 +337,13 @@ class Manager:
             raise RuntimeError("Manager: no round is open (call start_round first)")
         return self.quorum
 
+    def collective(self, work: Callable[..., Any], *args: Any) -> Any:
+        """Runs ``work(quorum, *args)``, a collective of the open round's members over its group (`quorum.group`;
+        `ddpkit.distributed.round_channel.RoundChannel(quorum)` for a job such as the compressed mean), unless the
+        round failed already; a RuntimeError (a member died or stalled in it) marks the round failed instead of
+        raising. Returns what `work` returned (None where the round failed)."""
+        return self._guarded(work, self.current(), *args)
+
     def average(self, tensor: torch.Tensor, counts: bool = True) -> None:
         """In place on every member: the mean of `tensor` over the members whose `counts` is True (the others
         receive it). One all-reduce of the tensor and a count over the round's group."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
 from ddpkit.distributed.launch import Placement, choose_gloo_interface, route_source_address
@@ -48,7 +49,9 @@ def outer_schedule(cfg: TrainConfig) -> OuterSchedule | None:
     """SlowMo's sync schedule and slow-momentum rule for local SGD; None for per-step rounds (ddp, sgp)."""
     if cfg.strategy == "ddp" or cfg.slowmo_base == "sgp":
         return None
-    return OuterSchedule(cfg.localsgd_frequency, cfg.slowmo_frequency, _slow_rule(cfg))
+    sync = OuterSyncSettings(cfg.slowmo_compression, cfg.slowmo_compression_block, cfg.slowmo_error_feedback,
+                             cfg.slowmo_fragments, cfg.slowmo_sync_delay, cfg.slowmo_merge_alpha)  # fmt: skip
+    return OuterSchedule(cfg.localsgd_frequency, cfg.slowmo_frequency, _slow_rule(cfg), sync)
 
 
 def gossip_schedule(cfg: TrainConfig) -> GossipSchedule | None:

@@ -15,7 +15,11 @@ rounds, their averaging, commits, live state and membership records are `ddpkit.
   a round on every step SlowMo would sync (every ``--localsgd-frequency`` and every ``--slowmo-frequency`` steps):
   the parameters are averaged over the members (one all-reduce of the P parameters and a count); once the round
   is committed, slow momentum moves the average when due; a round that failed leaves every member's parameters
-  as they were.
+  as they were. With ``--slowmo-compression`` or ``--slowmo-fragments`` the round runs DiLoCo's pseudo-gradient
+  sync instead (`ddpkit.algorithms.fault_tolerant.FaultTolerantOuterSync`: the plain job's `OuterSync` over the
+  round's members, quantised with error feedback), one round per step at which some fragment syncs; a failed
+  round puts back the parameters, the synchronised copy, the residual and the slow buffers. The job's last round
+  is an exact average either way.
 - **per step, gossiping** (``--strategy slowmo --slowmo-base sgp``): SGP's push-sum over a graph rebuilt over
   each round's members (`ddpkit.algorithms.fault_tolerant.FaultTolerantGossip`): the round of step s is formed
   while the step computes and run after its optimizer step: a gossip exchange with the round's peers, or on
@@ -26,10 +30,11 @@ rounds, their averaging, commits, live state and membership records are `ddpkit.
 
 A rank that joins (it started late, was started again, or fell behind a round: `FellBehind`) receives the live
 state from a member in the first round it is part of: parameters, optimizer state, slow-momentum buffers, SGP's
-push-sum buffer and graph phase, and the trainer's counters (epoch, position in the epoch's permutation, step, the
+push-sum buffer and graph phase, the pseudo-gradient sync's synchronised copy (its error-feedback residual starts
+at zero: it is the rank's own), and the trainer's counters (epoch, position in the epoch's permutation, step, the
 metrics so far), registered with the manager. Its parameters are then bit-identical to the others' and it trains
 on from there; in its first round it counts as every member with DDP (its gradient is computed from the live
-parameters) and zero with local SGD (it takes the mean of the others' parameters). Its data shard
+parameters) and zero with local SGD and the pseudo-gradient sync (it takes the others' mean). Its data shard
 stays its own (the sampler splits each epoch over ``--world-size`` ranks; the shards of absent ranks are not
 trained while they are away).
 
@@ -38,6 +43,7 @@ the round's lowest member saves the live state; with ``--resume`` the first memb
 round 0 sends it to every member instead of the first member's fresh parameters.
 
 Memory: a flat copy of the parameters (and of the gradients per step), the slow buffers (2P) with slow momentum,
+the pseudo-gradient sync's synchronised copy and residual (2P, `FaultTolerantOuterSync`),
 SGP's push-sum buffer (P + 1) and its copy during a round, and the live state serialised once when someone joins.
 """
 
@@ -45,12 +51,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import nn
 
-from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip, FaultTolerantLocalSGD
+from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip, FaultTolerantLocalSGD, FaultTolerantOuterSync
+from ddpkit.algorithms.pseudo_gradient import fragment_shifts
+from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm_stats
 from ddpkit.distributed.buckets import unflatten_into
@@ -66,19 +75,32 @@ from ddpkit.train.loop.trainer import Callback, Trainer, TrainerState
 @dataclass
 class OuterSchedule:
     """When the per-outer-sync mode syncs: every `every` steps, and every `slow_every` steps with a slow step
-    (`rule`, with the optimizer's learning rate) on the committed average."""
+    (`rule`, with the optimizer's learning rate) on the committed average. With `sync` (active: compression or
+    fragments), DiLoCo's pseudo-gradient sync instead of the exact average (`FaultTolerantOuterSync`), fragment j
+    on the steps shifted by its offset (`fragment_shifts`): a round at every step where some fragment syncs."""
 
     every: int
     slow_every: int
     rule: SlowMoRule | None
+    sync: OuterSyncSettings | None = None
+
+    @cached_property
+    def shifts(self) -> list[int]:
+        return fragment_shifts(self.every, self.sync.fragments) if self.sync is not None else [0]
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0 or step % self.slow_every == 0
+        return any((step + s) % self.every == 0 or (step + s) % self.slow_every == 0 for s in self.shifts)
 
     def rounds_until(self, step: int) -> int:
         """The number of syncs in steps 1..`step` (the round number of the sync at `step`, round 0 the start)."""
-        both = self.every * self.slow_every // _gcd(self.every, self.slow_every)
-        return step // self.every + step // self.slow_every - step // both
+        full, rest = divmod(step, len(self._period))
+        return full * sum(self._period) + sum(self._period[:rest])
+
+    @cached_property
+    def _period(self) -> list[bool]:
+        """Whether steps 1..L sync, L = lcm(every, slow_every): the pattern repeats every L steps."""
+        period = self.every * self.slow_every // _gcd(self.every, self.slow_every)
+        return [self.due(t) for t in range(1, period + 1)]
 
 
 @dataclass
@@ -130,6 +152,11 @@ class FaultTolerantSync(Callback):
         rule = outer.rule if outer is not None else gossip.rule if gossip is not None else None
         self.slow = SlowBuffers(flat, 0, None) if rule is not None else None
         self.local_sgd = FaultTolerantLocalSGD(manager) if outer is not None else None
+        self.pseudo = None  # DiLoCo's compressed / fragmented sync (the exact average stays for the last round)
+        if outer is not None and outer.sync is not None and outer.sync.active:
+            slow = (self.slow, outer.rule) if self.slow is not None and outer.rule is not None else None
+            sizes, frequencies = [p.numel() for p in self.params], (outer.every, outer.slow_every)
+            self.pseudo = FaultTolerantOuterSync(manager, flat, sizes, outer.sync, slow, frequencies)
         self.checkpoints = checkpoints
         self._saved_at = 0  # the step of the last checkpoint (or of the one resumed)
         self._annotated_round = -1
@@ -334,9 +361,15 @@ class FaultTolerantSync(Callback):
 
     def _outer_work(self, trainer: Trainer, counts: bool, slow: bool = True) -> None:
         """The parameters' mean over the members (`FaultTolerantLocalSGD`), committed; then slow momentum when
-        due (and `slow`)."""
+        due (and `slow`). With the pseudo-gradient sync, its round instead (a joiner counts zero there too), but
+        for the last round (not `slow`): an exact average, as SlowMo's `average_parameters` ends a plain job."""
         assert self.local_sgd is not None and self.outer is not None
         flat = self._flat_params()
+        if self.pseudo is not None and slow:
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            if self.pseudo.run(flat, trainer.state.step, lr):
+                self._set_params(flat)
+            return
         if self.local_sgd.average(flat, counts):
             rule, step = self.outer.rule, trainer.state.step
             if slow and self.slow is not None and rule is not None and step % self.outer.slow_every == 0:

@@ -363,9 +363,11 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
     unsupported = {  # flag -> (given, why it is refused under --fault-tolerant)
         "--no-push-sum": (not cfg.push_sum, "PushPull keeps every weight at one, which a change of members breaks"),
         "--overlap": (cfg.overlap, "an overlapped gossip round runs beside the next step, whose members may differ"),
-        "--slowmo-compression/--slowmo-fragments/--slowmo-sync-delay": (
-            cfg.slowmo_compression != "none" or cfg.slowmo_fragments > 1 or cfg.slowmo_sync_delay > 0,
-            "the pseudo-gradient averager keeps one group for the job; it does not take each round's group yet",
+        "--slowmo-sync-delay": (
+            cfg.slowmo_sync_delay > 0,
+            "a delayed sync travels over the next steps, across the next rounds, whose members may differ: a rank "
+            "lost or joined meanwhile would leave a mean over members that no longer hold the same state "
+            "(--slowmo-compression and --slowmo-fragments work)",
         ),
         "--slowmo-nprocs-per-node > 1": (
             (cfg.nprocs_per_node_slowmo or 1) > 1,
