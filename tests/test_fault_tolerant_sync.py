@@ -33,13 +33,19 @@ def _model(seed: int) -> nn.Module:
         return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+POISONED = (1, 2)  # with a loss scaler: rank 1's batch of step 2 holds a NaN (its gradients overflow)
+
+
+def _data(rank: int, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(50 + rank)
-    return torch.randn(STEPS * BATCH, 4, generator=g), torch.randint(0, 3, (STEPS * BATCH,), generator=g)
+    x, y = torch.randn(STEPS * BATCH, 4, generator=g), torch.randint(0, 3, (STEPS * BATCH,), generator=g)
+    if poison and rank == POISONED[0]:
+        x[POISONED[1] * BATCH] = float("nan")
+    return x, y
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = _data(rank)
+def _batch(rank: int, step: int, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _data(rank, poison)
     return x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
 
 
@@ -48,19 +54,27 @@ class _Recorder:
         pass
 
 
-def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, out: dict, overlap: bool) -> None:
+def _scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # grows every 2 good steps
+
+
+def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, out: dict, overlap: bool,
+          scaled: bool = False) -> None:  # fmt: skip
     model = _model(rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     manager = Manager(store, rank, 2, quorum_timeout=1.0, start_timeout=20, report=None)
     if rank == 1:  # this rank fails in `fail_round` after its average (both ranks hold the average then)
         for name in ("average", "average_gradients"):
             _fail_after(manager, name, fail_round)
-    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer, overlap=overlap)  # type: ignore[arg-type]
-    loader = DataLoader(TensorDataset(*_data(rank)), batch_size=BATCH, shuffle=False)
-    trainer = Trainer(model, optimizer, loader, callbacks=[sync])
+    scaler = _scaler() if scaled else None
+    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer, overlap=overlap, scaler=scaler)  # type: ignore[arg-type]
+    loader = DataLoader(TensorDataset(*_data(rank, scaled)), batch_size=BATCH, shuffle=False)
+    trainer = Trainer(model, optimizer, loader, scaler=scaler, callbacks=[sync])
     trainer.fit(epochs=1)
     sync.finish(trainer)
     out[rank] = ([p.detach().clone() for p in model.parameters()], [(e.round, e.committed) for e in manager.events])
+    if scaler is not None:
+        out[rank] += (scaler.get_scale(),)
 
 
 def _fail_after(manager: Manager, name: str, fail_round: int) -> None:
@@ -74,9 +88,9 @@ def _fail_after(manager: Manager, name: str, fail_round: int) -> None:
     setattr(manager, name, failing)
 
 
-def _train(outer: OuterSchedule | None, fail_round: int, overlap: bool = True) -> dict:
+def _train(outer: OuterSchedule | None, fail_round: int, overlap: bool = True, scaled: bool = False) -> dict:
     store, out = dist.HashStore(), {}
-    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out, overlap), daemon=True)
+    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out, overlap, scaled), daemon=True)
                for r in (0, 1)]  # fmt: skip
     for t in threads:
         t.start()
@@ -108,6 +122,35 @@ def test_ddp_rounds_equal_torch_sgd_on_the_mean_gradient_and_a_failed_round_step
             p.grad = (grads[0][i] + grads[1][i]) / 2
         optimizer.step()
     want = [p.detach() for p in model.parameters()]
+    assert _close(out[0][0], want) and _close(out[1][0], want)
+
+
+def test_ddp_rounds_with_a_loss_scaler_skip_an_overflow_everywhere_and_equal_torchs_scaler():
+    """fp16's loss scaler under fault tolerance: rank 1's gradients of step 2 overflow (a NaN in its batch); the
+    averaged gradients overflow on both members, so both skip that step and halve the scale, as torch's GradScaler
+    does on the mean gradient; the failed round 4 steps nowhere and leaves the scale alone. Reference: one model,
+    torch's SGD and GradScaler on the mean of both ranks' scaled gradients."""
+    out = _train(None, fail_round=4, scaled=True)
+    assert out[0][1] == out[1][1] == [(4, False)]
+    model = _model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    scaler = _scaler()
+    for step in range(STEPS):
+        if step + 1 == 4:
+            continue
+        grads = []
+        for rank in (0, 1):
+            model.zero_grad()
+            x, y = _batch(rank, step, poison=True)
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = (grads[0][i] + grads[1][i]) / 2
+        scaler.step(optimizer)
+        scaler.update()
+    want = [p.detach() for p in model.parameters()]
+    assert scaler.get_scale() != 2.0**10  # it moved (halved once, grown since)
+    assert out[0][2] == out[1][2] == scaler.get_scale()
     assert _close(out[0][0], want) and _close(out[1][0], want)
 
 

@@ -337,7 +337,6 @@ def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, pro
     [
         ({"strategy": "sharded"}, "--fault-tolerant works with --strategy ddp"),
         ({"adascale": True, "optimizer": "sgd"}, "does not combine with --adascale"),
-        ({"amp": "fp16"}, "does not combine with --amp fp16"),
         ({"slowmo_sync_delay": 1, "strategy": "slowmo"}, "does not combine with --slowmo-sync-delay"),
         ({"slowmo_base": "sgp", "overlap": True, "strategy": "slowmo"}, "does not combine with --overlap"),
         ({"slowmo_base": "sgp", "push_sum": False, "strategy": "slowmo"}, "does not combine with --no-push-sum"),

@@ -92,13 +92,16 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     checkpoints = None
     if cfg.out and (cfg.checkpoint_every is not None or cfg.resume):
         checkpoints = LiveCheckpoints(cfg.out, cfg.checkpoint_every, cfg.keep, resume_settings(cfg), cfg.resume)
+    # fp16: torch's own loss scaler; under DDP every member unscales the same averaged gradients, so the skips and
+    # the scale agree without a collective of their own, and the scale travels with the live state
+    scaler = torch.amp.GradScaler("cpu") if cfg.amp == "fp16" else None  # (the fault-tolerant path runs on the CPU)
     sync = FaultTolerantSync(manager, work.module, optimizer, recorder, total, outer_schedule(cfg),
-                             gossip_schedule(cfg), checkpoints, overlap=cfg.grad_accum == 1)  # fmt: skip
+                             gossip_schedule(cfg), checkpoints, overlap=cfg.grad_accum == 1, scaler=scaler)  # fmt: skip
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
-    amp = {"off": None, "bf16": torch.bfloat16}[cfg.amp]
+    amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
     trainer = Trainer(work.module, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
-                      callbacks=[bar, recorder, sync])  # fmt: skip
+                      scaler=scaler, callbacks=[bar, recorder, sync])  # fmt: skip
     try:
         if manager.under_way():
             say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")

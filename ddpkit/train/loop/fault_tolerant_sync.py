@@ -141,10 +141,11 @@ class FaultTolerantSync(Callback):
         gossip: GossipSchedule | None = None,
         checkpoints: LiveCheckpoints | None = None,
         overlap: bool = True,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if outer is not None and gossip is not None:
             raise ValueError("FaultTolerantSync: give an outer schedule (local SGD) or a gossip schedule, not both")
-        self.manager, self.module, self.optimizer = manager, module, optimizer
+        self.manager, self.module, self.optimizer, self.scaler = manager, module, optimizer, scaler
         self.recorder, self.total_steps, self.outer, self.gossip = recorder, total_steps, outer, gossip
         self.params = list(module.parameters())
         with torch.no_grad():
@@ -178,6 +179,8 @@ class FaultTolerantSync(Callback):
         manager = self.manager
         manager.register("model", self.module)
         manager.register("optimizer", self.optimizer)
+        if self.scaler is not None:  # fp16: the loss scale and its growth tracker (the same on every DDP member)
+            manager.register("scaler", self.scaler)
         manager.register_state("trainer", self._trainer_state, self._load_trainer_state)
         if self.slow is not None:
             manager.register_state("slow", self._slow_state, self._load_slow_state)
@@ -292,8 +295,7 @@ class FaultTolerantSync(Callback):
         manager.current()  # the live state sent to a joiner now is the step's start: nothing stepped yet
         manager.average_gradients(self.params)
         if not manager.should_commit():
-            for p in self.params:
-                p.grad = None  # the step is skipped on every member
+            trainer.skip_step = True  # on every member: no optimizer step, no loss-scale update
 
     def after_step(self, trainer: Trainer) -> None:
         step = trainer.state.step

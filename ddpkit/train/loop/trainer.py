@@ -102,6 +102,7 @@ class Trainer:
         self.scaler = scaler
         self.callbacks = list(callbacks)
         self.state = TrainerState()
+        self.skip_step = False  # set by a callback in after_backward: this step's update is dropped (no scaler update)
         self.last: StepRecord | None = None
         self.device = next(model.parameters()).device
 
@@ -202,6 +203,10 @@ class Trainer:
         return self.model.no_sync()
 
     def _optimizer_step(self) -> None:
+        if self.skip_step:  # a callback dropped this step (a fault-tolerant round that failed on some member)
+            self.skip_step = False
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

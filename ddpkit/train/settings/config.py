@@ -374,7 +374,6 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
             "a node group of several processes is one group for the job, which a lost process breaks (not yet)",
         ),
         "--adascale": (cfg.adascale, "its gain is measured over a fixed set of ranks; a round's members change"),
-        "--amp fp16": (cfg.amp == "fp16", "the loss scale does not travel with the live state yet (bf16 works)"),
         "--device cuda / --backend nccl": (
             cfg.device == "cuda" or cfg.backend == "nccl",
             "each round's group is a gloo group made for its members; NCCL groups per round are not built yet",
