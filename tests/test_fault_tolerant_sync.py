@@ -104,24 +104,36 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["buckets-during-backward", "flat-after-backward"])
-def test_ddp_rounds_equal_torch_sgd_on_the_mean_gradient_and_a_failed_round_steps_nowhere(overlap):
-    out = _train(None, fail_round=4, overlap=overlap)  # round s is step s: step 4's gradients dropped on both
-    assert out[0][1] == out[1][1] == [(4, False)]
+def _ddp_reference(dropped_step: int, scaler: torch.amp.GradScaler | None = None) -> list[torch.Tensor]:
+    """DDP's definition: one model (rank 0's), torch's SGD (and loss scaler) on the mean of both ranks' (scaled)
+    gradients at every step but the dropped one."""
     model = _model(0)  # the first round gives every rank rank 0's model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(STEPS):
-        if step + 1 == 4:
+        if step + 1 == dropped_step:
             continue
         grads = []
         for rank in (0, 1):
             model.zero_grad()
-            nn.functional.cross_entropy(model(_batch(rank, step)[0]), _batch(rank, step)[1]).backward()
+            x, y = _batch(rank, step, poison=scaler is not None)
+            loss = nn.functional.cross_entropy(model(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for i, p in enumerate(model.parameters()):
             p.grad = (grads[0][i] + grads[1][i]) / 2
-        optimizer.step()
-    want = [p.detach() for p in model.parameters()]
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["buckets-during-backward", "flat-after-backward"])
+def test_ddp_rounds_equal_torch_sgd_on_the_mean_gradient_and_a_failed_round_steps_nowhere(overlap):
+    out = _train(None, fail_round=4, overlap=overlap)  # round s is step s: step 4's gradients dropped on both
+    assert out[0][1] == out[1][1] == [(4, False)]
+    want = _ddp_reference(4)
     assert _close(out[0][0], want) and _close(out[1][0], want)
 
 
@@ -132,23 +144,8 @@ def test_ddp_rounds_with_a_loss_scaler_skip_an_overflow_everywhere_and_equal_tor
     torch's SGD and GradScaler on the mean of both ranks' scaled gradients."""
     out = _train(None, fail_round=4, scaled=True)
     assert out[0][1] == out[1][1] == [(4, False)]
-    model = _model(0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     scaler = _scaler()
-    for step in range(STEPS):
-        if step + 1 == 4:
-            continue
-        grads = []
-        for rank in (0, 1):
-            model.zero_grad()
-            x, y = _batch(rank, step, poison=True)
-            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for i, p in enumerate(model.parameters()):
-            p.grad = (grads[0][i] + grads[1][i]) / 2
-        scaler.step(optimizer)
-        scaler.update()
-    want = [p.detach() for p in model.parameters()]
+    want = _ddp_reference(4, scaler)
     assert scaler.get_scale() != 2.0**10  # it moved (halved once, grown since)
     assert out[0][2] == out[1][2] == scaler.get_scale()
     assert _close(out[0][0], want) and _close(out[1][0], want)
