@@ -51,11 +51,15 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class Logged(Manager):
     """The README's Manager, with a log of every round this rank committed or dropped, and faults on request:
     `fail_round` fails this rank's average in that round; `vanish_round`: the rank stops in that round's middle
-    (after its backward, before averaging: its thread ends, as a process killed there would)."""
+    (after its backward, before averaging: its thread ends, as a process killed there would); `await_join`: (round,
+    rank): from that round on, each round waits a little until `rank` joined (at most 30 s in all), so that a rank
+    started again finds the job still running."""
 
-    def __init__(self, *args: Any, fail_round: int = -1, vanish_round: int = -1, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fail_round: int = -1, vanish_round: int = -1,
+                 await_join: tuple[int, int] | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
-        self.fail_round, self.vanish_round = fail_round, vanish_round
+        self.fail_round, self.vanish_round, self.await_join = fail_round, vanish_round, await_join
+        self._patience = time.monotonic() + 30
         self.log: list[tuple[int, list[int], bool]] = []
 
     def average(self, tensor: torch.Tensor, counts: bool = True) -> None:
@@ -69,6 +73,13 @@ class Logged(Manager):
     def should_commit(self) -> bool:
         committed = super().should_commit()
         assert self.quorum is not None
+        if (
+            self.await_join is not None
+            and self.quorum.round >= self.await_join[0]
+            and time.monotonic() < self._patience
+        ):
+            if not any(self.await_join[1] in e.joined for e in self.events):
+                time.sleep(0.1)
         if self.quorum.round > 0:
             self.log.append((self.quorum.round, list(self.quorum.members), committed))
         return committed
@@ -142,6 +153,7 @@ def _run(
     late: dict[int, int] | None = None,
     port: int | None = None,
     results: dict | None = None,
+    close: bool = True,
     **faults_by_rank: dict,
 ) -> tuple[dict, dict]:
     """Ranks 0..world-1 as threads; `late`: rank -> the round the others reach before it starts; `port`: a
@@ -171,7 +183,17 @@ def _run(
     for thread in threads.values():
         thread.join(120)
         assert not thread.is_alive(), "a rank hung"
-    return results, results.pop("managers")
+    managers = results.pop("managers")
+    if close:  # (else the caller closes them: `_close`)
+        _close(managers.values())
+    return results, managers
+
+
+def _close(managers: Any) -> None:
+    """Closes `managers`, those whose standby store the job met in last (the others beat into it): no thread is
+    left talking to a store that goes when the process ends."""
+    for manager in sorted(managers, key=lambda m: m.standby is not None and m.standby.host == m.rank):
+        manager.close()
 
 
 def test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_the_reference():
@@ -238,6 +260,50 @@ def test_the_machine_hosting_the_store_is_lost_and_the_survivors_train_on_in_a_s
     for rank in (1, 2):
         for a, b in zip(got[rank][1], reference, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_lost_machine_started_again_finds_the_survivors_through_the_jobs_first_address():
+    """As above; then rank 0's machine comes back: a fresh store on the job's first port (its launcher started
+    again) and rank 0 started again with that address. The survivors' beacon writes into it where they meet; rank 0
+    follows, joins from live state and ends bit-identical to them, and all equal the reference."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    port, holder = server.port, {"server": server}
+    del server
+    results: dict = {}
+    restarted: dict = {}
+
+    def lose_then_start_again() -> None:
+        deadline = time.monotonic() + 60
+        while results.get(0) is None:
+            assert time.monotonic() < deadline, "rank 0 never vanished"
+            time.sleep(0.01)
+        holder.pop("server")
+        while results.get("managers", {}).get(1) is None or results["managers"][1].recoveries == 0:
+            assert time.monotonic() < deadline, "the survivors never met in a standby"
+            time.sleep(0.01)
+        holder["fresh"] = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=30))  # fmt: skip
+        thread = threading.Thread(target=_rank, args=(_client(port), 0, 3, restarted, True), daemon=True)
+        thread.start()
+        thread.join(90)
+
+    helper = threading.Thread(target=lose_then_start_again, daemon=True)
+    helper.start()
+    waiting = {"await_join": (11, 0)}
+    got, managers = _run(3, port=port, results=results, close=False, rank0={"vanish_round": 10}, rank1=waiting,
+                         rank2=waiting)  # fmt: skip
+    helper.join(90)
+    assert restarted.get(0, ("missing",))[0] == "done", restarted
+    back = restarted["managers"][0]
+    assert back.rejoined == 1 and back.standby is not None, back.events
+    assert any(0 in e.joined for e in managers[1].events), managers[1].events
+    logs = [managers[1].log, managers[2].log, back.log]
+    reference = _reference(logs)
+    for params in (got[1][1], got[2][1], restarted[0][1]):
+        for a, b in zip(params, reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got[1][1], restarted[0][1], strict=True))  # bit for bit
+    _close([back, managers[1], managers[2]])
 
 
 # -- agreement and visibility --------------------------------------------------------------------------------------

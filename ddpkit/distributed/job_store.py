@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED
+from ddpkit.distributed.standby import MOVED
 
 PREFIX = DEFAULT_PREFIX
 FINAL_KEY = PREFIX + "final"  # the members of the job's last round, as a JSON list
@@ -59,10 +60,13 @@ def reports(store: Any, members: list[int], timeout: float) -> dict[int, dict[st
 def wait_until_finished(store: Any, start_timeout: float, silence: float = SILENCE_SECONDS) -> str:
     """Blocks while the job runs (node 0's launcher calls it once its own ranks ended; `ddpkit store` at once) and
     says why it returned: every member of the final quorum finished ("finished"), the job ended with fewer ranks
-    than its minimum ("ended"), no rank's heartbeat came for `silence` seconds (every rank is gone: "silent"), or
-    none came at all within `start_timeout` seconds ("never started")."""
+    than its minimum ("ended"), no rank's heartbeat came for `silence` seconds (every rank is gone: "silent"),
+    none came at all within `start_timeout` seconds ("never started"), or this is a fresh store at the job's
+    address and the survivors of the lost one said they meet elsewhere ("moved": `ddpkit.distributed.standby`)."""
     started, beats, last_beat = time.monotonic(), None, None
     while not store.check([PREFIX + ENDED]):  # too few ranks were left: every rank stops
+        if store.check([PREFIX + MOVED]):
+            return "moved"
         if store.check([FINAL_KEY]):
             members = json.loads(store.get(FINAL_KEY))
             if store.check([f"{PREFIX}done/{r}" for r in members]):

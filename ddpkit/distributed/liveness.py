@@ -41,8 +41,12 @@ class Heartbeat:
                 return  # the store is gone: the rank learns it from its next round
             self._stop.wait(INTERVAL)
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """Stops beating; with `wait`, returns once the thread ended (at most a few seconds: a call to a store that
+        went silent ends at its own timeout), so that nothing talks to the store after its owner closed."""
         self._stop.set()
+        if wait:
+            self._thread.join(timeout=5.0)
 
 
 class Liveness:

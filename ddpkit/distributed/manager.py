@@ -19,7 +19,8 @@ is what a training loop holds to take part. Per round it owns:
   up), printed by every member as it happens, and `never_joined` (ranks missing from the first round);
 - **staying up**: a heartbeat, so that a quorum stops waiting for ranks that are gone (`liveness`); the keys of
   old rounds deleted; with `standby_address`, a standby store where the survivors meet and settle the open round
-  when the job's store is lost (`standby`); gradients all-reduced in buckets while backward runs
+  when the job's store is lost (`standby`), and a beacon that tells a process started again at the job's first
+  address where they meet (`StoreMoved`: it joins them); gradients all-reduced in buckets while backward runs
   (`overlap_gradients`, `round_buckets`).
 
 Counting: `average` counts every member by default. A joiner healed at the start of the round holds the live
@@ -72,7 +73,16 @@ from ddpkit.distributed.membership import (
 )
 from ddpkit.distributed.rank_guard import say
 from ddpkit.distributed.round_buckets import RoundBuckets
-from ddpkit.distributed.standby import Standby, StoreLost, is_store_loss, settle
+from ddpkit.distributed.standby import (
+    Standby,
+    StoreLost,
+    StoreMoved,
+    beacon,
+    connect_moved,
+    is_store_loss,
+    moved_to,
+    settle,
+)
 
 
 class FellBehind(Exception):
@@ -153,6 +163,10 @@ class Manager:
         self.standby = Standby(rank, standby_address, prefix) if standby_address is not None else None
         self._verdicts: dict[int, bool] = {}  # the latest rounds' verdicts (for the survivors of a lost store)
         self.recoveries = 0  # times the job's store was lost and the survivors met again in a standby
+        # the job's first address: after a loss, where a process started again looks (`standby.beacon`)
+        self._home = (str(store.host), int(store.port)) if hasattr(store, "host") and hasattr(store, "port") else None
+        self._beacon: Any = None
+        self.membership.interrupt = self._check_moved
 
     # -- the live state ----------------------------------------------------------------------------------------
 
@@ -199,7 +213,12 @@ class Manager:
         self._beat()
         if self.standby is not None:
             self.standby.publish(self.store)
-        quorum = self.round(0)
+        try:
+            quorum = self.round(0)
+        except StoreMoved as moved:  # a fresh store at the job's address: the survivors meet elsewhere
+            self._use_store(connect_moved(moved.address, self.membership.timeout))
+            self._say(f"rank {self.rank}: {moved}; joining the survivors there")
+            raise FellBehind(str(moved)) from None
         store_agreement.agree(self.store, self.prefix, self.rank, quorum.members, self.prefix + ENDED)
         if self.standby is not None:
             self.standby.learn(self.store, quorum.members)
@@ -225,7 +244,10 @@ class Manager:
         if self.quorum is None:  # this process's first round
             if self.under_way():
                 return self.rejoin()
-            self.start()
+            try:
+                self.start()
+            except FellBehind:  # the job moved (`StoreMoved`)
+                return self.rejoin()
             if not self.should_commit():
                 raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
             self._blocked = 0.0
@@ -431,7 +453,7 @@ class Manager:
             store = self.standby.meet(sorted(self.standby.known), timeout)
         except StoreLost as lost:
             raise StoreLost(f"rank {self.rank}: the job's store is gone ({exc}) and {lost}") from exc
-        self.store = self.membership.store = store
+        self._use_store(store)
         self._beat()
         last = open_quorum or self.membership.last
         mine = last.round if last is not None else -1
@@ -446,6 +468,8 @@ class Manager:
         self.membership.reseed(settled.open_round, settled.in_step, live, settled.verdict(settled.open_round))
         store_agreement.record(store, self.prefix, self.settings)
         self.standby.publish(store)
+        if self.standby.host == self.rank and self._home is not None and self._beacon is None:
+            self._beacon = beacon(self._home, self.prefix, self.standby.address)
         self.next_round = settled.open_round + 1
         lost = sorted(set(expected) - set(settled.in_step))
         held = time.monotonic() - since
@@ -477,6 +501,17 @@ class Manager:
         if self.report is not None:
             self.report(f"ddpkit: rank {self.rank}: {line}")
 
+    def _use_store(self, store: Any) -> None:
+        self.store = store
+        self.membership.use_store(store)
+
+    def _check_moved(self) -> None:
+        """Raises `StoreMoved` if the store this rank reached is a fresh one that the survivors of a lost store
+        told where they meet (asked while the job's first round waits)."""
+        address = moved_to(self.store, self.prefix)
+        if address is not None:
+            raise StoreMoved(address)
+
     def _beat(self) -> None:
         """(Re)starts this rank's heartbeat on the current store (`ddpkit.distributed.liveness`)."""
         if self._heartbeat is not None:
@@ -489,11 +524,13 @@ class Manager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._cleaner.shutdown(wait=False, cancel_futures=True)
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            self._heartbeat.stop(wait=True)
         if self._buckets is not None:
             self._buckets.remove()
         if self.standby is not None:
             self.standby.close()
+        if self._beacon is not None:
+            self._beacon.set()
 
 
 def _ranks(ranks: list[int]) -> str:

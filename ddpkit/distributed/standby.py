@@ -8,8 +8,15 @@ store is lost, every survivor connects to the standby of the lowest-ranked membe
 (`meet`): the lowest survivor, the same for every survivor. The survivors then settle the round that was open and
 re-seed the new store from what they hold (`ddpkit.distributed.manager.Manager`).
 
-Sends: one key per rank at publish, one read per new rank at learn; nothing per round. Holds: one idle TCPStore
-server (a listening socket and its thread) per rank.
+A process started again with the job's first address (the lost machine's command, run again) finds a fresh
+store there, hosted by its own launcher. The rank whose standby the job meets in keeps looking for a store at that
+address (`beacon`, once a second) and writes into it where the job meets now (the key ``moved``); the new process
+reads it while the job's first round waits (`StoreMoved`), connects to the survivors' store and joins them from
+live state, and its launcher stops waiting on the fresh store (`job_store.wait_until_finished` says "moved").
+
+Sends: one key per rank at publish, one read per new rank at learn; nothing per round; after a loss, one
+connection attempt per second to the first address. Holds: one idle TCPStore server (a listening socket and its
+thread) per rank.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,6 +34,49 @@ import torch.distributed as dist
 
 class StoreLost(RuntimeError):
     """The job's store is gone and no standby store of a known member answered."""
+
+
+MOVED = "moved"  # key (under the prefix) of a fresh store at the job's first address: where the job meets now
+BEACON_SECONDS = 1.0
+
+
+class StoreMoved(Exception):
+    """The store this process reached is a fresh one at the job's first address, and the job meets elsewhere (at
+    `address`, a survivor's standby store) since the machine that hosted its store was lost."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"the job's store moved to {address} (its first machine was lost)")
+        self.address = address
+
+
+def moved_to(store: Any, prefix: str) -> str | None:
+    """The address the job meets at if `store` is a fresh store that the survivors told where they went."""
+    return store.get(prefix + MOVED).decode() if store.check([prefix + MOVED]) else None
+
+
+def connect_moved(address: str, timeout: float) -> Any:
+    """A client of the standby store at `address` ("host:port")."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def beacon(home: tuple[str, int], prefix: str, address: str) -> threading.Event:
+    """After the survivors moved to the standby at `address`: a daemon thread that looks every `BEACON_SECONDS`
+    for a store at the job's first address `home` (the lost machine's launcher started again hosts a fresh one)
+    and writes there where the job meets now, so a process started again with the job's first address finds the
+    survivors. Set the returned event to stop it. Sends: one connection attempt per second, one key when found."""
+    stop = threading.Event()
+
+    def look() -> None:
+        while not stop.wait(BEACON_SECONDS):
+            with contextlib.suppress(dist.DistError, RuntimeError, OSError):
+                if _answer(home[0], home[1], BEACON_SECONDS) == "yes":
+                    client = dist.TCPStore(home[0], home[1], is_master=False,
+                                           timeout=timedelta(seconds=BEACON_SECONDS))  # fmt: skip
+                    client.set(prefix + MOVED, address)
+
+    threading.Thread(target=look, name="ddpkit-beacon", daemon=True).start()
+    return stop
 
 
 def _answer(host: str, port: int, timeout: float) -> str:

@@ -119,6 +119,12 @@ def host_job_store(port: int, timeout: float) -> None:
     say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine")
     why = job_store.wait_until_finished(store, timeout)
     time.sleep(STORE_GRACE_SECONDS)  # ranks still waiting read the end before the store goes
+    if why == "moved":
+        say(
+            "ddpkit: the fault-tolerant job meets in a survivor's standby store since its store's machine was "
+            "lost; this store stops"
+        )
+        return
     if why in ("finished", "ended"):
         say(f"ddpkit: the fault-tolerant job {why}; its store stops")
         return
