@@ -284,6 +284,7 @@ def test_an_unreadable_checkpoint_does_not_start_processes(tmp_path):
     assert result.returncode == 1 and f"checkpoint marker {folder / files.MARKER} is corrupt" in result.stderr
 
 
+@pytest.mark.long  # CI time (19 s)
 def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replicas(tmp_path):
     """SlowMo's replicas differ between ranks at the checkpoint (45 steps, averaging every 4); resumed on 1 rank
     without training further, the model is exactly the mean of the 2 saved replicas and the slow buffers are kept."""

@@ -4,9 +4,11 @@ has ended, the folder can be used (resumed) again."""
 
 import time
 
+import pytest
 from test_train_cli import DDPKIT, LONG_RUN, procs, wait_for  # noqa: F401  (fixture)
 
 
+@pytest.mark.long  # CI time (28 s)
 def test_a_second_job_on_the_same_out_is_refused_while_the_first_runs(tmp_path, procs):  # noqa: F811
     out = tmp_path / "run"
     flags = [*LONG_RUN, "--timeout", "20", "--checkpoint-every", "5", "--out", out]

@@ -325,7 +325,8 @@ def one_epoch(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", [*STRATEGIES, "adascale"])
+# (CI time: adascale's run is in the long tier; tests/test_adascale.py checks it against its definition)
+@pytest.mark.parametrize("name", [*STRATEGIES, pytest.param("adascale", marks=pytest.mark.long)])
 def test_every_strategy_trains_one_epoch_at_two_processes(one_epoch, name):
     result, out = one_epoch(name)
     strategy, _, steps = VARIANTS[name]
@@ -377,8 +378,9 @@ def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
 LONG = pytest.mark.long
 
 
+# CI time: all in the long tier (37 s for sharded alone); tests/test_checkpoints.py resumes in the default tier
 @pytest.mark.parametrize(
-    "name", ["sharded", *(pytest.param(name, marks=LONG) for name in ("slowmo", "sgp", "diloco", "adascale"))]
+    "name", [pytest.param(n, marks=LONG) for n in ("sharded", "slowmo", "sgp", "diloco", "adascale")]
 )
 def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale
@@ -595,6 +597,7 @@ def listening(pid, port):
 
 
 @pytest.mark.netns
+@pytest.mark.long  # CI time (21 s): test_wrong_master_address_fails_within_the_timeout_naming_it stays
 def test_two_hosts_that_cannot_connect_fail_within_the_timeout(tmp_path, procs, two_hosts):
     """gloo told to use loopback (a misconfiguration) cannot reach the other host: both fail within the timeout
     (plus ddpkit's join grace), where gloo alone would wait five times the timeout on the master's side."""
