@@ -66,7 +66,7 @@ def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name:
 
 @pytest.mark.slow
 @pytest.mark.long  # CI time; the default tier checks the same rounds in threads (tests/test_fault_tolerant_sync.py)
-def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_and_compressed_diloco(tmp_path, procs):  # noqa: F811
+def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_compressed_diloco_and_fp16(tmp_path, procs):  # noqa: F811
     slowmo = ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05"]
     runs = {"ddp": ["--strategy", "ddp", "--lr", "0.01"], "slowmo": [*slowmo, "--localsgd-frequency", "3"]}
     runs["slowmo"] += ["--slowmo-frequency", "6"]
@@ -74,6 +74,7 @@ def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_and_compressed_dil
     runs["diloco-int8"] = ["--strategy", "slowmo", "--optimizer", "adamw", "--lr", "0.01", "--localsgd-frequency", "4"]
     runs["diloco-int8"] += ["--slowmo-frequency", "4", "--slowmo-nesterov", "--slowmo-momentum", "0.9"]
     runs["diloco-int8"] += ["--slowmo-compression", "int8", "--slowmo-error-feedback", "--slowmo-fragments", "2"]
+    runs["ddp-fp16"] = ["--strategy", "ddp", "--lr", "0.01", "--amp", "fp16"]  # torch's loss scaler on each rank
     for name, flags in runs.items():
         plain = procs([*DDPKIT, "train", *flags, *SHORT, "--out", tmp_path / name], name, env=ENV)
         ft = procs([*DDPKIT, "train", "--fault-tolerant", *flags, *SHORT, "--out", tmp_path / f"{name}-ft"],
@@ -88,6 +89,7 @@ def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_and_compressed_dil
             assert b["members"] == "2" and b["membership_change"] == ""
         expected, got = _summary(tmp_path / name), _summary(tmp_path / f"{name}-ft")
         assert got["test_loss"] == pytest.approx(expected["test_loss"], abs=1e-6), name
+        assert got["fp16_skipped_steps"] == expected["fp16_skipped_steps"], name  # None without fp16
         assert got["replicas_equal"] and got["membership"] == [] and got["final_members"] == [0, 1]
         assert got["strategy"] == f"{flags[1]} (fault-tolerant)" and got["settings"]["fault_tolerant"] is True
         # the same exchange, plus the count each average carries: 4 bytes more per all-reduce's payload

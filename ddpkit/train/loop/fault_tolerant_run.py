@@ -28,7 +28,7 @@ from ddpkit.distributed.rank_guard import say, tell
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_lock import claim_out
-from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar
+from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, GossipSchedule, OuterSchedule
 from ddpkit.train.loop.loaders import rank_data
 from ddpkit.train.loop.report import format_summary, parameter_digest, peak_memory_mb, write_metrics
@@ -101,7 +101,7 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
     amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
     trainer = Trainer(work.module, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
-                      scaler=scaler, callbacks=[bar, recorder, sync])  # fmt: skip
+                      scaler=scaler, callbacks=[bar, recorder, RunEvents(scaler, None), sync])  # fmt: skip
     try:
         if manager.under_way():
             say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")
