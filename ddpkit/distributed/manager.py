@@ -246,7 +246,7 @@ class Manager:
                 return self.rejoin()
             try:
                 self.start()
-            except FellBehind:  # the job moved (`StoreMoved`)
+            except FellBehind:  # left out of the first round, or the job moved (`StoreMoved`): join from live state
                 return self.rejoin()
             if not self.should_commit():
                 raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")

@@ -50,6 +50,7 @@ SGP's push-sum buffer (P + 1) and its copy during a round, and the live state se
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -99,7 +100,7 @@ class OuterSchedule:
     @cached_property
     def _period(self) -> list[bool]:
         """Whether steps 1..L sync, L = lcm(every, slow_every): the pattern repeats every L steps."""
-        period = self.every * self.slow_every // _gcd(self.every, self.slow_every)
+        period = math.lcm(self.every, self.slow_every)
         return [self.due(t) for t in range(1, period + 1)]
 
 
@@ -116,12 +117,6 @@ class GossipSchedule:
 
     def exact(self, step: int) -> bool:
         return step % self.slow_every == 0 or (self.exact_every > 0 and step % self.exact_every == 0)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 class FaultTolerantSync(Callback):
