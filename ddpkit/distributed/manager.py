@@ -72,6 +72,7 @@ from ddpkit.distributed.membership import (
     quorum_mean,
 )
 from ddpkit.distributed.rank_guard import say
+from ddpkit.distributed.replica_membership import Replica, ReplicaMembership
 from ddpkit.distributed.round_buckets import RoundBuckets
 from ddpkit.distributed.standby import (
     Standby,
@@ -139,12 +140,21 @@ class Manager:
         settings: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
         report: Callable[[str], None] | None = say,
         standby_address: str | None = None,
+        replica: Replica | None = None,
     ) -> None:
-        self.membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
-                                     start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
+        if replica is not None and standby_address is not None:
+            raise ValueError("Manager: a replica of several processes keeps no standby store (give one or the other)")
+        membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
+                                start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
+        membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
+        membership.interrupt = self._check_moved
+        self.membership: Membership | ReplicaMembership = membership
+        if replica is not None:
+            self.membership = ReplicaMembership(membership, replica)
+        self.leads = replica is None or replica.leads  # this process speaks for its rank in the store
         self.store, self.rank, self.max_world, self.prefix = store, rank, max_world, prefix
         self.settings = store_agreement.settings_texts(settings)
-        self.report = report
+        self.report = report if self.leads else None
         self._registry: dict[str, _Entry] = {}
         self.quorum: Quorum | None = None
         self.ok = True  # whether the current round went well on this rank so far
@@ -157,7 +167,6 @@ class Manager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
         self._pending: Future[Quorum] | None = None  # a quorum being formed in the background
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
-        self.membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
         self._heartbeat: Heartbeat | None = None
         self._buckets: RoundBuckets | None = None  # gradients averaged while backward runs (`overlap_gradients`)
         self.standby = Standby(rank, standby_address, prefix) if standby_address is not None else None
@@ -166,7 +175,6 @@ class Manager:
         # the job's first address: after a loss, where a process started again looks (`standby.beacon`)
         self._home = (str(store.host), int(store.port)) if hasattr(store, "host") and hasattr(store, "port") else None
         self._beacon: Any = None
-        self.membership.interrupt = self._check_moved
 
     # -- the live state ----------------------------------------------------------------------------------------
 
@@ -209,7 +217,8 @@ class Manager:
         joined (written to `report`), and with `share_state` every member loading the first member's live state
         (one model for all, as DDP's broadcast from rank 0). Not committed: the caller does the round's work and
         `should_commit`."""
-        store_agreement.offer(self.store, self.prefix, self.rank, self.settings)
+        if self.leads:
+            store_agreement.offer(self.store, self.prefix, self.rank, self.settings)
         self._beat()
         if self.standby is not None:
             self.standby.publish(self.store)
@@ -219,7 +228,8 @@ class Manager:
             self._use_store(connect_moved(moved.address, self.membership.timeout))
             self._say(f"rank {self.rank}: {moved}; joining the survivors there")
             raise FellBehind(str(moved)) from None
-        store_agreement.agree(self.store, self.prefix, self.rank, quorum.members, self.prefix + ENDED)
+        if self.leads:
+            store_agreement.agree(self.store, self.prefix, self.rank, quorum.members, self.prefix + ENDED)
         if self.standby is not None:
             self.standby.learn(self.store, quorum.members)
         self.never_joined = [r for r in range(self.max_world) if r not in quorum.members]
@@ -306,7 +316,9 @@ class Manager:
         the next round decided with it in it, receiving the live state there (loaded into the registry). Returns
         that round's quorum: do its work and `should_commit` as every member does (a joiner of a round that
         fails joins again at the next `start_round`)."""
-        store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings, self.membership.join_timeout)
+        if self.leads:
+            store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings,
+                                         self.membership.join_timeout)  # fmt: skip
         if self.standby is not None:
             self.standby.publish(self.store)
             self.standby.learn(self.store, list(range(self.max_world)))
@@ -396,15 +408,22 @@ class Manager:
             self._buckets.finish()
             self._blocked += time.monotonic() - since
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.detach().reshape(-1).to("cpu", torch.float32) for g in grads])
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.average_tensors([p.grad for p in params])
+
+    def average_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Each of `tensors` replaced in place by its mean over the round's members (one flat all-reduce): the
+        gradients a shard owns, for example (`OSS.owned_grads`). Left alone on a failed round."""
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors] or [torch.zeros(0)])
         self.average(flat)
         if not self.ok:
             return
         offset = 0
-        for p, g in zip(params, grads, strict=True):
-            p.grad = flat[offset : offset + p.numel()].view_as(p).to(g.device, g.dtype)
-            offset += p.numel()
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
         """Point-to-point messages between the round's members (`quorum_exchange`: indices in the round)."""
@@ -513,7 +532,10 @@ class Manager:
             raise StoreMoved(address)
 
     def _beat(self) -> None:
-        """(Re)starts this rank's heartbeat on the current store (`ddpkit.distributed.liveness`)."""
+        """(Re)starts this rank's heartbeat on the current store (`ddpkit.distributed.liveness`); a replica's
+        leader beats for it."""
+        if not self.leads:
+            return
         if self._heartbeat is not None:
             self._heartbeat.stop()
         connection = self.store.clone() if hasattr(self.store, "clone") else self.store

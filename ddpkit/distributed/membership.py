@@ -128,6 +128,7 @@ class Membership:
         self.interrupt: Any = None  # called while round 0 waits for arrivals (may raise: the job is elsewhere)
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
+        self.lanes = 1  # the groups each round makes (one per process of a replica: `replica_membership`)
 
     def _key(self, round_: int, *parts: object) -> str:
         return f"{self.prefix}r{round_}/" + "/".join(map(str, parts))
@@ -289,18 +290,22 @@ class Membership:
     def _decide(self, round_: int, arrived: list[int]) -> list[int]:
         return json.loads(self.store.compare_set(self._key(round_, "members"), "", json.dumps(arrived)))
 
-    def _group_for(self, quorum: Quorum) -> Any:
+    def _group_for(self, quorum: Quorum, lane: int = 0) -> Any:
         """The round's process group: the previous round's when it committed with the same members, else a new
-        one (None if a member vanished before connecting: the round then fails, see `commit`)."""
+        one (None if a member vanished before connecting: the round then fails, see `commit`). `lane`: which of a
+        replica's processes this group joins across the members (`ddpkit.distributed.replica_membership`)."""
         last = self.last
         same = last is not None and last.round == quorum.round - 1 and last.members == quorum.members
         if same and last.committed and last.group is not None:  # type: ignore[union-attr]
             return last.group  # type: ignore[union-attr]
-        store = dist.PrefixStore(self._key(quorum.round, "pg") + "/", self.store)
+        store = dist.PrefixStore(self._group_key(quorum.round, lane) + "/", self.store)
         try:
             return dist.ProcessGroupGloo(store, quorum.index, len(quorum.members), timedelta(seconds=self.timeout))
         except RuntimeError:
             return None
+
+    def _group_key(self, round_: int, lane: int) -> str:
+        return self._key(round_, "pg") if lane == 0 else self._key(round_, "pg", f"lane{lane}")
 
     def continue_at(self, quorum: Quorum, round_: int) -> None:
         """Makes this member's `quorum` (the first round of a job resumed from a checkpoint) stand for round
@@ -383,7 +388,7 @@ class Membership:
         members = json.loads(store.get(key)) if store.check([key]) else []
         keys = [self._key(round_, "in", r) for r in range(self.max_world)]
         keys += [self._key(round_, part) for part in ("joiners", "members", "reports", "verdict")]
-        keys += [self._key(round_, "pg") + f"//0/{i}" for i in range(len(members))]
+        keys += [self._group_key(round_, lane) + f"//0/{i}" for lane in range(self.lanes) for i in range(len(members))]
         for key in keys:
             store.delete_key(key)
 

@@ -24,19 +24,21 @@ from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
 from ddpkit.distributed.launch import Placement, choose_gloo_interface, route_source_address
 from ddpkit.distributed.manager import FellBehind, Manager
+from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import say, tell
+from ddpkit.distributed.replica_membership import join_replica
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, GossipSchedule, OuterSchedule
 from ddpkit.train.loop.loaders import rank_data
-from ddpkit.train.loop.report import format_summary, parameter_digest, peak_memory_mb, write_metrics
-from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, optimizer_arguments
+from ddpkit.train.loop.report import format_summary, gather_per_rank, parameter_digest, peak_memory_mb, write_metrics
+from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
 from ddpkit.train.loop.summary import summarize as summarize_run
 from ddpkit.train.loop.trainer import Trainer
 from ddpkit.train.settings.agreement import job_settings
-from ddpkit.train.settings.config import TrainConfig
+from ddpkit.train.settings.config import TrainConfig, sharded_replicas
 from ddpkit.train.workloads.workload import build_workload
 
 
@@ -47,7 +49,7 @@ def _slow_rule(cfg: TrainConfig) -> SlowMoRule | None:
 
 def outer_schedule(cfg: TrainConfig) -> OuterSchedule | None:
     """SlowMo's sync schedule and slow-momentum rule for local SGD; None for per-step rounds (ddp, sgp)."""
-    if cfg.strategy == "ddp" or cfg.slowmo_base == "sgp":
+    if cfg.strategy != "slowmo" or cfg.slowmo_base == "sgp":
         return None
     sync = OuterSyncSettings(cfg.slowmo_compression, cfg.slowmo_compression_block, cfg.slowmo_error_feedback,
                              cfg.slowmo_fragments, cfg.slowmo_sync_delay, cfg.slowmo_merge_alpha)  # fmt: skip
@@ -70,22 +72,33 @@ def local_group() -> None:
 
 def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float) -> dict[str, Any] | None:
     """Trains this rank of a fault-tolerant job; returns the summary on the rank that wrote it, else None."""
-    local_group()
     if cfg.nnodes > 1:  # the rounds' gloo groups must advertise the address that routes to the other machines
         choose_gloo_interface(placement.master_addr, placement.master_port)
     store = job_store.connect(placement.master_addr, placement.master_port, cfg.timeout)
     job_store.heartbeat(placement.master_addr, placement.master_port, cfg.timeout)  # until this process ends
+    waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
+    replica, rank, world = None, placement.rank, placement.world_size
+    if sharded_replicas(cfg):  # the machine is the replica: its rank is the machine's
+        control_timeout = waits["join_timeout"] + cfg.timeout
+        rank, world = cfg.node_rank, cfg.nnodes
+        replica = join_replica(store, job_store.PREFIX, rank, placement.local_rank, cfg.nproc_per_node, cfg.timeout,
+                               control_timeout)  # fmt: skip
+    else:
+        local_group()
     torch.manual_seed(cfg.seed)
     work = build_workload(cfg, torch.device("cpu"))
-    if cfg.out:
-        claim_out(cfg.out, placement.rank)
-    waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
-    manager = Manager(store, placement.rank, placement.world_size, min_replicas=cfg.min_replicas,
-                      quorum_timeout=cfg.quorum_timeout, prefix=job_store.PREFIX,
-                      settings=job_settings(cfg, "gloo", work), report=tell,
-                      standby_address=route_source_address(placement.master_addr, placement.master_port) or "127.0.0.1",
-                      **waits)  # fmt: skip
-    optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
+    if cfg.out and (replica is None or replica.leads):
+        claim_out(cfg.out, rank)
+    standby = route_source_address(placement.master_addr, placement.master_port) or "127.0.0.1"
+    manager = Manager(store, rank, world, min_replicas=cfg.min_replicas, quorum_timeout=cfg.quorum_timeout,
+                      prefix=job_store.PREFIX, settings=job_settings(cfg, "gloo", work), report=tell,
+                      standby_address=standby if replica is None else None, replica=replica, **waits)  # fmt: skip
+    model: torch.nn.Module = work.module
+    if replica is not None:  # OSS (ZeRO-1) or ShardedDataParallel (ZeRO-2) over the machine's processes
+        strategy = build_strategy(cfg, work.module, torch.device("cpu"))
+        model, optimizer = strategy.model, strategy.optimizer
+    else:
+        optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
     data = rank_data(cfg, work, placement.rank, placement.world_size)
     loader, total = data.loader, data.total_steps
     recorder = MetricsRecorder(data.heldout, eval_every=cfg.eval_every or 0)
@@ -95,12 +108,13 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     # fp16: torch's own loss scaler; under DDP every member unscales the same averaged gradients, so the skips and
     # the scale agree without a collective of their own, and the scale travels with the live state
     scaler = torch.amp.GradScaler("cpu") if cfg.amp == "fp16" else None  # (the fault-tolerant path runs on the CPU)
+    overlap = cfg.grad_accum == 1 and replica is None  # (a replica's process averages only the shard it owns)
     sync = FaultTolerantSync(manager, work.module, optimizer, recorder, total, outer_schedule(cfg),
-                             gossip_schedule(cfg), checkpoints, overlap=cfg.grad_accum == 1, scaler=scaler)  # fmt: skip
+                             gossip_schedule(cfg), checkpoints, overlap=overlap, scaler=scaler)  # fmt: skip
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
     amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
-    trainer = Trainer(work.module, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
+    trainer = Trainer(model, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
                       scaler=scaler, callbacks=[bar, recorder, RunEvents(scaler, None), sync])  # fmt: skip
     try:
         if manager.under_way():
@@ -118,6 +132,8 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
             sync.rejoin(trainer)
     final = sync.finish(trainer)
     summary = report(cfg, placement, manager.store, trainer, recorder, manager, final.members, started)
+    if replica is not None:
+        dist.barrier()  # the replica's processes end together (the launcher ends the others when one fails)
     if manager.standby is not None and manager.standby.host == placement.rank:  # the job meets in this rank's store
         job_store.wait_for_done(manager.store, final.members, cfg.quorum_timeout + 30)
     manager.close()
@@ -134,34 +150,41 @@ def report(
     members: list[int],
     started: float,
 ) -> dict[str, Any] | None:
-    """Leaves this rank's figures in the store; the writer (module doc) gathers them and writes the outputs."""
+    """Leaves this replica's figures in the store (its processes' sums: one process, or a machine's sharding
+    processes); the writer (module doc) gathers them and writes the outputs. A collective of the replica."""
     steps = recorder.steps
     totals = recorder.totals()  # the loop's wall time up to now, as a plain run's summary reads it: one clock
     mine = {
-        "sent_bytes_per_step": statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0,
-        "sent_bytes": sum(r.sent_bytes for r in steps),
-        "samples": sum(r.samples for r in steps),
+        "sent_bytes_per_step": sum(gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)),
+        "sent_bytes": sum(gather_per_rank(sum(r.sent_bytes for r in steps))),
+        "samples": sum(gather_per_rank(sum(r.samples for r in steps))),
         "training_seconds": totals["wall_seconds"] - totals["eval_seconds"],
-        "peak_memory_mb": peak_memory_mb(),
+        "peak_memory_mb": max(gather_per_rank(peak_memory_mb())),  # (a replica's largest process)
         "digest": parameter_digest(trainer.model),
         "rejoined": manager.rejoined,
         "last_epoch": trainer.state.history[-1] if trainer.state.history else None,
     }
-    job_store.finish(store, placement.rank, members, mine)
-    reports = job_store.reports(store, members, cfg.quorum_timeout)
-    never_rejoined = [r for r in sorted(reports) if reports[r]["rejoined"] == 0]
-    candidate = (never_rejoined or sorted(reports) or [placement.rank])[0]
-    writer = job_store.choose_writer(store, candidate)  # the first rank's choice is everyone's: one writer
+    writer, reports = None, {}
+    if manager.leads:
+        job_store.finish(store, manager.rank, members, mine)
+        reports = job_store.reports(store, members, cfg.quorum_timeout)
+        never_rejoined = [r for r in sorted(reports) if reports[r]["rejoined"] == 0]
+        candidate = (never_rejoined or sorted(reports) or [manager.rank])[0]
+        writer = job_store.choose_writer(store, candidate)  # the first rank's choice is everyone's: one writer
+    writer, reports = broadcast_object((writer, reports), 0)  # (to the replica's other processes)
     summary = None
-    if writer == placement.rank:
+    if writer == manager.rank:
         summary = summarize(cfg, placement, trainer, recorder, manager, reports, members, started)
+        if not manager.leads:
+            return None
         print(format_summary(summary), flush=True)
         if cfg.out:
             paths = write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows(),
                                   recorder.heldout_rows())  # fmt: skip
             for path in paths:
                 print(f"wrote {path}")
-    job_store.done(store, placement.rank)
+    if manager.leads:
+        job_store.done(store, manager.rank)
     return summary
 
 

@@ -67,6 +67,7 @@ from ddpkit.distributed.buckets import unflatten_into
 from ddpkit.distributed.manager import Manager
 from ddpkit.distributed.membership import Quorum
 from ddpkit.distributed.rank_guard import say
+from ddpkit.optim import OSS
 from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.loop.callbacks import MetricsRecorder
@@ -173,13 +174,24 @@ class FaultTolerantSync(Callback):
         registers it): the model, the optimizer, the trainer's counters, the slow buffers, whether it is the end."""
         manager = self.manager
         manager.register("model", self.module)
-        manager.register("optimizer", self.optimizer)
+        if isinstance(self.optimizer, OSS):  # a replica's process: its own shard (the same one on every replica)
+            manager.register("optimizer", self.optimizer.optim)
+            manager.register_state("optimizer_groups", self._oss_groups, self._load_oss_groups)
+        else:
+            manager.register("optimizer", self.optimizer)
         if self.scaler is not None:  # fp16: the loss scale and its growth tracker (the same on every DDP member)
             manager.register("scaler", self.scaler)
         manager.register_state("trainer", self._trainer_state, self._load_trainer_state)
         if self.slow is not None:
             manager.register_state("slow", self._slow_state, self._load_slow_state)
         manager.register_state("final", lambda: self.final or self._finishing, self._load_final)
+
+    def _oss_groups(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def _load_oss_groups(self, groups: list[dict[str, Any]]) -> None:
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(saved)
 
     def _trainer_state(self) -> dict[str, Any]:
         assert self.trainer is not None
@@ -288,7 +300,10 @@ class FaultTolerantSync(Callback):
             return
         manager = self.manager
         manager.current()  # the live state sent to a joiner now is the step's start: nothing stepped yet
-        manager.average_gradients(self.params)
+        if isinstance(self.optimizer, OSS):  # a replica's process: the shard it owns, with the other replicas'
+            manager.average_tensors(self.optimizer.owned_grads(self.params))
+        else:
+            manager.average_gradients(self.params)
         if not manager.should_commit():
             trainer.skip_step = True  # on every member: no optimizer step, no loss-scale update
 

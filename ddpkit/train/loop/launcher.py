@@ -17,7 +17,7 @@ from ddpkit.distributed.launch import (
 )
 from ddpkit.distributed.rank_guard import say
 from ddpkit.train.loop.run import process_main, run_placed
-from ddpkit.train.settings.config import TrainConfig, validate
+from ddpkit.train.settings.config import TrainConfig, sharded_replicas, validate
 
 DEFAULT_MULTINODE_PORT = 29500
 
@@ -78,7 +78,13 @@ def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     returns normally if any local rank finished the job, else raises the first failure."""
     port = job_port(cfg)
     store = job_store.host(port, cfg.timeout) if cfg.node_rank == 0 else None
-    failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started), independent=True)
+    if sharded_replicas(cfg):  # the machine's processes are one replica: one lost ends them all (a lost machine)
+        try:
+            failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started))
+        except LaunchError as exc:
+            failures = [str(exc)] * cfg.nproc_per_node
+    else:
+        failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started), independent=True)
     why = None
     if store is not None:  # the other machines' ranks may still be training
         why = job_store.wait_until_finished(store, max(300.0, cfg.timeout))

@@ -351,15 +351,20 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         _check_resumable(cfg)
 
 
+def sharded_replicas(cfg: TrainConfig) -> bool:
+    """Whether a fault-tolerant job's replicas are machines whose processes shard the optimizer state (--strategy
+    oss / sharded: `ddpkit.distributed.replica_membership`) rather than single processes."""
+    return cfg.fault_tolerant and cfg.strategy in ("oss", "sharded")
+
+
 def _check_fault_tolerant(cfg: TrainConfig) -> None:
     """What --fault-tolerant supports today (ddpkit.train.loop.fault_tolerant_sync), refused by flag otherwise."""
-    if cfg.strategy not in ("ddp", "slowmo"):
-        raise ValueError(
-            f"--fault-tolerant works with --strategy ddp (a round per step) or slowmo (a round per outer sync); got "
-            f"--strategy {cfg.strategy} (a sharded optimizer state would have to be re-split whenever a rank leaves)"
-        )
-    if not 1 <= cfg.min_replicas <= cfg.world_size:
-        raise ValueError(f"--min-replicas must be in [1, the world size {cfg.world_size}]; got {cfg.min_replicas}")
+    sharded = sharded_replicas(cfg)
+    replicas = cfg.nnodes if sharded else cfg.world_size
+    if not 1 <= cfg.min_replicas <= replicas:
+        what = f"the machines (--nnodes {cfg.nnodes}): with --strategy {cfg.strategy} a machine is a replica" if \
+            sharded else f"the world size {cfg.world_size}"  # fmt: skip
+        raise ValueError(f"--min-replicas must be in [1, {replicas}] ({what}); got {cfg.min_replicas}")
     unsupported = {  # flag -> (given, why it is refused under --fault-tolerant)
         "--no-push-sum": (not cfg.push_sum, "PushPull keeps every weight at one, which a change of members breaks"),
         "--overlap": (cfg.overlap, "an overlapped gossip round runs beside the next step, whose members may differ"),
@@ -372,6 +377,15 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
         "--slowmo-nprocs-per-node > 1": (
             (cfg.nprocs_per_node_slowmo or 1) > 1,
             "a node group of several processes is one group for the job, which a lost process breaks (not yet)",
+        ),
+        "--checkpoint-every / --resume with --strategy oss or sharded": (
+            sharded and (cfg.checkpoint_every is not None or cfg.resume),
+            "each process of a replica holds its own shard of the optimizer state; checkpoints of a sharded "
+            "fault-tolerant job are not written yet",
+        ),
+        "--amp fp16 with --strategy oss or sharded": (
+            sharded and cfg.amp == "fp16",
+            "the loss scaler of a sharded replica is not built under --fault-tolerant yet (bf16 works)",
         ),
         "--adascale": (cfg.adascale, "its gain is measured over a fixed set of ranks; a round's members change"),
         "--device cuda / --backend nccl": (
