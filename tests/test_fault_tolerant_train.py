@@ -337,15 +337,74 @@ def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, pro
     assert [int(r["step"]) for r in _steps(tmp_path / "n0")] == list(range(400))
 
 
+def _machine(procs, port: int, node: int, out: Path, *flags: str, name: str):  # noqa: F811
+    """Machine `node` of two, its two processes one replica sharding the optimizer state (HSDP's shape)."""
+    where = ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node)]
+    where += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return procs([*DDPKIT, "train", "--fault-tolerant", *where, *flags, "--out", out], name, env=ENV)
+
+
+SHARDED = ["--strategy", "sharded", "--optimizer", "adam"]
+
+
+@pytest.mark.slow
+def test_sharded_replicas_of_two_machines_train_as_plain_sharded_training(tmp_path, procs):  # noqa: F811
+    """Two machines of two processes each (ZeRO-2 inside a machine, fault tolerance across machines) against
+    plain ``--strategy sharded --nproc-per-node 4`` (the same four data shards): the same step losses (float
+    rounding apart: a mean of two means), the same held-out loss; each machine's processes hold one shard each."""
+    port = free_port()
+    plain = procs([*DDPKIT, "train", *SHARDED, *SHORT, "--nproc-per-node", "4", "--out", tmp_path / "plain"],
+                  "plain", env=ENV)  # fmt: skip
+    machines = [_machine(procs, port, n, tmp_path / f"m{n}", *SHARDED, *SHORT, name=f"m{n}") for n in range(2)]
+    for proc in (plain, *machines):
+        result = proc.wait(180)
+        assert result.returncode == 0, result
+    reference, tolerant = _steps(tmp_path / "plain"), _steps(tmp_path / "m0")
+    assert len(reference) == len(tolerant) == 23  # (one epoch of digits at 4 x 16 per step)
+    for a, b in zip(reference, tolerant, strict=True):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-5), (a, b)
+        assert b["members"] == "2"
+    expected, got = _summary(tmp_path / "plain"), _summary(tmp_path / "m0")
+    assert got["test_loss"] == pytest.approx(expected["test_loss"], abs=1e-5)
+    assert got["strategy"] == "sharded (fault-tolerant)" and got["final_members"] == [0, 1]
+    assert got["replicas_equal"] and got["membership"] == []
+    assert not (tmp_path / "m1" / "metrics.json").exists()  # one writer
+
+
+@pytest.mark.slow
+@pytest.mark.long  # CI time: tests/test_replica_membership.py loses and restarts a replica in threads
+def test_a_lost_machine_of_sharded_replicas_restarts_and_every_process_rejoins(tmp_path, procs):  # noqa: F811
+    port = free_port()
+    flags = [*SHARDED, *SLOW_RUN, "--max-steps", "240", "--quorum-timeout", "3"]
+    survivor = _machine(procs, port, 0, tmp_path / "a", *flags, name="machine0")
+    lost = _machine(procs, port, 1, tmp_path / "b", *flags, name="machine1")
+    store = _store(port)
+    _wait_for_round(store, 30, 120)
+    lost.kill()  # SIGKILL to machine 1's launcher: its two processes end with it
+    back = _machine(procs, port, 1, tmp_path / "b2", *flags, name="machine1-again")
+    for proc in (survivor, back):
+        result = proc.wait(240)
+        assert result.returncode == 0, result
+    summary = _summary(tmp_path / "a")
+    events = summary["membership"]
+    assert [e["left"] for e in events if e["left"]] == [[1]], events
+    assert [e["joined"] for e in events if e["joined"]] == [[1]], events
+    assert summary["final_members"] == [0, 1] and summary["replicas_equal"], summary["parameter_digests"]
+    assert [int(r["step"]) for r in _steps(tmp_path / "a")] == list(range(240))  # the survivor never stopped
+    assert summary["test_accuracy"] > 0.8
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"strategy": "sharded"}, "--fault-tolerant works with --strategy ddp"),
+        ({"strategy": "sharded", "checkpoint_every": 5}, "--checkpoint-every / --resume with --strategy oss or"),
+        ({"strategy": "oss", "amp": "fp16"}, "does not combine with --amp fp16 with --strategy oss or sharded"),
+        ({"strategy": "sharded", "min_replicas": 2}, "--min-replicas must be in [1, 1] (the machines (--nnodes 1)"),
         ({"adascale": True, "optimizer": "sgd"}, "does not combine with --adascale"),
         ({"slowmo_sync_delay": 1, "strategy": "slowmo"}, "does not combine with --slowmo-sync-delay"),
         ({"slowmo_base": "sgp", "overlap": True, "strategy": "slowmo"}, "does not combine with --overlap"),
         ({"slowmo_base": "sgp", "push_sum": False, "strategy": "slowmo"}, "does not combine with --no-push-sum"),
-        ({"min_replicas": 3}, "--min-replicas must be in [1, the world size 2]"),
+        ({"min_replicas": 3}, "--min-replicas must be in [1, 2] (the world size 2)"),
         ({"quorum_timeout": 0.0}, "--quorum-timeout must be a finite number > 0"),
     ],
 )

@@ -23,6 +23,11 @@ is what a training loop holds to take part. Per round it owns:
   address where they meet (`StoreMoved`: it joins them); gradients all-reduced in buckets while backward runs
   (`overlap_gradients`, `round_buckets`).
 
+A replica of several processes (a machine sharding the optimizer state over its processes: `replica`,
+`ddpkit.distributed.replica_membership`): each process holds a manager with the machine's rank; one of them decides
+the machine's rounds and the others follow, each averaging what it owns with the same process of the other members
+(`average_tensors`).
+
 Counting: `average` counts every member by default. A joiner healed at the start of the round holds the live
 state, so a gradient it computes from there is as good as anyone's (DDP counts it); an averager whose joiner holds
 nothing of its own to add (local SGD's parameters) passes ``counts=False`` for it: it receives the mean.
@@ -123,7 +128,8 @@ class Manager:
     (name -> value), compared at the first round and at every join; `report`: where each membership change is
     written as it happens (default: a line on stderr; None: nowhere); `standby_address`: the address the other
     ranks reach this machine at, to host a standby store where the survivors meet if the job's store is lost
-    (`ddpkit.distributed.standby`; None: no standby, a lost store ends the job).
+    (`ddpkit.distributed.standby`; None: no standby, a lost store ends the job); `replica`: this process's place
+    in a replica of several processes (module doc; None: the process is the replica).
     """
 
     def __init__(

@@ -1,13 +1,15 @@
 """One process of `ddpkit train --fault-tolerant`: train with whoever is alive, rejoin from live state, report.
 
-The process joins no job-wide process group: it reaches the job's store (`ddpkit.distributed.job_store`), trains
-its own replica and meets the others in rounds (`ddpkit.train.loop.fault_tolerant_sync`). Locally it runs a
-process group of one (so the trainer's own bookkeeping works unchanged). If the job is already under way (a
-round was decided), the process joins from live state instead of starting. At the end the lowest member of the
-final quorum that never had to rejoin writes the outputs, with every member's figures from the store and every
-membership change (metrics.json's ``membership``, ``never_joined`` and ``trained_ranks``, steps.csv's ``members``
-and ``membership_change``). The rounds are the library's `Manager`'s; its settings are the plain job's agreement
-(`job_settings`), compared at the first round and by every rank that joins later.
+The process joins no job-wide process group: it reaches the job's store (`ddpkit.distributed.job_store`), trains its
+own replica and meets the others in rounds (`ddpkit.train.loop.fault_tolerant_sync`). Locally it runs a process
+group of one (so the trainer's own bookkeeping works unchanged), or with --strategy oss / sharded a group of its
+machine's processes, which are together one replica sharding the optimizer state (`sharded_replicas`:
+`ddpkit.distributed.replica_membership`; the machine's index is then its rank in the rounds). If the job is already
+under way (a round was decided), the process joins from live state instead of starting. At the end the lowest member
+of the final quorum that never had to rejoin writes the outputs, with every member's figures from the store and
+every membership change (metrics.json's ``membership``, ``never_joined`` and ``trained_ranks``, steps.csv's
+``members`` and ``membership_change``). The rounds are the library's `Manager`'s; its settings are the plain job's
+agreement (`job_settings`), compared at the first round and by every rank that joins later.
 """
 
 from __future__ import annotations
@@ -132,8 +134,6 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
             sync.rejoin(trainer)
     final = sync.finish(trainer)
     summary = report(cfg, placement, manager.store, trainer, recorder, manager, final.members, started)
-    if replica is not None:
-        dist.barrier()  # the replica's processes end together (the launcher ends the others when one fails)
     if manager.standby is not None and manager.standby.host == placement.rank:  # the job meets in this rank's store
         job_store.wait_for_done(manager.store, final.members, cfg.quorum_timeout + 30)
     manager.close()

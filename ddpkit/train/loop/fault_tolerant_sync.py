@@ -11,6 +11,11 @@ rounds, their averaging, commits, live state and membership records are `ddpkit.
   committed before the optimizer steps: a step that failed on
   any member (a member died during the all-reduce) is skipped on every member (the gradients are dropped; torch
   optimizers then leave the parameters and their state alone).
+- **per step, sharded** (``--strategy oss`` / ``sharded``: each machine's processes are one replica sharding the
+  optimizer state, `ddpkit.distributed.replica_membership`): as per step, but each process averages only the
+  gradients of the shard it owns (`OSS.owned_grads`, after ShardedDataParallel or DDP reduced them within the
+  machine) with the same process of the other members, in one flat all-reduce after backward; its live state is
+  its own shard of the optimizer state (the local optimizer and the hyper-parameters of the groups).
 - **per outer sync** (``--strategy slowmo``: local SGD, SlowMo's slow momentum, DiLoCo's Nesterov outer step):
   a round on every step SlowMo would sync (every ``--localsgd-frequency`` and every ``--slowmo-frequency`` steps):
   the parameters are averaged over the members (one all-reduce of the P parameters and a count); once the round
