@@ -369,6 +369,15 @@ def test_sharded_replicas_of_two_machines_train_as_plain_sharded_training(tmp_pa
     assert got["strategy"] == "sharded (fault-tolerant)" and got["final_members"] == [0, 1]
     assert got["replicas_equal"] and got["membership"] == []
     assert not (tmp_path / "m1" / "metrics.json").exists()  # one writer
+    # Adam's state (two fp32 moments per element and a 4-byte step per tensor) split over each machine's two
+    # processes as OSS's documented rule does: largest tensor first, to the least-loaded process
+    sizes = sorted([64 * 256, 256, 256 * 256, 256, 256 * 10, 10], reverse=True)  # the digits MLP's parameters
+    assert sum(sizes) == expected["settings"]["parameters"]
+    loads = [0, 0]
+    for size in sizes:
+        loads[loads.index(min(loads))] += 8 * size + 4
+    for machine in got["optimizer_state_bytes"]:
+        assert sorted(machine) == sorted(loads), got["optimizer_state_bytes"]
 
 
 @pytest.mark.slow

@@ -35,7 +35,14 @@ from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, GossipSchedule, OuterSchedule
 from ddpkit.train.loop.loaders import rank_data
-from ddpkit.train.loop.report import format_summary, gather_per_rank, parameter_digest, peak_memory_mb, write_metrics
+from ddpkit.train.loop.report import (
+    format_summary,
+    gather_per_rank,
+    optimizer_state_bytes,
+    parameter_digest,
+    peak_memory_mb,
+    write_metrics,
+)
 from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
 from ddpkit.train.loop.summary import summarize as summarize_run
 from ddpkit.train.loop.trainer import Trainer
@@ -160,6 +167,7 @@ def report(
         "samples": sum(gather_per_rank(sum(r.samples for r in steps))),
         "training_seconds": totals["wall_seconds"] - totals["eval_seconds"],
         "peak_memory_mb": max(gather_per_rank(peak_memory_mb())),  # (a replica's largest process)
+        "optimizer_state_bytes": gather_per_rank(optimizer_state_bytes(trainer.optimizer)),  # per process
         "digest": parameter_digest(trainer.model),
         "rejoined": manager.rejoined,
         "last_epoch": trainer.state.history[-1] if trainer.state.history else None,
@@ -213,6 +221,7 @@ def summarize(
             "never_joined": manager.never_joined,
             "trained_ranks": sorted({*members, *(r for e in manager.events for r in [*e.members, *e.left])}),
             "peak_memory_mb": [reports[r]["peak_memory_mb"] for r in ranks],
+            "optimizer_state_bytes": [reports[r]["optimizer_state_bytes"] for r in ranks],  # per replica, process
             "sent_bytes_per_step": statistics.fmean(reports[r]["sent_bytes_per_step"] for r in ranks),
             "sent_bytes_total": sum(reports[r]["sent_bytes"] for r in ranks),
             "samples_per_second": sum(reports[r]["samples"] for r in ranks) / max(training, 1e-9),

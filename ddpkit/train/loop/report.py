@@ -38,6 +38,12 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the tensors this process's optimizer holds as state (with OSS: its own shard)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))  # fmt: skip
+
+
 def gather_per_rank(value: float) -> list[float]:
     """`value` from every rank, in rank order (one small all-gather)."""
     world, device = group_size(), comm_device()
