@@ -62,6 +62,16 @@ def _my_segments() -> set[str]:
     )
 
 
+SDP_OPTIONS = [  # (option, rank 0's value, rank 1's)
+    ("reduce_buffer_size", 2**23, 2**10),
+    ("find_unused_parameters", False, True),
+    ("reduce_fp16", False, True),
+    ("keep_bucketed_grads", True, False),
+    ("cross_host_compression", "none", "int8"),
+    ("broadcast_buffers", True, False),
+]
+
+
 def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
     """Every disagreement at world size 2, one per construction; each message as rank `rank` saw it."""
     other = rank == 1
@@ -89,6 +99,13 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
     seen["sdp_no_segment_left"] = repr(_my_segments() <= before)
     module = _mlp(16 if other else 8)  # OSS with its own (disagreeing) parameters is skipped: the wrapper checks
     seen["sdp_width"] = _error(ShardedDataParallel, module, OSS(_mlp(8).parameters(), lr=0.1))
+    # issue 34: ShardedDataParallel's own options shape the messages: ranks that differ are refused, naming them
+    before = _my_segments()
+    for option, mine, theirs in SDP_OPTIONS:
+        model = _mlp(8)
+        seen[f"sdp_{option}"] = _error(ShardedDataParallel, model, OSS(model.parameters(), lr=0.1),
+                                       **{option: theirs if other else mine})  # fmt: skip
+    seen["sdp_options_no_segment_left"] = repr(_my_segments() <= before)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one node: "nothing to average between nodes"
         for key, kwargs in (
@@ -170,6 +187,16 @@ def test_disagreement_is_not_reported_as_a_shared_memory_error(two_ranks):
             assert seen[key] and "shared-memory" not in seen[key] and "segment" not in seen[key]
         assert seen["sdp_no_segment_left"] == "True"
         assert seen["sdp_calls"] == repr((3, 3, 0))
+
+
+def test_sharded_data_parallel_options_that_differ_are_refused_on_every_rank_naming_the_option(two_ranks):
+    for rank, seen in enumerate(two_ranks):
+        for option, mine, theirs in SDP_OPTIONS:
+            message = seen[f"sdp_{option}"]
+            assert message.startswith(f"ShardedDataParallel: ranks disagree (seen from rank {rank}): {option}: "), (
+                option, message)  # fmt: skip
+            assert f"{mine} on rank 0; {theirs} on rank 1" in message, message
+        assert seen["sdp_options_no_segment_left"] == "True"
 
 
 def _four_ranks(rank: int, world_size: int) -> tuple[str, str]:

@@ -75,8 +75,10 @@ class ShardedDataParallel(ModuleWrapper):
     `OSS.step()` then updates each shard and broadcasts it.
 
     Communication at construction: one all-gather of an 8-byte digest of every rank's parameter names, shapes,
-    dtypes and order (`ddpkit.distributed.agreement`), then (`sync_models_at_startup`) parameters and buffers
-    broadcast from rank 0.
+    dtypes and order and of the options that shape the messages (`reduce_buffer_size`, `find_unused_parameters`,
+    `reduce_fp16`, `keep_bucketed_grads`, `cross_host_compression`, `broadcast_buffers`: ranks that differ are
+    refused on every rank, naming the option; `ddpkit.distributed.agreement`), then (`sync_models_at_startup`)
+    parameters and buffers broadcast from rank 0.
     Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
     traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets each owner posts the receives of
@@ -161,7 +163,16 @@ class ShardedDataParallel(ModuleWrapper):
             )
         self.keep_bucketed_grads = keep_bucketed_grads
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
-        check_parameters_agree(module, self.process_group, what="ShardedDataParallel")  # before shared memory is agreed
+        options = {  # what changes the messages every rank exchanges: ranks that differ would mismatch mid-backward
+            "reduce_buffer_size": reduce_buffer_size,
+            "find_unused_parameters": find_unused_parameters,
+            "reduce_fp16": reduce_fp16,
+            "keep_bucketed_grads": keep_bucketed_grads,
+            "cross_host_compression": cross_host_compression,
+            "broadcast_buffers": broadcast_buffers,
+        }
+        check_parameters_agree(module, self.process_group, what="ShardedDataParallel", extra=options)  # (before
+        # shared memory is agreed: nothing is left behind when they differ)
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size
