@@ -113,6 +113,18 @@ class _PointToPointWorks:
             work.wait()
         return True
 
+    def sent(self) -> bool:
+        """A sender's view, without waiting: whether every transfer is done. Done, the handles are let go (gloo's
+        keep the tensor they sent alive), so the sender's tensor may be freed."""
+        if all(work.is_completed() for work in self.works):
+            self.works = []
+        return not self.works
+
+    def wait_sent(self) -> None:
+        """A sender's view: waits until every transfer is done (`sent`)."""
+        self.wait()
+        self.works = []
+
 
 class _PointToPointReduce(_PointToPointWorks):
     """The pending sends (non-roots) or receives (root) of a point-to-point reduce; `wait()` sums on the root."""
@@ -120,6 +132,17 @@ class _PointToPointReduce(_PointToPointWorks):
     def __init__(self, tensor: torch.Tensor, works: list, received: list[torch.Tensor]) -> None:
         super().__init__(works)
         self.tensor, self.received = tensor, received
+
+    def sent(self) -> bool:
+        done = super().sent()
+        if done and not self.received:
+            self.tensor = None  # type: ignore[assignment]  (a sender's tensor: not needed any more)
+        return done
+
+    def wait_sent(self) -> None:
+        super().wait_sent()
+        if not self.received:
+            self.tensor = None  # type: ignore[assignment]
 
     def wait(self) -> bool:
         super().wait()

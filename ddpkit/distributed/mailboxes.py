@@ -45,6 +45,13 @@ class _Posted:
     def pending(self) -> bool:
         return bool(self.works)
 
+    def sent(self) -> bool:
+        """The tensor was copied into the mailbox when the reduce was posted: the sender may free it at once."""
+        return True
+
+    def wait_sent(self) -> None:
+        """Nothing to wait for (`sent`); the acknowledgement is waited for with the reduce."""
+
 
 class _Collected:
     """The root's pending receipt of every sender's signal: `wait()` adds the mailboxes and acknowledges them."""

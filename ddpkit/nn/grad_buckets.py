@@ -43,6 +43,7 @@ class GradBucket:
     posted: comm.PostedReduce | None = None  # this step's reduce with its receiving side posted early, if any
     span: tuple[int, int] | None = None  # a piece of the one parameter's flattened gradient
     shared: bool = False  # packs small parameters: sent as a copy, never in place
+    released: bool = False  # a non-owner dropped its gradients already (`release`), before the reduce completed
 
     @property
     def numel(self) -> int:
@@ -70,6 +71,7 @@ class GradBucket:
         self.in_place = False
         self.divide_on_owner = False
         self.posted = None
+        self.released = False
 
     def message_spec(self, reduce_fp16: bool, count_users: bool) -> tuple[int, torch.dtype]:
         """The element count and dtype `launch` will reduce: known before any gradient exists, so the owner can
@@ -112,6 +114,22 @@ class GradBucket:
         self.message = message
         self.work = self.posted.start(message) if self.posted is not None else reduce(message, self.owner, self.key)
 
+    def release(self, keep_local: bool, block: bool = False) -> bool:
+        """A non-owner's early release, once its part of the reduce no longer needs its data: the gradients are
+        dropped as `finish` would drop them (not those a `shared` bucket keeps with `keep_local`) and the message
+        is let go. A copied message frees the gradients at once; a message sent in place frees them once its
+        transfer is done (at once through shared memory, which copied it). Without `block` it only looks; returns
+        whether the transfer is done (the message released)."""
+        sent = _sent(self.work, block)
+        droppable = self.span is None and not (keep_local and self.shared)  # (a piece's parameter keeps its gradient)
+        if droppable and not self.released and (sent or not self.in_place):
+            for p in self.params:
+                p.grad = None
+            self.released = True
+        if sent:
+            self.message = None  # (the handle keeps what the transfer still needs)
+        return sent
+
     def finish(
         self, is_owner: bool, world_size: int, count_users: bool, keep_local: bool = False
     ) -> list[torch.nn.Parameter]:
@@ -121,11 +139,10 @@ class GradBucket:
         Returns the parameters that received no gradient on any rank (only known with `count_users`); their
         gradients are left as they were, as DDP does.
         """
-        assert self.message is not None
         comm.wait_all([self.work])
         unused: list[torch.nn.Parameter] = []
         if not is_owner:
-            if keep_local and self.shared:
+            if (keep_local and self.shared) or self.released:
                 return unused
             for p in self.params:
                 if self.span is None:
@@ -133,6 +150,7 @@ class GradBucket:
                 elif p.grad is not None:
                     _piece_of_grad(p, self.span).zero_()
             return unused
+        assert self.message is not None
         if self.divide_on_owner:
             self.message.div_(world_size)
         if self.in_place:
@@ -153,6 +171,15 @@ class GradBucket:
             else:
                 p.grad.copy_(averaged)
         return unused
+
+
+def _sent(work: object, block: bool) -> bool:
+    """Whether a reduce's handle no longer needs the sender's tensor (waiting for that with `block`); handles that
+    cannot tell (a reduce in two stages across hosts) are done only when the reduce is waited for."""
+    if block and hasattr(work, "wait_sent"):
+        work.wait_sent()  # type: ignore[attr-defined]
+    sent = getattr(work, "sent", None)
+    return bool(sent()) if callable(sent) else False
 
 
 def _piece_of_grad(param: torch.nn.Parameter, span: tuple[int, int]) -> torch.Tensor:

@@ -192,6 +192,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._receives_posted = False
         self._unreduced = False
         self._next_bucket = 0
+        self._sending: list[GradBucket] = []  # non-owned buckets launched whose transfer may still need their data
         self._warned_unused = False
         self._hooks: list[Any] = []
         # Gradients left in place by the last reduce, with their identity and version then: an owner's average
@@ -399,6 +400,19 @@ class ShardedDataParallel(ModuleWrapper):
     def _launch(self, bucket: GradBucket) -> None:
         self._drop_stale(bucket)
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
+        if bucket.owner != self.rank:
+            self._sending.append(bucket)
+        self._release_sent()
+
+    def _release_sent(self) -> None:
+        """Non-owned buckets whose transfer is done let their gradients go now, not at the end of backward; at
+        most `IN_FLIGHT` of them stay in flight (the oldest is waited for), so a rank holds about its own
+        gradients plus that many buckets while backward runs (through shared memory a bucket is done as soon as
+        it was copied into its mailbox)."""
+        keep = self.keep_bucketed_grads
+        self._sending = [b for b in self._sending if not b.release(keep)]
+        while len(self._sending) > IN_FLIGHT and self._sending[0].release(keep, block=_may_block(self._sending[0])):
+            self._sending.pop(0)
 
     def _reduce(self, message: torch.Tensor, owner: int, key: str) -> object:
         if self._mailboxes is not None:  # one host: through shared memory
@@ -429,6 +443,7 @@ class ShardedDataParallel(ModuleWrapper):
                     self._held[p] = (id(p.grad), p.grad._version, kind)
             bucket.reset()
         self._next_bucket = 0
+        self._sending = []
         self._receives_posted = False
         self._unreduced = False
         if unused_here and not self.find_unused_parameters and not self._warned_unused:
@@ -489,6 +504,17 @@ class ShardedDataParallel(ModuleWrapper):
 
 
 ShardedDDP = ShardedDataParallel
+
+
+IN_FLIGHT = 2
+"""Non-owned buckets a rank keeps in flight during backward before it waits for the oldest one's transfer."""
+
+
+def _may_block(bucket: GradBucket) -> bool:
+    """Whether waiting for `bucket`'s transfer is safe: a point-to-point send, which completes once its owner has
+    posted the receive (at its first gradient, or when it reaches the bucket, which every rank does in the same
+    order); a reduce in two stages across hosts is waited for only at the end of backward."""
+    return hasattr(bucket.work, "wait_sent")
 
 
 def _will_accumulate(accumulator: Any) -> bool:

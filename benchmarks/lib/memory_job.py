@@ -1,0 +1,63 @@
+"""One training job of the memory benchmark, run as its own command so that a memory cgroup holds it whole.
+
+``python -m benchmarks.lib.memory_job '<json spec>'`` spawns the spec's ranks (fresh gloo CPU processes, one thread
+each), each builds the workload's model and the strategy (the sharding benchmark's builders: the code users run),
+trains `steps` steps and reports its own figures; the command prints them as one JSON line. The spec: strategy,
+world_size, workload ("mlp" with `depth` layers of `width`, or "gpt" with `layers` and `width`), steps, batch, seed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.lib import memory, workloads
+from ddpkit.measure.timing import optimizer_state_bytes
+from ddpkit.testing import run_distributed
+
+
+def build_workload(spec: dict[str, Any]) -> workloads.Workload:
+    """The spec's model: an MLP of `depth` square layers of `width`, or the byte GPT of `layers` x `width`."""
+    if spec["workload"] == "mlp":
+        return workloads.Regression((spec["width"],) * (spec["depth"] + 1))
+    heads = max(1, spec["width"] // 64)
+    return workloads.GPTText(spec["layers"], spec["width"], heads, spec.get("context", 128))
+
+
+def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks.bench_sharding import STRATEGIES, _step  # (its builders; imported in the rank)
+    from ddpkit.measure.timing import PhaseTimer
+
+    torch.set_num_threads(1)
+    work = build_workload(spec)
+    batches = work.batches(spec["seed"], rank, spec["steps"], spec["batch"])
+    dist.barrier()
+    start = memory.rss_mb()  # the process before the model exists: imports, data, the process group
+    setup = STRATEGIES[spec["strategy"]][1](work.model(spec["seed"]))
+    timer = PhaseTimer()
+    for batch in batches:
+        _step(setup, work, batch, timer)
+    dist.barrier()
+    return {
+        "start_rss_mb": start,
+        "peak_rss_mb": memory.peak_rss_mb(),
+        "own_peak_mb": memory.peak_rss_mb() - start,
+        "state_bytes": optimizer_state_bytes(setup.local_optimizer),
+        "parameters": sum(p.numel() for p in work.model(spec["seed"]).parameters()) if rank == 0 else None,
+    }
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    ranks = run_distributed(rank_main, spec["world_size"], spec, fresh=True, timeout=spec.get("timeout", 900.0),
+                            pg_timeout=300)  # fmt: skip
+    print(json.dumps({"ranks": ranks}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,57 @@
+"""ShardedDataParallel lets a gradient it does not own go as soon as its bucket's transfer is done (issue 34).
+
+A rank that does not own a bucket needs its gradients only until they have left: through shared memory that is
+when they were copied into the mailbox, over sockets when the send completed. The test counts, at every gradient
+hook during backward, the bytes of the gradients the model holds: never more than the rank's own share (about
+P/N) plus the few buckets in flight, where keeping every gradient until the end of backward holds P. The
+reference is the definition: the parameters each rank owns, from OSS's `owner_of`, sized in the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.nn import ShardedDataParallel
+from ddpkit.nn.sharded_ddp import IN_FLIGHT
+from ddpkit.optim import OSS
+from ddpkit.testing import run_distributed
+
+LAYERS, WIDTH = 16, 512  # each weight 2**18 elements (1 MiB): reduced alone, in place
+
+
+def _live_gradients(rank: int, world_size: int, shared_memory: bool) -> dict[str, float]:
+    os.environ["DDPKIT_SHARED_MEMORY"] = "1" if shared_memory else "0"
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, split_params=False)
+        sdp = ShardedDataParallel(model, optimizer)
+        params = list(model.parameters())
+        seen: list[int] = []
+
+        def count(_: torch.Tensor) -> None:
+            seen.append(sum(p.grad.numel() * 4 for p in params if p.grad is not None))
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(count)
+        for step in range(2):
+            sdp.zero_grad(set_to_none=True)
+            torch.manual_seed(rank * 10 + step)
+            sdp(torch.randn(4, WIDTH)).pow(2).mean().backward()
+            optimizer.step()
+        owned = sum(p.numel() * 4 for p in params if optimizer.owner_of(p) == rank)
+        return {"peak": max(seen), "owned": owned, "one": WIDTH * WIDTH * 4, "all": LAYERS * WIDTH * WIDTH * 4}
+    finally:
+        os.environ.pop("DDPKIT_SHARED_MEMORY", None)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "sockets"])
+def test_a_non_owner_holds_its_share_plus_the_buckets_in_flight_during_backward(shared_memory):
+    for got in run_distributed(_live_gradients, 2, shared_memory, fresh=not shared_memory):
+        # its own gradients, the IN_FLIGHT sent buckets not yet done, and the gradient being produced
+        assert got["peak"] <= got["owned"] + (IN_FLIGHT + 1) * got["one"], got
+        assert got["owned"] + (IN_FLIGHT + 1) * got["one"] < got["all"]  # (the bound is below keeping them all)
