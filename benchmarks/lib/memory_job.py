@@ -37,7 +37,9 @@ def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any
     batches = work.batches(spec["seed"], rank, spec["steps"], spec["batch"])
     dist.barrier()
     start = memory.rss_mb()  # the process before the model exists: imports, data, the process group
-    setup = STRATEGIES[spec["strategy"]][1](work.model(spec["seed"]))
+    model = work.model(spec["seed"])
+    parameters = sum(p.numel() for p in model.parameters())  # (before a wrapper may shard them)
+    setup = STRATEGIES[spec["strategy"]][1](model)
     timer = PhaseTimer()
     for batch in batches:
         _step(setup, work, batch, timer)
@@ -47,7 +49,7 @@ def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any
         "peak_rss_mb": memory.peak_rss_mb(),
         "own_peak_mb": memory.peak_rss_mb() - start,
         "state_bytes": optimizer_state_bytes(setup.local_optimizer),
-        "parameters": sum(p.numel() for p in work.model(spec["seed"]).parameters()) if rank == 0 else None,
+        "parameters": parameters,
     }
 
 

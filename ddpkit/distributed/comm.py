@@ -114,8 +114,9 @@ class _PointToPointWorks:
         return True
 
     def sent(self) -> bool:
-        """A sender's view, without waiting: whether every transfer is done. Done, the handles are let go (gloo's
-        keep the tensor they sent alive), so the sender's tensor may be freed."""
+        """A sender's view, without waiting: whether every transfer is done (gloo's point-to-point handles say so
+        only once waited for). Done, the handles are let go (gloo's keep the tensor they sent alive), so the
+        sender's tensor may be freed."""
         if all(work.is_completed() for work in self.works):
             self.works = []
         return not self.works

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed import comm
 from ddpkit.distributed.env import ProcessGroup, global_rank, group_label, group_rank, group_size
-from ddpkit.distributed.shared_memory import SharedSegments
+from ddpkit.distributed.shared_memory import SharedSegments, release_pages
 from ddpkit.distributed.stats import comm_stats
 
 
@@ -132,7 +132,9 @@ class MailboxReduce:
         """Root: adds every sender's mailbox into `tensor` in rank order, then tells each sender it may refill."""
         flat = tensor.view(-1)
         for sender in self._senders():
-            flat.add_(self._mailbox(key, sender, flat))
+            box = self._mailbox(key, sender, flat)
+            flat.add_(box)
+            release_pages(box)  # its memory goes back until the sender fills it again, next step
         ack = torch.ones(1, dtype=torch.uint8)
         works = [dist.isend(ack, global_rank(self.group, s), group=self.group, tag=tag) for s in self._senders()]
         for work in works:  # each sender posted its receive with its signal: gloo never keeps an unwaited send

@@ -29,6 +29,8 @@ and on the wire only the 1-byte signals that go with it (barriers count 0, like 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import mmap
 import os
 import re
 import socket
@@ -155,6 +157,21 @@ def sweep_stale(directory: str = SHM_DIR, now: float | None = None, min_age: flo
         except (OSError, OverflowError, ValueError):  # removed meanwhile, not ours to remove, or a pid no kernel has
             continue
     return removed
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(segment: torch.Tensor) -> bool:
+    """Gives the memory of a mapped segment back to the system (``madvise(MADV_REMOVE)``): its content becomes
+    zeros, for every process that maps it, and the next write takes fresh pages. Returns False where the system
+    refuses (then the pages simply stay)."""
+    start = segment.data_ptr()
+    length = segment.numel() * segment.element_size()
+    aligned = start - start % _PAGE
+    length += start - aligned
+    return _LIBC.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), mmap.MADV_REMOVE) == 0
 
 
 class SharedSegments:

@@ -402,6 +402,8 @@ class ShardedDataParallel(ModuleWrapper):
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
         if bucket.owner != self.rank:
             self._sending.append(bucket)
+        elif self._mailboxes is not None:  # add the senders' mailboxes now: their pages go back at once
+            comm.wait_all([bucket.work])  # (`finish` waits again: nothing is left to do then)
         self._release_sent()
 
     def _release_sent(self) -> None:

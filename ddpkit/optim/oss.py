@@ -296,6 +296,8 @@ class OSS(Optimizer):
         first anyway; other optimizers (LBFGS, which evaluates it several times) get it as it is."""
         self._own_new_trainable()
         self._push_hyperparameters()
+        if self.world_size > 1:  # the parameters move into their messages' buffers before any state is made
+            self._broadcaster.prepare(self._broadcast_plan())
         loss = None
         if closure is not None and self._optim_class in SPLITTABLE:
             with torch.enable_grad():

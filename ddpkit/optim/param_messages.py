@@ -11,7 +11,8 @@ their own storage and are copied into their slot before sending / out of it afte
 when possible. When the set of trainable parameters, their devices or their dtypes change, the messages are
 rebuilt; parameters that leave every message get back storage of their own.
 
-Memory: building the messages (first step) briefly holds one message's parameters twice, then nothing extra.
+Memory: building the messages (first step, before the optimizer's state exists: `prepare`) briefly holds one
+message's parameters twice, then nothing extra.
 Because parameters share storage, ``torch.save`` of *some* parameters (e.g. one layer's ``state_dict()``) writes
 the whole buffer they are views of; save ``{k: v.clone() ...}`` for a part of the model (a whole model's
 ``state_dict()`` is no larger than usual).
@@ -134,7 +135,10 @@ class ParamBroadcaster:
         # Where messages are delivered by their (local) owners: the whole group, or this rank's host (hierarchical).
         self._local_rank, self._local_group = rank, group
 
-    def broadcast(self, plan: Plan) -> None:
+    def prepare(self, plan: Plan) -> None:
+        """Builds the messages for `plan` if it changed since the last build (collective, like `broadcast`, which
+        calls it). OSS calls it before its local optimizer first steps: the parameters move into their buffers
+        while no optimizer state exists yet, so the move's transient copy (one message) adds to less."""
         # A message's parameters share a device and dtype: moving them (``module.to(...)``) changes the signature.
         # An in-place message is its tensor's storage: a new storage (the parameter moved) rebuilds it.
         signature = tuple(
@@ -144,6 +148,9 @@ class ParamBroadcaster:
         if signature != self._signature:
             self._rebuild(plan)
             self._signature = signature
+
+    def broadcast(self, plan: Plan) -> None:
+        self.prepare(plan)
         for message, source in zip(self.messages, self._sources, strict=True):
             if source == self.rank:
                 message.stage()
