@@ -16,6 +16,7 @@ is ended by the kernel).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -28,7 +29,15 @@ from benchmarks.lib.tables import markdown, num
 
 QUESTION = "memory: the whole job's peak per rank (a memory cgroup) and the largest model under a limit, per strategy"
 DEFAULT_STRATEGIES = "ddp,zero,fairscale,fsdp2,fsdp2_reshard,oss_ddp,oss_sdp,oss_sdp_sockets"
-QUICK = {"world_size": "2", "workloads": "mlp", "width": 512, "depth": 4, "strategies": "ddp,oss_sdp", "steps": 2}
+QUICK = {
+    "world_size": "2",
+    "workloads": "mlp",
+    "width": 512,
+    "depth": 4,
+    "strategies": "ddp,oss_sdp",
+    "steps": 2,
+    "allocators": "default",
+}
 TINY = {"mlp": {"depth": 1, "width": 64}, "gpt": {"layers": 1, "width": 64}}
 MAX_PROBES = 6  # depths tried per strategy in the search
 
@@ -48,7 +57,7 @@ def _spec(args: argparse.Namespace, workload: str, world_size: int, strategy: st
         "layers": args.gpt_layers, "width": args.gpt_width}  # fmt: skip
     shape.update(model)
     return {"strategy": strategy, "world_size": world_size, "workload": workload, "steps": args.steps,
-            "batch": args.batch, "seed": 0, "timeout": args.timeout, **shape}  # fmt: skip
+            "batch": args.batch, "seed": 0, "timeout": args.timeout, "allocator": "default", **shape}  # fmt: skip
 
 
 def _checked(outcome: cgroup.Outcome, reports: dict[str, Any] | None, what: str) -> dict[str, Any]:
@@ -58,25 +67,28 @@ def _checked(outcome: cgroup.Outcome, reports: dict[str, Any] | None, what: str)
 
 
 def measure(args: argparse.Namespace, workload: str, world_size: int, strategy: str) -> dict[str, Any]:
-    """Part (a) for one strategy: the big job's peak above the tiny one's, per rank, in units of P."""
-    tiny = _spec(args, workload, world_size, strategy, **TINY[workload])
-    _job(tiny)  # warm-up: files this strategy reads for the first time are charged here, not below
-    base_outcome, base = _job(tiny)
-    _checked(base_outcome, base, f"{strategy} on the tiny model")
-    outcome, reports = _job(_spec(args, workload, world_size, strategy))
-    ranks = _checked(outcome, reports, f"{strategy} at {world_size} ranks")["ranks"]
-    p_bytes = 4 * ranks[0]["parameters"]
-    return {
-        "key": strategy,
-        "label": STRATEGIES[strategy][0],
-        "world_size": world_size,
-        "parameters": ranks[0]["parameters"],
-        "job_peak_mb": outcome.peak_bytes / 2**20,
-        "tiny_job_peak_mb": base_outcome.peak_bytes / 2**20,
-        "job_per_rank_p": (outcome.peak_bytes - base_outcome.peak_bytes) / world_size / p_bytes,
-        "own_peak_p": [r["own_peak_mb"] * 2**20 / p_bytes for r in ranks],
-        "state_p": max(r["state_bytes"] for r in ranks) / p_bytes,
-    }
+    """Part (a) for one strategy: the big job's peak above the tiny one's, per rank, in units of P, for each
+    allocator setting of ``--allocators``."""
+    _job(_spec(args, workload, world_size, strategy, **TINY[workload]))  # warm-up: files read for the first time
+    row: dict[str, Any] = {"key": strategy, "label": STRATEGIES[strategy][0], "world_size": world_size}
+    for allocator in args.allocators.split(","):
+        tiny = _spec(args, workload, world_size, strategy, allocator=allocator, **TINY[workload])
+        base_outcome, base = _job(tiny)
+        _checked(base_outcome, base, f"{strategy} on the tiny model")
+        outcome, reports = _job(_spec(args, workload, world_size, strategy, allocator=allocator))
+        ranks = _checked(outcome, reports, f"{strategy} at {world_size} ranks")["ranks"]
+        p_bytes = 4 * ranks[0]["parameters"]
+        row["parameters"] = ranks[0]["parameters"]
+        row["state_p"] = max(r["state_bytes"] for r in ranks) / p_bytes
+        row[allocator] = {
+            "job_peak_mb": outcome.peak_bytes / 2**20,
+            "tiny_job_peak_mb": base_outcome.peak_bytes / 2**20,
+            "job_per_rank_p": (outcome.peak_bytes - base_outcome.peak_bytes) / world_size / p_bytes,
+            "own_peak_p": [r["own_peak_mb"] * 2**20 / p_bytes for r in ranks],
+        }
+    first = row[args.allocators.split(",")[0]]
+    row.update(job_per_rank_p=first["job_per_rank_p"], tiny_job_peak_mb=first["tiny_job_peak_mb"])
+    return row
 
 
 def zero2_limit(world_size: int) -> float:
@@ -95,7 +107,8 @@ def search(args: argparse.Namespace, strategy: str, per_rank_p: float | None, ti
 
     def fits_at(depth: int) -> bool:
         if depth not in fits:
-            outcome, reports = _job(_spec(args, "mlp", n, strategy, depth=depth, width=width), limit)
+            spec = _spec(args, "mlp", n, strategy, depth=depth, width=width, allocator=args.search_allocator)
+            outcome, reports = _job(spec, limit)
             if reports is None and not outcome.out_of_memory:
                 raise RuntimeError(f"{strategy} at depth {depth} failed, not for memory: {outcome.stderr[-600:]}")
             fits[depth] = reports is not None
@@ -145,9 +158,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for key in progress(keys, desc="largest model"):
             row = next((r for r in rows if r["key"] == key and r["workload"] == "mlp" and
                         r["world_size"] == args.search_world_size), None)  # fmt: skip
-            tiny = row["tiny_job_peak_mb"] if row else 600.0
+            measured = row.get(args.search_allocator) if row else None
+            tiny = measured["tiny_job_peak_mb"] if measured else 600.0
             try:
-                found.append(search(args, key, row["job_per_rank_p"] if row else None, tiny))
+                found.append(search(args, key, measured["job_per_rank_p"] if measured else None, tiny))
             except Exception as exc:
                 skipped[f"{key} (search)"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
     limits = {str(s): zero2_limit(s) for s in sizes}
@@ -168,11 +182,23 @@ def table(report: dict[str, Any]) -> str:
         out += ["", f"{workload}: {params:,} parameters, P = {4 * params / 2**20:.0f} MiB; Adam, batch "
                 f"{config['batch']} per rank, {config['steps']} steps; whole-job peak per rank above the same job "
                 "on a tiny model, in units of P"]  # fmt: skip
-        header = ["strategy", "ranks", "job peak per rank (P)", "x ZeRO-2 limit", "own peak per rank (P)", "state (P)"]
-        cells = [[r["label"], r["world_size"], num(r["job_per_rank_p"]),
-                  num(r["job_per_rank_p"] / figures["limits"][str(r["world_size"])]),
-                  " / ".join(num(p) for p in r["own_peak_p"]), num(r["state_p"])] for r in rows]  # fmt: skip
+        allocators = config["allocators"].split(",")
+        header = ["strategy", "ranks"]
+        for allocator in allocators:
+            header += [f"job peak per rank (P), {allocator}", "x ZeRO-2 limit", "own peak per rank (P)"]
+        header.append("state (P)")
+        cells = []
+        for r in rows:
+            cell = [r["label"], r["world_size"]]
+            for allocator in allocators:
+                got = r[allocator]
+                limit = figures["limits"][str(r["world_size"])]
+                cell += [num(got["job_per_rank_p"]), num(got["job_per_rank_p"] / limit),
+                         " / ".join(num(p) for p in got["own_peak_p"])]  # fmt: skip
+            cells.append([*cell, num(r["state_p"])])
         out.append(markdown(header, cells))
+        out.append("allocators: default = glibc as it comes; mmap = ddpkit.distributed.allocator.return_freed_memory "
+                   "(large blocks mapped alone, given back when freed)")  # fmt: skip
     limits = ", ".join(f"{num(v)} P at {s} ranks" for s, v in figures["limits"].items())
     out.append(f"ZeRO-2's limit with Adam (P + 3P/N per rank): {limits}")
     if figures["largest"]:
@@ -205,11 +231,13 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     panels = 2 if figures["largest"] else 1
     fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.5), squeeze=False)
     ax = axes[0][0]
-    for (workload, size), marker in zip(dict.fromkeys((r["workload"], r["world_size"]) for r in figures["rows"]),
-                                        "osD^v<>", strict=False):  # fmt: skip
+    allocators = report["config"]["allocators"].split(",")
+    groups = dict.fromkeys((r["workload"], r["world_size"]) for r in figures["rows"])
+    for ((workload, size), marker), allocator in itertools.product(zip(groups, "osD^v<>", strict=False), allocators):
         rows = [r for r in figures["rows"] if (r["workload"], r["world_size"]) == (workload, size)]
-        label = f"{workload}, {size} ranks"
-        ax.plot([r["job_per_rank_p"] for r in rows], [r["key"] for r in rows], marker, label=label)
+        fill = "full" if allocator == allocators[0] else "none"
+        ax.plot([r[allocator]["job_per_rank_p"] for r in rows], [r["key"] for r in rows], marker, fillstyle=fill,
+                label=f"{workload}, {size} ranks, {allocator} allocator")  # fmt: skip
         ax.axvline(figures["limits"][str(size)], ls=":", color="gray")
     ax.set_xlabel("whole-job peak per rank, units of P (dotted: ZeRO-2's limit P + 3P/N)")
     ax.legend()
@@ -235,6 +263,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-gb", type=float, default=8.0, help="the search's memory limit for the whole job")
     parser.add_argument("--search-world-size", type=int, default=2, help="ranks in the search")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per job")
+    parser.add_argument("--allocators", default="default,mmap", help="allocator settings to measure: default, mmap")
+    parser.add_argument("--search-allocator", default="mmap", help="the allocator setting of the search")
 
 
 def result_name(args: argparse.Namespace) -> str:

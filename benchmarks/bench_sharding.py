@@ -95,6 +95,13 @@ def _oss_sdp(model: nn.Module, sdp: dict[str, Any] | None = None, **adam: Any) -
     return Setup(ShardedDataParallel(model, optimizer, **(sdp or {})), optimizer, optimizer.optim)
 
 
+def _oss_sdp_mmap(model: nn.Module) -> Setup:
+    from ddpkit.distributed.allocator import return_freed_memory
+
+    return_freed_memory()  # this rank's freed large blocks go back to the system (fresh processes per run)
+    return _ddpkit("sharded", model)
+
+
 def _oss_sdp_sockets(model: nn.Module) -> Setup:
     os.environ["DDPKIT_SHARED_MEMORY"] = "0"  # as between hosts: every byte over gloo (fresh processes per run)
     return _oss_sdp(model)
@@ -136,12 +143,16 @@ STRATEGIES: dict[str, tuple[str, Any]] = {  # key: (label, build); extras after 
     "oss_sdp_unfused": ("extra: ddpkit OSS(Adam, fused=False) + SDP", lambda m: _oss_sdp(m, fused=False)),
     "oss_sdp_rbs0": ("extra: ddpkit SDP(reduce_buffer_size=0)", lambda m: _oss_sdp(m, {"reduce_buffer_size": 0})),
     "oss_sdp_sockets": ("extra: ddpkit OSS + SDP, no shared memory", _oss_sdp_sockets),
+    "oss_sdp_mmap": ("extra: ddpkit OSS + SDP, freed memory returned at once", _oss_sdp_mmap),
     "fsdp2": ("torch FSDP2 fully_shard(reshard_after_forward=False) + Adam", lambda m: _fsdp2(m, False)),
     "fsdp2_reshard": ("torch FSDP2 fully_shard(reshard_after_forward=True) + Adam", lambda m: _fsdp2(m, True)),
     "no_comm": ("reference: no communication, Adam(fused)", _no_comm),
 }
 REFERENCE = {"no_comm"}  # not data parallel: a floor for the step time; its parameters differ from DDP's
-FRESH_ALWAYS = {"oss_sdp_sockets"}  # sets DDPKIT_SHARED_MEMORY=0 for its processes: never shared with others
+FRESH_ALWAYS = {
+    "oss_sdp_sockets",
+    "oss_sdp_mmap",
+}  # sets DDPKIT_SHARED_MEMORY=0 for its processes: never shared with others
 PEERS = {"fairscale": ("fairscale", "pip install --no-deps fairscale==0.4.13")}  # compared where installed
 
 

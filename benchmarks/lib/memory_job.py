@@ -3,7 +3,8 @@
 ``python -m benchmarks.lib.memory_job '<json spec>'`` spawns the spec's ranks (fresh gloo CPU processes, one thread
 each), each builds the workload's model and the strategy (the sharding benchmark's builders: the code users run),
 trains `steps` steps and reports its own figures; the command prints them as one JSON line. The spec: strategy,
-world_size, workload ("mlp" with `depth` layers of `width`, or "gpt" with `layers` and `width`), steps, batch, seed.
+world_size, workload ("mlp" with `depth` layers of `width`, or "gpt" with `layers` and `width`), steps, batch, seed,
+and `allocator` ("default": glibc as it comes; "mmap": `ddpkit.distributed.allocator.return_freed_memory`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.lib import memory, workloads
+from ddpkit.distributed.allocator import return_freed_memory
 from ddpkit.measure.timing import optimizer_state_bytes
 from ddpkit.testing import run_distributed
 
@@ -33,6 +35,8 @@ def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any
     from ddpkit.measure.timing import PhaseTimer
 
     torch.set_num_threads(1)
+    if spec.get("allocator") == "mmap":  # freed large blocks go back to the system (ddpkit.distributed.allocator)
+        return_freed_memory()
     work = build_workload(spec)
     batches = work.batches(spec["seed"], rank, spec["steps"], spec["batch"])
     dist.barrier()

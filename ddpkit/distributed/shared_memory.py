@@ -29,8 +29,6 @@ and on the wire only the 1-byte signals that go with it (barriers count 0, like 
 from __future__ import annotations
 
 import atexit
-import ctypes
-import mmap
 import os
 import re
 import socket
@@ -159,21 +157,6 @@ def sweep_stale(directory: str = SHM_DIR, now: float | None = None, min_age: flo
     return removed
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_PAGE = mmap.PAGESIZE
-
-
-def release_pages(segment: torch.Tensor) -> bool:
-    """Gives the memory of a mapped segment back to the system (``madvise(MADV_REMOVE)``): its content becomes
-    zeros, for every process that maps it, and the next write takes fresh pages. Returns False where the system
-    refuses (then the pages simply stay)."""
-    start = segment.data_ptr()
-    length = segment.numel() * segment.element_size()
-    aligned = start - start % _PAGE
-    length += start - aligned
-    return _LIBC.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), mmap.MADV_REMOVE) == 0
-
-
 class SharedSegments:
     """Names, creates, maps and unlinks the segments of one process group; build with `agree` (collective).
 
@@ -221,6 +204,13 @@ class SharedSegments:
                 f"it (by a cleaner of {SHM_DIR}?). Set {ENV_VAR}=0 to exchange tensors over sockets instead."
             )
         return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+    def size(self, name: str, writer: int) -> int:
+        """The bytes of the segment group rank `writer` created (0 if it is not there)."""
+        try:
+            return os.path.getsize(self._path(name, writer))
+        except OSError:
+            return 0
 
     def remove(self, name: str, writer: int) -> None:
         """Unlinks a segment's file: processes that mapped it keep it, none can map it any more."""

@@ -97,12 +97,15 @@ class ShardedDataParallel(ModuleWrapper):
     link between hosts carries 2 (H-1)/H of a model copy per host and step, what an ideal all-reduce needs
     (measured on two namespace hosts x 2 ranks: 1.003 copies against DDP's 1.506, `tests/test_hierarchical_netns.py`).
 
-    Memory: after backward a rank keeps the gradients of the parameters it owns (about 1/N of them) and its own
-    gradients of the small parameters it does not own (10% of the byte GPT's elements are in parameters under
-    2**18 elements; none with `keep_bucketed_grads=False`), plus the bucket messages in flight during backward
-    (at most the model's gradient size, usually far less). On one host,
-    each rank keeps a mailbox per bucket it does not own (together about (N-1)/N of the gradients' size, in
-    ``/dev/shm``) and owners need no receive buffers.
+    Memory (N ranks, P the trainable parameters' bytes): during backward a rank holds the gradients it owns (about
+    P/N) and, of those it does not own, only the buckets still in flight: each is dropped once it has left (at once
+    through shared memory, where it is copied into a mailbox; over sockets once its send is done, waiting for the
+    oldest beyond `IN_FLIGHT`), except the small parameters' own gradients kept with `keep_bucketed_grads` (10% of
+    the byte GPT's elements; none with False). On one host each sender reuses two mailboxes per owner, which adds a
+    bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner keeps receive
+    buffers for its buckets, (N-1) P/N, posted when backward starts. With Adam and OSS a rank's peak is thus about P
+    + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut into pieces keeps a full-size gradient on every
+    rank. (glibc keeps freed blocks resident: see `ddpkit.distributed.allocator`.)
 
     `cross_host_compression` (beyond fairscale; "none" by default): "bf16", "int8" or "int4" sends what crosses
     between hosts quantised, with error feedback (`ddpkit.distributed.hierarchical_reduce`): 2x, about 3.8x or
@@ -402,8 +405,6 @@ class ShardedDataParallel(ModuleWrapper):
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
         if bucket.owner != self.rank:
             self._sending.append(bucket)
-        elif self._mailboxes is not None:  # add the senders' mailboxes now: their pages go back at once
-            comm.wait_all([bucket.work])  # (`finish` waits again: nothing is left to do then)
         self._release_sent()
 
     def _release_sent(self) -> None:
