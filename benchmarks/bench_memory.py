@@ -28,7 +28,7 @@ from benchmarks.lib.cli import Skip, UsageError, progress
 from benchmarks.lib.tables import markdown, num
 
 QUESTION = "memory: the whole job's peak per rank (a memory cgroup) and the largest model under a limit, per strategy"
-DEFAULT_STRATEGIES = "ddp,zero,fairscale,fsdp2,fsdp2_reshard,oss_ddp,oss_sdp,oss_sdp_sockets"
+DEFAULT_STRATEGIES = "ddp,zero,fairscale,fsdp2,fsdp2_reshard,oss_ddp,oss_sdp"
 QUICK = {
     "world_size": "2",
     "workloads": "mlp",
@@ -255,8 +255,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated subset")
     parser.add_argument("--width", type=int, default=2048, help="the MLP's layer width")
     parser.add_argument("--depth", type=int, default=12, help="the MLP's layers")
-    parser.add_argument("--gpt-layers", type=int, default=8, help="the GPT's blocks")
-    parser.add_argument("--gpt-width", type=int, default=768, help="the GPT's width (heads of 64)")
+    parser.add_argument("--gpt-layers", type=int, default=6, help="the GPT's blocks")
+    parser.add_argument("--gpt-width", type=int, default=512, help="the GPT's width (heads of 64)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per job")
     parser.add_argument("--batch", type=int, default=8, help="samples per rank and step")
     parser.add_argument("--search", action="store_true", help="also find the largest MLP under --limit-gb (slow)")
