@@ -144,6 +144,10 @@ STRATEGIES: dict[str, tuple[str, Any]] = {  # key: (label, build); extras after 
     "oss_sdp_rbs0": ("extra: ddpkit SDP(reduce_buffer_size=0)", lambda m: _oss_sdp(m, {"reduce_buffer_size": 0})),
     "oss_sdp_sockets": ("extra: ddpkit OSS + SDP, no shared memory", _oss_sdp_sockets),
     "oss_sdp_mmap": ("extra: ddpkit OSS + SDP, freed memory returned at once", _oss_sdp_mmap),
+    "oss_sdp_shared": (
+        "ddpkit OSS(shared_parameters) + SDP: parameters once per host",
+        lambda m: _oss_sdp(m, shared_parameters=True),
+    ),
     "fsdp2": ("torch FSDP2 fully_shard(reshard_after_forward=False) + Adam", lambda m: _fsdp2(m, False)),
     "fsdp2_reshard": ("torch FSDP2 fully_shard(reshard_after_forward=True) + Adam", lambda m: _fsdp2(m, True)),
     "no_comm": ("reference: no communication, Adam(fused)", _no_comm),

@@ -73,12 +73,22 @@ class OSS(Optimizer):
     pieces), the local optimizer's `state` is keyed by the piece tensors, and checkpoints keep torch's
     whole-parameter format. Only parameters trainable at construction (or in a group added later) are
     considered; ``split_params=False`` keeps fairscale's one owner per parameter, ``True`` cuts every parameter
-    of at least that size. The sharding settings (`optim`, `split_params`, `min_split_numel`, `broadcast_fp16`)
-    must agree across ranks: the construction's agreement check refuses them otherwise.
+    of at least that size. The sharding settings (`optim`, `split_params`, `min_split_numel`, `broadcast_fp16`,
+    `shared_parameters`) must agree across ranks: the construction's agreement check refuses them otherwise.
+
+    `shared_parameters` (beyond every peer; one host only, off by default): the parameters a rank does not own
+    are not copied into its replica but *are* the owner's shared-memory segment, mapped, so the host holds the
+    model's parameters once instead of once per rank (the owner's step writes them in place; the step's barrier
+    keeps every rank from reading them before it is done, and an owner steps only after its gradients' reduce,
+    i.e. after every rank's backward has passed those parameters). Not with `broadcast_fp16`, across hosts, or for
+    the pieces of a cut parameter (they keep their own storage). Use it with ShardedDataParallel or DDP, whose
+    reduce precedes every step; a rank that steps while another still runs backward would change parameters under
+    it.
 
     Memory: optimizer state for about 1/N of the parameters per rank (within the largest parameter's share
     of a perfect split, or 10% of it where parameters are split); the broadcast needs no memory of its own
-    (with `broadcast_fp16`: a persistent fp16 copy of the parameters).
+    (with `broadcast_fp16`: a persistent fp16 copy of the parameters); with `shared_parameters`, P/N of parameters
+    per rank instead of P (P: the parameters' bytes).
 
     Speed: unless the user chose an implementation (`fused=` or `foreach=` in the arguments or groups), OSS asks
     optimizers that have one for their fused kernel (torch's Adam, AdamW, SGD, ...) on devices that support it:
@@ -106,6 +116,7 @@ class OSS(Optimizer):
         min_split_numel: int = MIN_SPLIT_NUMEL,
         hierarchical: bool | None = None,
         check_agreement: bool = True,
+        shared_parameters: bool = False,
         **defaults: Any,
     ) -> None:
         require_initialized("OSS")
@@ -122,6 +133,8 @@ class OSS(Optimizer):
                 f"the ranks), got {min_split_numel!r}"
             )
         _check_numeric_hyperparameters(defaults)
+        if not isinstance(shared_parameters, bool):
+            raise TypeError(f"OSS: shared_parameters must be True or False, got {shared_parameters!r}")
         if hierarchical not in (None, True, False):
             raise TypeError(f"OSS: hierarchical must be None (where it pays), True or False, got {hierarchical!r}")
         self.hierarchical = hierarchical
@@ -140,7 +153,8 @@ class OSS(Optimizer):
         self._owner: dict[torch.Tensor, int] = {}
         self._loads = [0] * self.world_size
         self._consolidated: dict[str, Any] | None = None
-        self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16, hierarchical)
+        self.shared_parameters = shared_parameters
+        self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16, hierarchical, shared_parameters)
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
         if check_agreement:  # before any collective that needs it
@@ -150,6 +164,7 @@ class OSS(Optimizer):
                 "split_params": split_params,
                 "min_split_numel": min_split_numel,
                 "broadcast_fp16": broadcast_fp16,
+                "shared_parameters": shared_parameters,
             }
             check_parameters_agree(self.param_groups, self.group, what="OSS", extra=sharding, known_keys=known)
         self._assign_new_trainable()

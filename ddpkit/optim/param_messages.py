@@ -106,6 +106,15 @@ class ParamMessage:
         if param.is_contiguous() and param.device == slot.device and param.dtype == slot.dtype:
             param.data = slot
 
+    def share_owners_pages(self) -> None:
+        """A receiver's parameters become views of the owner's mapped segment (`wire`): one copy per host. Their
+        values are the owner's already (replicas are equal when the messages are built)."""
+        self.flat = self.wire
+        self.slots = views(self.wire, [p.shape for p in self.params])
+        for p, slot in zip(self.params, self.slots, strict=True):
+            if p.is_contiguous():
+                p.data = slot
+
     def release(self, keep: set[torch.Tensor]) -> None:
         """Parameters not in `keep` that are still views of this buffer get storage of their own."""
         for p, slot in zip(self.params, self.slots, strict=True):
@@ -123,8 +132,15 @@ class ParamBroadcaster:
     themselves (their storage *is* the messages), plus a persistent fp16 copy of each message with `fp16`.
     """
 
-    def __init__(self, rank: int, group: ProcessGroup | None, fp16: bool, hierarchical: bool | None = None) -> None:
-        self.rank, self.group, self.fp16 = rank, group, fp16
+    def __init__(
+        self,
+        rank: int,
+        group: ProcessGroup | None,
+        fp16: bool,
+        hierarchical: bool | None = None,
+        share_pages: bool = False,
+    ) -> None:
+        self.rank, self.group, self.fp16, self.share_pages = rank, group, fp16, share_pages
         self.hierarchical = hierarchical
         self.messages: list[ParamMessage] = []
         self._sources: list[int] = []  # per message, the rank (of `group`) that owns it
@@ -207,6 +223,11 @@ class ParamBroadcaster:
                         message.flat.numel(),
                         self._wire_dtype(message.flat.dtype),
                     )
+            if self.share_pages and self._hosts is None and not self.fp16:  # one host: one copy of the parameters
+                for message in self.messages:
+                    in_place = message.slots[0] is message.params[0]  # a piece: it stays in its own parameter
+                    if message.shared and message.owner != self._local_rank and not in_place:
+                        message.share_owners_pages()
             comm.barrier(self._local_group)  # every segment is mapped by every rank that reads it
         finally:  # also when a peer failed: leave nothing in /dev/shm
             for index, message in enumerate(self.messages):

@@ -1,0 +1,78 @@
+"""OSS(shared_parameters=True): on one host the parameters a rank does not own are the owner's pages (issue 34).
+
+The reference is the same training without the option (OSS's ordinary replica per rank, itself checked against DDP
+in tests/test_oss.py and tests/test_sharded_ddp.py): every step's parameters must be bit-identical, with Adam,
+gradient clipping, AdaScale and a rank made slow in backward (so that a rank that stepped early would change
+parameters the other still reads), and the non-owned parameters must be views of another rank's segment (one copy
+per host).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.nn import ShardedDataParallel
+from ddpkit.optim import OSS, AdaScale
+from ddpkit.testing import run_distributed
+
+STEPS = 12
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8))
+
+
+def _train(rank: int, shared: bool, slow: bool, adascale: bool) -> tuple[list[torch.Tensor], list[bool]]:
+    model = _model()
+    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-2, shared_parameters=shared)
+    stepper: OSS | AdaScale = AdaScale(optimizer) if adascale else optimizer
+    sdp = ShardedDataParallel(model, stepper)
+    if slow and rank == 0:  # rank 0's backward lags: rank 1 reaches its step first
+        model[0].register_full_backward_hook(lambda *_: time.sleep(0.05))
+    g = torch.Generator().manual_seed(rank)
+    history: list[torch.Tensor] = []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+        nn.functional.mse_loss(sdp(x), y).backward()
+        optimizer.clip_grad_norm(0.5)
+        stepper.step()
+        history.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    borrowed = [optimizer.owner_of(p) not in (None, rank) for p in model.parameters()]
+    mapped = [_is_mapped(p) for p in model.parameters()]
+    return history, [m for b, m in zip(borrowed, mapped, strict=True) if b]  # where the borrowed ones live
+
+
+def _is_mapped(param: torch.Tensor) -> bool:
+    """Whether `param`'s memory lies in a file mapping of /dev/shm (another rank's segment or this rank's own)."""
+    address = param.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *_, path = line.split(maxsplit=5) if len(line.split()) >= 6 else (line.split()[0], "")
+            low, high = (int(a, 16) for a in span.split("-"))
+            if low <= address < high:
+                return "/dev/shm/" in path
+    return False
+
+
+def _both(rank: int, world_size: int, slow: bool, adascale: bool) -> dict:
+    plain, private = _train(rank, shared=False, slow=slow, adascale=adascale)
+    shared, layout = _train(rank, shared=True, slow=slow, adascale=adascale)
+    equal = [torch.equal(a, b) for a, b in zip(plain, shared, strict=True)]
+    return {"equal": equal, "shared": layout, "plain": private}
+
+
+@pytest.mark.parametrize(("slow", "adascale"), [(False, False), (True, False), (True, True)],
+                         ids=["even", "rank-0-slow", "rank-0-slow-adascale"])  # fmt: skip
+def test_shared_parameters_train_bit_identically_to_a_replica_per_rank(slow, adascale):
+    for rank, got in enumerate(run_distributed(_both, 2, slow, adascale)):
+        assert all(got["equal"]), (rank, got["equal"])
+        # the parameters another rank owns: the owner's segment, mapped, with the option; a copy of this rank's
+        # own (not in /dev/shm) without it
+        assert got["shared"] and all(got["shared"]), (rank, got)
+        assert got["plain"] and not any(got["plain"]), (rank, got)
