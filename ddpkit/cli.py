@@ -37,6 +37,11 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     what.add_argument("--momentum", type=float, help="SGD momentum")
     what.add_argument("--weight-decay", type=float, help="decoupled for adamw")
     what.add_argument("--adascale", action="store_true", help="AdaScale on top of SGD")
+    what.add_argument(
+        "--shared-parameters",
+        action="store_true",
+        help="oss / sharded on one machine: the parameters a process does not own are the owner's pages (held once)",
+    )
     what.add_argument("--amp", choices=cfgmod.AMP_MODES, help="mixed precision (fp16 uses ShardedGradScaler)")
     what.add_argument("--grad-accum", type=int, metavar="K", help="batches per optimizer step")
     what.add_argument("--epochs", type=int)

@@ -76,3 +76,24 @@ def test_shared_parameters_train_bit_identically_to_a_replica_per_rank(slow, ada
         # own (not in /dev/shm) without it
         assert got["shared"] and all(got["shared"]), (rank, got)
         assert got["plain"] and not any(got["plain"]), (rank, got)
+
+
+def test_ddpkit_train_shared_parameters_gives_the_same_steps_and_is_refused_where_it_cannot_act(tmp_path):
+    import csv
+    import subprocess
+
+    from test_train_cli import DDPKIT, _env
+
+    flags = ["--strategy", "sharded", "--nproc-per-node", "2", "--max-steps", "8", "--epochs", "1", "--no-progress"]
+    rows = []
+    for extra in ([], ["--shared-parameters"]):
+        out = tmp_path / ("shared" if extra else "plain")
+        done = subprocess.run([*DDPKIT, "train", *flags, *extra, "--out", str(out)], env=_env(), capture_output=True,
+                              text=True, timeout=180)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        with open(out / "steps.csv") as f:
+            rows.append([r["loss"] for r in csv.DictReader(f)])
+    assert rows[0] == rows[1] and len(rows[0]) == 8  # bit for bit
+    refused = subprocess.run([*DDPKIT, "train", "--strategy", "ddp", "--shared-parameters"], env=_env(),
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode != 0 and "--shared-parameters is an option of OSS" in refused.stderr

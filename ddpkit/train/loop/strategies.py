@@ -95,10 +95,10 @@ def build_strategy(cfg: TrainConfig, module: nn.Module, device: torch.device) ->
         model = _ddp(module, device)
         optimizer = cls(module.parameters(), **args)
     elif cfg.strategy == "oss":
-        optimizer = OSS(module.parameters(), optim=cls, **args)
+        optimizer = OSS(module.parameters(), optim=cls, shared_parameters=cfg.shared_parameters, **args)
         model = _ddp(module, device)
     elif cfg.strategy == "sharded":
-        optimizer = OSS(module.parameters(), optim=cls, **args)
+        optimizer = OSS(module.parameters(), optim=cls, shared_parameters=cfg.shared_parameters, **args)
         model = ShardedDataParallel(module, optimizer)
     else:
         model = SlowMoDistributedDataParallel(

@@ -47,6 +47,7 @@ class TrainConfig:
     momentum: float = 0.9  # sgd only
     weight_decay: float | None = None  # None: 0.01 for adamw (torch's default), 0 for sgd and adam
     adascale: bool = False
+    shared_parameters: bool = False  # oss / sharded on one machine: parameters held once per machine
     amp: str = "off"
     grad_accum: int = 1
     epochs: int = 5
@@ -300,6 +301,13 @@ def _validate_device(cfg: TrainConfig) -> None:
 
 
 def _validate_combinations(cfg: TrainConfig) -> None:
+    if cfg.shared_parameters and cfg.strategy not in ("oss", "sharded"):
+        raise ValueError(f"--shared-parameters is an option of OSS: use --strategy oss or sharded (got {cfg.strategy})")
+    if cfg.shared_parameters and cfg.nnodes > 1 and not cfg.fault_tolerant:
+        raise ValueError(
+            "--shared-parameters shares memory between the processes of one machine: it needs --nnodes 1 (or "
+            "--fault-tolerant, where each machine shards alone)"
+        )
     if cfg.adascale and cfg.optimizer != "sgd":
         raise ValueError(f"--adascale scales SGD's learning rate: use --optimizer sgd (got {cfg.optimizer})")
     if cfg.adascale and cfg.strategy == "slowmo":
