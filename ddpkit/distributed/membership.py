@@ -408,11 +408,11 @@ def _heal_root(quorum: Quorum) -> int | None:
     return None if source is None else quorum.members.index(source)
 
 
-def _broadcast(quorum: Quorum, tensor: torch.Tensor, root: int) -> None:
-    size = nbytes(tensor)
-    sent = (len(quorum.members) - 1) * size if quorum.index == root else 0.0
-    comm_stats.record("broadcast", "quorum", size, float(sent))
-    quorum.group.broadcast(tensor, root).wait()
+def _broadcast(group: Any, index: int, size: int, tensor: torch.Tensor, root: int, label: str | None) -> None:
+    if label is not None:
+        sent = (size - 1) * nbytes(tensor) if index == root else 0.0
+        comm_stats.record("broadcast", label, nbytes(tensor), float(sent))
+    group.broadcast(tensor, root).wait()
 
 
 def heal_object(quorum: Quorum, obj: Any) -> Any:
@@ -424,17 +424,25 @@ def heal_object(quorum: Quorum, obj: Any) -> Any:
 
 def broadcast_object_from(quorum: Quorum, obj: Any, root: int) -> Any:
     """`obj` (`torch.save`-able) as member index `root` has it, on every member (a collective of the members)."""
+    assert quorum.index is not None
+    return broadcast_object_over(quorum.group, quorum.index, len(quorum.members), obj, root, "quorum")
+
+
+def broadcast_object_over(group: Any, index: int, size: int, obj: Any, root: int, label: str | None) -> Any:
+    """`obj` (`torch.save`-able) as rank `root` of `group` has it, on every rank of it: `group` is a ProcessGroup
+    object of `size` ranks, this process its rank `index` (called directly, so it need not be registered). Two
+    broadcasts, the length then the bytes, counted in `comm_stats` under `label` (None: not counted)."""
     payload = torch.empty(0, dtype=torch.uint8)
-    if quorum.index == root:
+    if index == root:
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
-    _broadcast(quorum, length, root)
-    if quorum.index != root:
+    _broadcast(group, index, size, length, root, label)
+    if index != root:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    _broadcast(quorum, payload, root)
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    _broadcast(group, index, size, payload, root, label)
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)  # (a copy on the root too)
 
 
 def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:

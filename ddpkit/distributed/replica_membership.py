@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import Membership, Quorum
+from ddpkit.distributed.membership import Membership, Quorum, broadcast_object_over
 
 
 @dataclass
@@ -54,18 +54,9 @@ class Replica:
         return self.lane == 0
 
     def share(self, obj: Any) -> Any:
-        """The leader's `obj` on every lane (two broadcasts over the control group: its length, its bytes)."""
-        payload = torch.empty(0, dtype=torch.uint8)
-        if self.leads:
-            buffer = io.BytesIO()
-            torch.save(obj, buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-        self.control.broadcast(length, 0).wait()
-        if not self.leads:
-            payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self.control.broadcast(payload, 0).wait()
-        return obj if self.leads else torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+        """The leader's `obj` on every lane (`broadcast_object_over` the control group: its length, its bytes; the
+        machine's own control traffic, not counted with the rounds' bytes)."""
+        return broadcast_object_over(self.control, self.lane, self.lanes, obj, 0, None)
 
     def all_ok(self, ok: bool) -> bool:
         """Whether every lane's `ok` is True (one all-reduce of a flag over the control group)."""
