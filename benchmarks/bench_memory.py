@@ -86,8 +86,6 @@ def measure(args: argparse.Namespace, workload: str, world_size: int, strategy: 
             "job_per_rank_p": (outcome.peak_bytes - base_outcome.peak_bytes) / world_size / p_bytes,
             "own_peak_p": [r["own_peak_mb"] * 2**20 / p_bytes for r in ranks],
         }
-    first = row[args.allocators.split(",")[0]]
-    row.update(job_per_rank_p=first["job_per_rank_p"], tiny_job_peak_mb=first["tiny_job_peak_mb"])
     return row
 
 
