@@ -380,7 +380,9 @@ def _build(strategy, rank, world, accum, model):
     if strategy == "ddp":
         wrapped = DDP(model, find_unused_parameters=isinstance(model, _Branchy))
         return wrapped, AdaScale(_sgd(groups), num_gradients_to_accumulate=accum)
-    oss = OSS(groups, optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+    # "oss_sdp_split": every tensor of at least 16 elements cut over the ranks (the pieces hold their gradients)
+    cut = {"split_params": True, "min_split_numel": 16} if strategy == "oss_sdp_split" else {}
+    oss = OSS(groups, optim=torch.optim.SGD, lr=LR, momentum=MOMENTUM, **cut)
     opt = AdaScale(oss, num_gradients_to_accumulate=accum)
     if strategy == "oss_ddp":
         return DDP(model, find_unused_parameters=isinstance(model, _Branchy)), opt
@@ -439,7 +441,7 @@ def _parity(rank, world):
             ref_model, ref_opt, ref_gains = _local_reference(world * accum, branchy=branchy)
             ref_params = [p.detach() for p in ref_model.parameters()]
             ref_estimates = ref_opt.estimates()
-            for strategy in ("ddp", "oss_ddp", "oss_sdp"):
+            for strategy in ("ddp", "oss_ddp", "oss_sdp", "oss_sdp_split"):
                 params, gains, all_reduces, estimates = _train_parallel(rank, world, strategy, accum, branchy)
                 param_diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params, strict=True))
                 gain_diff = max(_max_diff(g, r) for g, r in zip(gains, ref_gains, strict=True))

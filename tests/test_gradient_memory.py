@@ -1,4 +1,5 @@
-"""ShardedDataParallel lets a gradient it does not own go as soon as its bucket's transfer is done (issue 34).
+"""ShardedDataParallel lets a gradient it does not own go as soon as its bucket's transfer is done (issue 34), and
+keeps only its own piece of a parameter cut into pieces once those are reduced.
 
 A rank that does not own a bucket needs its gradients only until they have left: through shared memory that is
 when they were copied into the mailbox, over sockets when the send completed. The test counts, at every gradient
@@ -23,18 +24,21 @@ from ddpkit.testing import run_distributed
 LAYERS, WIDTH = 16, 512  # each weight 2**18 elements (1 MiB): reduced alone, in place
 
 
-def _live_gradients(rank: int, world_size: int, shared_memory: bool) -> dict[str, float]:
+def _live_gradients(rank: int, world_size: int, shared_memory: bool, split: bool = False) -> dict[str, float]:
     os.environ["DDPKIT_SHARED_MEMORY"] = "1" if shared_memory else "0"
     try:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, split_params=False)
+        cut = {"split_params": True, "min_split_numel": WIDTH * WIDTH} if split else {"split_params": False}
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, **cut)
         sdp = ShardedDataParallel(model, optimizer)
         params = list(model.parameters())
+        pieces = [optimizer.pieces_of(p)[rank] for p in params if optimizer.pieces_of(p)]
         seen: list[int] = []
 
         def count(_: torch.Tensor) -> None:
-            seen.append(sum(p.grad.numel() * 4 for p in params if p.grad is not None))
+            whole = sum(p.grad.numel() * 4 for p in params if p.grad is not None)
+            seen.append(whole + sum(q.tensor.grad.numel() * 4 for q in pieces if q.held and q.tensor.grad is not None))
 
         for p in params:
             p.register_post_accumulate_grad_hook(count)
@@ -44,6 +48,8 @@ def _live_gradients(rank: int, world_size: int, shared_memory: bool) -> dict[str
             sdp(torch.randn(4, WIDTH)).pow(2).mean().backward()
             optimizer.step()
         owned = sum(p.numel() * 4 for p in params if optimizer.owner_of(p) == rank)
+        owned += sum((q.end - q.start) * 4 for q in pieces)
+        assert len(pieces) == (LAYERS if split else 0)
         return {"peak": max(seen), "owned": owned, "one": WIDTH * WIDTH * 4, "all": LAYERS * WIDTH * WIDTH * 4}
     finally:
         os.environ.pop("DDPKIT_SHARED_MEMORY", None)
@@ -55,3 +61,11 @@ def test_a_non_owner_holds_its_share_plus_the_buckets_in_flight_during_backward(
         # its own gradients, the IN_FLIGHT sent buckets not yet done, and the gradient being produced
         assert got["peak"] <= got["owned"] + (IN_FLIGHT + 1) * got["one"], got
         assert got["owned"] + (IN_FLIGHT + 1) * got["one"] < got["all"]  # (the bound is below keeping them all)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "sockets"])
+def test_a_rank_holds_its_pieces_of_cut_parameters_plus_the_ones_in_flight(shared_memory):
+    for got in run_distributed(_live_gradients, 2, shared_memory, True):
+        # its pieces, the full gradient being produced and, over sockets, the cut parameter still in flight
+        assert got["peak"] <= got["owned"] + 2 * got["one"], got
+        assert got["owned"] + 2 * got["one"] < got["all"]

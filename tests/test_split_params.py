@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpkit.distributed import comm_stats, counting_allreduce_hook
 from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.nn import ShardedDataParallel
-from ddpkit.optim import OSS, reduce_to_owners_hook
+from ddpkit.optim import OSS, ShardedGradScaler, reduce_to_owners_hook
 from ddpkit.testing import run_distributed
 
 TOL = 1e-5  # at 4 ranks the sum order alone (reduce vs ring) moves Adam parameters by 2.7e-6, cut or not
@@ -153,6 +153,69 @@ def test_split_parameter_trains_like_ddp_with_state_and_bytes_per_rank(world):
             assert total == pytest.approx(ddp_total + (world - 1) * trainable), mode
         if mode != "sdp_shm":
             assert sum(by_mode[mode]["broadcast_payload"] for by_mode in results) == world * trainable, mode
+
+
+def _held_piece_gradients(rank: int, world: int) -> dict:
+    """After ShardedDataParallel's backward a cut parameter's gradient is its piece only, equal to DDP's average
+    there; ShardedGradScaler unscales and checks it; `full_split_grads=True` keeps the full-size tensor."""
+    out: dict = {}
+    for shared_memory, full in ((False, False), (True, False), (False, True)):
+        os.environ[SHARED_MEMORY_ENV] = "1" if shared_memory else "0"
+        try:
+            ref, model = _model(), _model()
+            ddp = DDP(ref)
+            opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+            sdp = ShardedDataParallel(model, opt, full_split_grads=full)
+            scaler = ShardedGradScaler(init_scale=1024.0, device="cpu")
+            big, big_ref = model[2].weight, ref[2].weight
+            piece = opt.pieces_of(big)[rank]
+            case: dict = {}
+            for step in range(2):
+                sdp.zero_grad(set_to_none=True)
+                case[f"cleared_{step}"] = piece.tensor.grad is None and big.grad is None
+                ddp.zero_grad(set_to_none=True)
+                _loss(ddp, rank, step).backward()
+                scaler.scale(_loss(sdp, rank, step)).backward()
+                average = big_ref.grad.reshape(-1)[piece.start : piece.end]
+                if full:
+                    case["full_shape"] = big.grad is not None and big.grad.shape == big.shape
+                    held = big.grad.reshape(-1)[piece.start : piece.end]
+                else:
+                    case["grad_let_go"] = big.grad is None
+                    held = piece.tensor.grad
+                    case["held_numel"] = held.numel()
+                if step == 0:  # (the reference does not step)
+                    case["scaled_diff"] = (held / 1024.0 - average).abs().max().item()
+                if step == 1 and rank == world - 1:
+                    held[0] = float("inf")  # only this rank's piece overflows: every rank must skip
+                before = [p.detach().clone() for p in model.parameters()]
+                scaler.unscale_(opt)
+                if step == 0:
+                    case["unscaled_diff"] = (held - average).abs().max().item()
+                scaler.step(opt)
+                scaler.update()
+                moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+                case[f"moved_{step}"] = moved
+            case["scale"] = scaler.get_scale()
+            case["piece_numel"] = piece.end - piece.start
+            out[(shared_memory, full)] = case
+        finally:
+            os.environ.pop(SHARED_MEMORY_ENV, None)
+    return out
+
+
+def test_a_split_parameter_keeps_only_its_piece_of_the_gradient():
+    for rank, by_case in enumerate(run_distributed(_held_piece_gradients, 2)):
+        for (shared_memory, full), r in by_case.items():
+            where = (rank, shared_memory, full, r)
+            assert r["cleared_0"] and r["cleared_1"], where
+            assert r["scaled_diff"] <= 1e-6 and r["unscaled_diff"] <= 1e-6, where
+            assert r["moved_0"] and not r["moved_1"], where  # the second step skipped on every rank
+            assert r["scale"] == 512.0, where  # 1024 kept after the first step, halved after the skipped one
+            if full:
+                assert r["full_shape"], where
+            else:
+                assert r["grad_let_go"] and r["held_numel"] == r["piece_numel"] < 1023 * 1031, where
 
 
 def _choices(rank: int, world: int) -> dict:

@@ -26,9 +26,9 @@ class GradBucket:
     reduce (`finish(keep_local=True)`). A parameter that travels alone is reduced in place.
 
     A bucket with a `span` carries elements ``[start, end)`` of its one parameter's flattened gradient: one piece
-    of a parameter that OSS cut over the ranks. Every rank keeps that parameter's gradient tensor; after the
-    reduce the owner's slice holds the average and the other ranks' copy of the slice is zeroed, so each rank's
-    gradient is the average on the slice it owns and zero elsewhere.
+    of a parameter that OSS cut over the ranks. After the reduce the owner's slice holds the average and the other
+    ranks' copy of the slice is zeroed, so each rank's gradient is the average on the slice it owns and zero
+    elsewhere (ShardedDataParallel then keeps only the rank's piece, unless `full_split_grads`).
     """
 
     owner: int
@@ -44,6 +44,7 @@ class GradBucket:
     span: tuple[int, int] | None = None  # a piece of the one parameter's flattened gradient
     shared: bool = False  # packs small parameters: sent as a copy, never in place
     released: bool = False  # a non-owner dropped its gradients already (`release`), before the reduce completed
+    finished: bool = False  # `finish` ran already, before the end of backward (a piece of a cut parameter)
 
     @property
     def numel(self) -> int:
@@ -72,6 +73,7 @@ class GradBucket:
         self.divide_on_owner = False
         self.posted = None
         self.released = False
+        self.finished = False
 
     def message_spec(self, reduce_fp16: bool, count_users: bool) -> tuple[int, torch.dtype]:
         """The element count and dtype `launch` will reduce: known before any gradient exists, so the owner can

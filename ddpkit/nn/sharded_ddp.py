@@ -52,6 +52,7 @@ from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.nn.wrapper import ModuleWrapper
 from ddpkit.optim.adascale import AdaScale
 from ddpkit.optim.oss import OSS
+from ddpkit.optim.param_pieces import ParamPiece
 
 HeldKind = Literal["average", "local"]
 """What the last reduce left in a parameter's ``.grad``: the owner's average, or a non-owner's own gradient."""
@@ -71,7 +72,10 @@ class ShardedDataParallel(ModuleWrapper):
     buckets, where fairscale keeps views of its buckets (whose content after the reduce it does not define): here
     their own local gradient, the one they sent (not the average), so code that reads ``p.grad`` on every rank
     after backward finds a tensor (`keep_bucketed_grads=False` drops them too). A parameter that OSS cut into
-    pieces keeps a full-size gradient on every rank (the average on the rank's own piece, zero elsewhere).
+    pieces keeps no full-size gradient: once its pieces are reduced, ``param.grad`` is None on every rank and the
+    rank's piece holds the average of its elements (``optimizer.pieces_of(param)[rank].tensor.grad``, what
+    `OSS.step`, `OSS.clip_grad_norm`, `ShardedGradScaler` and `AdaScale` read; `OSS.held_piece_grads` lists them);
+    `full_split_grads=True` keeps the full-size tensor instead (the average on the rank's piece, zero elsewhere).
     `OSS.step()` then updates each shard and broadcasts it.
 
     Communication at construction: one all-gather of an 8-byte digest of every rank's parameter names, shapes,
@@ -104,8 +108,10 @@ class ShardedDataParallel(ModuleWrapper):
     the byte GPT's elements; none with False). On one host each sender reuses two mailboxes per owner, which adds a
     bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner keeps receive
     buffers for its buckets, (N-1) P/N, posted when backward starts. With Adam and OSS a rank's peak is thus about P
-    + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut into pieces keeps a full-size gradient on every
-    rank. (glibc keeps freed blocks resident: see `ddpkit.distributed.allocator`.)
+    + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut into pieces holds its full-size gradient only
+    until its pieces are reduced (through shared memory at once, over sockets while the next cut parameter's are in
+    flight, across hosts until the end of backward), then only the rank's piece. (glibc keeps freed blocks
+    resident: see `ddpkit.distributed.allocator`.)
 
     `cross_host_compression` (beyond fairscale; "none" by default): "bf16", "int8" or "int4" sends what crosses
     between hosts quantised, with error feedback (`ddpkit.distributed.hierarchical_reduce`): 2x, about 3.8x or
@@ -113,6 +119,9 @@ class ShardedDataParallel(ModuleWrapper):
 
     `keep_bucketed_grads` (beyond fairscale; True as fairscale behaves): False drops every gradient a rank does
     not own, the whole of ZeRO-2's gradient saving, for code that never reads them there.
+
+    `full_split_grads` (beyond fairscale, whose OSS never cuts a parameter; False by default): True keeps a
+    full-size gradient of every cut parameter on every rank, for code that reads ``param.grad`` whole.
 
     `find_unused_parameters=True` (beyond fairscale) adds one element per parameter to each message so owners
     know which parameters were unused on every rank and leave their gradients untouched, exactly like DDP's
@@ -141,6 +150,7 @@ class ShardedDataParallel(ModuleWrapper):
         find_unused_parameters: bool = False,
         cross_host_compression: str = "none",
         keep_bucketed_grads: bool = True,
+        full_split_grads: bool = False,
     ) -> None:
         super().__init__()
         require_initialized("ShardedDataParallel")
@@ -165,6 +175,9 @@ class ShardedDataParallel(ModuleWrapper):
                 f"ShardedDataParallel: keep_bucketed_grads must be True or False, got {keep_bucketed_grads!r}"
             )
         self.keep_bucketed_grads = keep_bucketed_grads
+        if not isinstance(full_split_grads, bool):
+            raise TypeError(f"ShardedDataParallel: full_split_grads must be True or False, got {full_split_grads!r}")
+        self.full_split_grads = full_split_grads
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         options = {  # what changes the messages every rank exchanges: ranks that differ would mismatch mid-backward
             "reduce_buffer_size": reduce_buffer_size,
@@ -203,6 +216,9 @@ class ShardedDataParallel(ModuleWrapper):
         self._held: dict[nn.Parameter, tuple[int, int, HeldKind]] = {}
         self._buckets: list[GradBucket] = []
         self._bucket_of: dict[nn.Parameter, list[GradBucket]] = {}  # several for a parameter cut into pieces
+        self._own_piece: dict[nn.Parameter, ParamPiece] = {}  # per parameter cut into pieces: this rank's piece
+        self._cut_in_flight: list[nn.Parameter] = []  # cut parameters whose pieces all left, not yet let go
+        self._piece_marks: dict[nn.Parameter, tuple[int, int]] = {}  # the held piece gradient's id and version
         if sync_models_at_startup:
             self._broadcast_from_rank0([p.detach() for p in module.parameters()])
             self._broadcast_from_rank0(list(module.buffers()))
@@ -230,6 +246,7 @@ class ShardedDataParallel(ModuleWrapper):
         for hook in self._hooks:
             hook.remove()
         owner_of, pieces = {}, {}
+        self._own_piece = {}
         for optimizer in self.sharded_optimizers:
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -237,6 +254,7 @@ class ShardedDataParallel(ModuleWrapper):
                         owner_of[p] = optimizer.owner_of(p)
                         if optimizer.pieces_of(p):
                             pieces[p] = [(piece.owner, piece.start, piece.end) for piece in optimizer.pieces_of(p)]
+                            self._own_piece[p] = optimizer.pieces_of(p)[self.rank]
         module_params = [p for p in self.module.parameters() if p.requires_grad]
         _warn_unoptimized(self.module, owner_of)
         expected_order = [p for p in reversed(module_params) if p in owner_of]  # backward visits layers in reverse
@@ -406,6 +424,43 @@ class ShardedDataParallel(ModuleWrapper):
         if bucket.owner != self.rank:
             self._sending.append(bucket)
         self._release_sent()
+        if bucket.span is not None and bucket is self._bucket_of[bucket.params[0]][-1]:
+            self._cut_in_flight.append(bucket.params[0])
+            self._let_go_of_cut_grads(in_flight=0 if self._mailboxes is not None else 1)
+
+    def _let_go_of_cut_grads(self, in_flight: int) -> None:
+        """Parameters cut into pieces whose pieces have all been launched keep only this rank's piece of their
+        gradient (`full_split_grads=False`), the oldest first, until `in_flight` remain: their reduces are waited
+        for (on one host the owner added its piece when it launched it; over sockets its senders' pieces have all
+        been posted, to receives posted at the first gradient). A reduce in two stages across hosts is left for
+        the end of backward."""
+        if self._two_stage is not None and in_flight > 0:
+            return
+        while len(self._cut_in_flight) > in_flight:
+            param = self._cut_in_flight.pop(0)
+            for bucket in self._bucket_of[param]:
+                if not bucket.finished:
+                    bucket.finish(bucket.owner == self.rank, self.world_size, self.find_unused_parameters)
+                    bucket.finished = True
+            if not self.full_split_grads:
+                self._keep_own_piece(param)
+
+    def _keep_own_piece(self, param: nn.Parameter) -> None:
+        """Lets `param`'s full-size gradient go, keeping the average on this rank's piece as that piece's own
+        gradient: added to the piece's gradient of the last reduce where that is still untouched (a second
+        backward without clearing accumulates, as DDP's does), else replacing it."""
+        if param.grad is None:
+            return
+        piece = self._own_piece[param]
+        average = param.grad.reshape(-1)[piece.start : piece.end]
+        held = piece.tensor.grad if piece.held else None
+        if held is not None and self._piece_marks.get(param) == (id(held), held._version):
+            held.add_(average)
+        else:
+            piece.hold(average.clone())
+        param.grad = None
+        grad = piece.tensor.grad
+        self._piece_marks[param] = (id(grad), grad._version)
 
     def _release_sent(self) -> None:
         """Non-owned buckets whose transfer is done let their gradients go now, not at the end of backward; at
@@ -438,7 +493,10 @@ class ShardedDataParallel(ModuleWrapper):
         for bucket in self._buckets:
             unused_here += [p for p, used in zip(bucket.params, bucket.used_here, strict=True) if not used]
             owner = bucket.owner == self.rank
-            bucket.finish(owner, self.world_size, self.find_unused_parameters, keep_local=self.keep_bucketed_grads)
+            if not bucket.finished:
+                bucket.finish(owner, self.world_size, self.find_unused_parameters, keep_local=self.keep_bucketed_grads)
+                bucket.finished = True
+        self._let_go_of_cut_grads(in_flight=0)
         for bucket in self._buckets:  # once every piece of a split gradient is final
             kind: HeldKind = "average" if bucket.owner == self.rank else "local"
             for p in bucket.params:
@@ -480,8 +538,11 @@ class ShardedDataParallel(ModuleWrapper):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Clears the module's gradients: zeroes them in place by default (fairscale's default), or sets them to
-        None. Either way the next backward gives each owner exactly DDP's averaged gradient."""
+        None, and those that this rank's pieces of split parameters hold apart. Either way the next backward gives
+        each owner exactly DDP's averaged gradient."""
         self.module.zero_grad(set_to_none=set_to_none)
+        for piece in self._own_piece.values():
+            piece.clear_grad(set_to_none)
 
     def to(  # type: ignore[override]
         self,

@@ -260,6 +260,8 @@ class AdaScale(WrappedOptimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.div_(self._num_grads_to_accum)
+        for grad in self._sharding.held_piece_grads() if self._sharding is not None else []:
+            grad.div_(self._num_grads_to_accum)  # split parameters whose pieces hold their gradient apart
         self._grads_divided = True
 
     def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -344,7 +346,7 @@ class AdaScale(WrappedOptimizer):
         """The averaged gradients this rank adds to the norm: all of them, or under OSS its own share (every
         element counted by one rank)."""
         if self._sharding is None:
-            return [p.grad for p in params]
+            return [p.grad for p in params if p.grad is not None]
         return self._sharding.owned_grads(params)
 
     def _reduce_norms(self) -> tuple[list[float], list[float]]:
@@ -357,7 +359,7 @@ class AdaScale(WrappedOptimizer):
         norms = torch.zeros(2 * n_groups, dtype=torch.float64, device=device)
         self._meter.totals_into(norms)
         for i, group in enumerate(watched):
-            params = [p for p in group["params"] if p.requires_grad and p.grad is not None]
+            params = [p for p in group["params"] if p.requires_grad]
             grads = self._counted_grads(params)
             if grads:  # summed where the gradients are, then moved once (a CUDA-to-host copy synchronises)
                 norms[n_groups + i] += torch.stack([square_norm(g).to(grads[0].device) for g in grads]).sum().to(device)
@@ -382,6 +384,11 @@ class AdaScale(WrappedOptimizer):
         self._measured = False
         self._grads_divided = False
         self._meter.watch(self._watched_groups())
+
+    def held_piece_grads(self) -> list[torch.Tensor]:
+        """The gradients that pieces of split parameters hold apart (`OSS.held_piece_grads` of the wrapped OSS;
+        none without one)."""
+        return self._sharding.held_piece_grads() if self._sharding is not None else []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (through the wrapped optimizer) and starts a new update's measurements."""

@@ -105,7 +105,26 @@ class ShardedGradScaler(GradScaler):
         if not self.is_enabled():
             return
         super().unscale_(optimizer)
+        self._unscale_held_pieces(optimizer)
         self._agree_on_found_inf(optimizer)
+
+    def _unscale_held_pieces(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscales and checks the gradients that pieces of split parameters hold apart from their parameter
+        (`OSS.held_piece_grads`), which torch's walk over ``param.grad`` does not reach, as torch does the others."""
+        held = getattr(optimizer, "held_piece_grads", None)
+        grads = held() if callable(held) else []
+        if not grads:
+            return
+        assert self._scale is not None  # (set by the unscale_ that just ran)
+        inv_scale = self._scale.double().reciprocal().float()  # in fp64 first, as torch does
+        flags = _found_inf_flags(self, optimizer)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for grad in grads:
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), same in by_kind.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale.to(device))
+            flags[device] = torch.maximum(flags[device], found) if device in flags else found
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscales (unless already done), then runs ``optimizer.step()`` unless some rank found an inf/NaN.

@@ -252,13 +252,28 @@ class OSS(Optimizer):
         (a frozen parameter that still holds a gradient)."""
         out = []
         for p in params:
-            if p.grad is None:
-                continue
             if p in self._pieces:
-                out.append(self._pieces[p][self.rank].grad_slice())
-            elif self._owner.get(p, 0) == self.rank:
+                piece_grad = self._pieces[p][self.rank].grad_slice()
+                if piece_grad is not None:
+                    out.append(piece_grad)
+            elif p.grad is not None and self._owner.get(p, 0) == self.rank:
                 out.append(p.grad)
         return out
+
+    def held_piece_grads(self, params: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The gradients this rank's pieces of split parameters (of `params`, or all) hold apart from their
+        parameter: ShardedDataParallel lets a split parameter's full-size gradient go after the reduce
+        (``param.grad`` is None) and the piece keeps its share. Code that unscales, clips or divides gradients
+        must reach these besides the ``.grad`` of the parameters."""
+        wanted = self._pieces.keys() if params is None else [p for p in params if p in self._pieces]
+        pieces = [self._pieces[p][self.rank] for p in wanted]
+        return [piece.tensor.grad for piece in pieces if piece.held and piece.tensor.grad is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the parameters' gradients and those that this rank's pieces of split parameters hold apart."""
+        super().zero_grad(set_to_none=set_to_none)
+        for pieces in self._pieces.values():
+            pieces[self.rank].clear_grad(set_to_none)
 
     def refresh_trainable(self) -> None:
         """Takes `requires_grad` changes into account: newly trainable parameters get an owner.
@@ -330,7 +345,8 @@ class OSS(Optimizer):
         self._pull_hyperparameters()
         self._broadcast_params()
         for pieces in self._pieces.values():
-            pieces[self.rank].tensor.grad = None  # hold no reference to a gradient the user may free
+            if not pieces[self.rank].held:
+                pieces[self.rank].tensor.grad = None  # hold no reference to a gradient the user may free
         return loss
 
     def _refresh_pieces(self) -> None:
@@ -400,11 +416,12 @@ class OSS(Optimizer):
         ``min(1, max_norm / (norm + 1e-6))``.
         """
         norm_type = float(norm_type)
-        params = [p for p in self._all_params() if p.grad is not None]
+        params = [p for p in self._all_params() if p.grad is not None or self.held_piece_grads([p])]
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
         self._own_new_trainable()
         counted = self.owned_grads(params)  # every element by exactly one rank
+        grads = [p.grad for p in params if p.grad is not None] + self.held_piece_grads(params)
         data = params[0].device if params else None
         total = _local_norm_term(counted, norm_type, comm_device(self.group, data))
         if norm_type == float("inf"):
@@ -414,9 +431,9 @@ class OSS(Optimizer):
             total = total ** (1.0 / norm_type)
         total = total.reshape(())  # a 0-d tensor, like torch.nn.utils.clip_grad_norm_
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        coef_on = {d: clip_coef.to(d) for d in {p.grad.device for p in params}}  # one copy per device, not per grad
-        for p in params:
-            p.grad.mul_(coef_on[p.grad.device].to(p.grad.dtype))
+        coef_on = {d: clip_coef.to(d) for d in {g.device for g in grads}}  # one copy per device, not per gradient
+        for grad in grads:
+            grad.mul_(coef_on[grad.device].to(grad.dtype))
         return total
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------

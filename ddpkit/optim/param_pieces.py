@@ -13,8 +13,10 @@ ratio, Adafactor's row and column factors, Shampoo) would compute another update
 A piece is a leaf tensor that views its slice of the parameter's (contiguous) storage: the local optimizer updates
 the parameter in place, and its state has the piece's shape (1-D). Before every step the view and its gradient
 (a view of the slice of ``param.grad``) are refreshed, since a parameter's storage can be replaced
-(``module.to(...)``). Checkpoints stay in torch's whole-parameter format: `join_states` puts the pieces' states
-back together and `cut_state` takes a piece's share out of a whole parameter's state.
+(``module.to(...)``). Where ShardedDataParallel let the full-size gradient go after the reduce (``param.grad`` is
+None), the piece holds its own gradient, only its share (`ParamPiece.hold`). Checkpoints stay in torch's
+whole-parameter format: `join_states` puts the pieces' states back together and `cut_state` takes a piece's share
+out of a whole parameter's state.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ParamPiece:
     end: int
     owner: int
     tensor: torch.Tensor
+    held: bool = False  # `tensor.grad` is the piece's own gradient, kept apart while ``param.grad`` is None (`hold`)
 
     @classmethod
     def cut(cls, param: torch.Tensor, start: int, end: int, owner: int) -> ParamPiece:
@@ -75,11 +78,31 @@ class ParamPiece:
         if self.tensor.data_ptr() != view.data_ptr() or self.tensor.device != view.device:
             self.tensor.data = view
         grad = self.param.grad
-        self.tensor.grad = None if grad is None else _slice(grad, self.start, self.end)
+        if grad is not None:
+            self.tensor.grad, self.held = _slice(grad, self.start, self.end), False
+        elif not self.held:
+            self.tensor.grad = None
 
     def grad_slice(self) -> torch.Tensor | None:
+        """This piece's gradient: its slice of ``param.grad``, else the one it holds apart (`hold`), else None."""
         grad = self.param.grad
-        return None if grad is None else _slice(grad, self.start, self.end)
+        if grad is not None:
+            return _slice(grad, self.start, self.end)
+        return self.tensor.grad if self.held else None
+
+    def hold(self, grad: torch.Tensor) -> None:
+        """Keeps `grad` (the piece's 1-D gradient, a tensor of its own) as the piece's gradient, for a parameter
+        whose full-size gradient was let go (ShardedDataParallel does so after the reduce)."""
+        self.tensor.grad, self.held = grad, True
+
+    def clear_grad(self, set_to_none: bool = True) -> None:
+        """Clears a gradient the piece holds apart (as ``zero_grad`` clears ``param.grad``)."""
+        if not self.held or self.tensor.grad is None:
+            return
+        if set_to_none:
+            self.tensor.grad, self.held = None, False
+        else:
+            self.tensor.grad.zero_()
 
 
 def _slice(tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
