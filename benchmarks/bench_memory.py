@@ -11,6 +11,10 @@ parameters P, plus gradients P and Adam's two moments 2P split over N ranks: P +
 (b) With ``--search``: under a cgroup limit of ``--limit-gb``, the deepest MLP (``--width`` square layers) that
 trains 3 steps, per strategy, found by probing depths near the one (a) predicts (a job that runs out of the limit
 is ended by the kernel).
+
+With ``--hosts 2`` every job's ranks are spread over two network-namespace hosts (``benchmarks.lib.netns``), each
+host's processes in a cgroup of their own: the job's peak is the sum of the hosts' peaks (no page is shared between
+hosts), so ddpkit takes its paths between hosts (sockets, hierarchical sharding) as on separate machines.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_sharding import PEERS, STRATEGIES, parse_sizes, parse_strategies
-from benchmarks.lib import cgroup, peers, plotting
+from benchmarks.lib import cgroup, netns, peers, plotting
 from benchmarks.lib.cli import Skip, UsageError, progress
 from benchmarks.lib.tables import markdown, num
 
@@ -40,16 +44,39 @@ QUICK = {
 }
 TINY = {"mlp": {"depth": 1, "width": 64}, "gpt": {"layers": 1, "width": 64}}
 MAX_PROBES = 6  # depths tried per strategy in the search
+HOST_LINK = ("10gbit", "8mb")  # the namespace hosts' links (rate, burst): memory, not speed, is measured here
 
 
 def _job(spec: dict[str, Any], limit_bytes: int | None = None) -> tuple[cgroup.Outcome, dict[str, Any] | None]:
-    """One job in its own cgroup: its outcome and the ranks' reports (None when it failed)."""
-    command = [sys.executable, "-m", "benchmarks.lib.memory_job", json.dumps(spec)]
-    outcome = cgroup.run(command, limit_bytes, timeout=spec.get("timeout", 900.0))
+    """One job in its own cgroup (one per host on namespace hosts: the peak is then their sum, each host's pages
+    counted once): its outcome and the ranks' reports (None when it failed)."""
+    count = spec.get("hosts", 1)
+    command = [sys.executable, "-m", "benchmarks.lib.memory_job"]
+    if count == 1:
+        outcomes = [cgroup.run([*command, json.dumps(spec)], limit_bytes, timeout=spec.get("timeout", 900.0))]
+    else:
+        per_host = spec["world_size"] // count
+        with netns.Hosts(count, rate=HOST_LINK[0], burst=HOST_LINK[1]) as hosts:
+            init = f"tcp://{hosts.addresses[0]}:29683"
+            places = [
+                {"index": k, "per_host": per_host, "init": init, "ifname": name} for k, name in enumerate(hosts.ifnames)
+            ]
+            commands = [[*hosts.prefix(k), *command, json.dumps({**spec, "host": places[k]})] for k in range(count)]
+            outcomes = cgroup.run_together(commands, limit_bytes, timeout=spec.get("timeout", 900.0))
+    outcome = cgroup.Outcome(
+        max((o.returncode for o in outcomes), key=abs),
+        "\n".join(o.stdout for o in outcomes),
+        "\n".join(o.stderr for o in outcomes),
+        sum(o.peak_bytes for o in outcomes),
+        any(o.out_of_memory for o in outcomes),
+    )
     if outcome.returncode != 0:
         return outcome, None
-    lines = [line for line in outcome.stdout.splitlines() if line.startswith("{")]
-    return outcome, json.loads(lines[-1])
+    ranks = []
+    for part in outcomes:  # host by host, in rank order
+        lines = [line for line in part.stdout.splitlines() if line.startswith("{")]
+        ranks += json.loads(lines[-1])["ranks"]
+    return outcome, {"ranks": ranks}
 
 
 def _spec(args: argparse.Namespace, workload: str, world_size: int, strategy: str, **model: Any) -> dict[str, Any]:
@@ -57,7 +84,8 @@ def _spec(args: argparse.Namespace, workload: str, world_size: int, strategy: st
         "layers": args.gpt_layers, "width": args.gpt_width}  # fmt: skip
     shape.update(model)
     return {"strategy": strategy, "world_size": world_size, "workload": workload, "steps": args.steps,
-            "batch": args.batch, "seed": 0, "timeout": args.timeout, "allocator": "default", **shape}  # fmt: skip
+            "batch": args.batch, "seed": 0, "timeout": args.timeout, "allocator": "default", "hosts": args.hosts,
+            **shape}  # fmt: skip
 
 
 def _checked(outcome: cgroup.Outcome, reports: dict[str, Any] | None, what: str) -> dict[str, Any]:
@@ -138,6 +166,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if why is not None:
         raise Skip(f"memory: {why}; the job's peak needs a memory cgroup")
     sizes = parse_sizes(args.world_size)
+    if args.hosts > 1:
+        if why := netns.unavailable():
+            raise Skip(f"memory --hosts: {why}")
+        if args.search or any(size % args.hosts for size in sizes):
+            raise UsageError(f"--hosts {args.hosts}: every --world-size must be a multiple of it, and --search "
+                             "runs on one host only")  # fmt: skip
     keys = parse_strategies(args.strategies)
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not chosen or any(w not in TINY for w in chosen):
@@ -177,7 +211,8 @@ def table(report: dict[str, Any]) -> str:
     for workload in dict.fromkeys(r["workload"] for r in figures["rows"]):
         rows = [r for r in figures["rows"] if r["workload"] == workload]
         params = rows[0]["parameters"]
-        out += ["", f"{workload}: {params:,} parameters, P = {4 * params / 2**20:.0f} MiB; Adam, batch "
+        where = f"; on {config['hosts']} namespace hosts" if config.get("hosts", 1) > 1 else ""
+        out += ["", f"{workload}: {params:,} parameters, P = {4 * params / 2**20:.0f} MiB{where}; Adam, batch "
                 f"{config['batch']} per rank, {config['steps']} steps; whole-job peak per rank above the same job "
                 "on a tiny model, in units of P"]  # fmt: skip
         allocators = config["allocators"].split(",")
@@ -244,7 +279,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
         ax.barh([r["key"] for r in figures["largest"]], [r["largest_parameters"] / 1e6 for r in figures["largest"]])
         ax.set_xlabel(f"largest MLP under {figures['search']['limit_gb']:g} GiB, millions of parameters")
     fig.suptitle(plotting.title("memory per strategy (whole job in a cgroup)", report["config"]["world_size"], report))
-    plotting.save(fig, "memory", out_dir)
+    plotting.save(fig, "memory" if report["config"].get("hosts", 1) == 1 else "memory_hosts", out_dir)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,7 +298,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per job")
     parser.add_argument("--allocators", default="default,mmap", help="allocator settings to measure: default, mmap")
     parser.add_argument("--search-allocator", default="mmap", help="the allocator setting of the search")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help="network-namespace hosts each job's ranks are spread over, evenly (2: every world size "
+                             "split over two hosts, each host's memory a cgroup of its own; needs root)")  # fmt: skip
 
 
 def result_name(args: argparse.Namespace) -> str:
-    return "memory"
+    return "memory" if args.hosts == 1 else "memory_hosts"

@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
+from ddpkit.distributed import comm
 from ddpkit.nn import ShardedDataParallel
-from ddpkit.nn.sharded_ddp import IN_FLIGHT
+from ddpkit.nn.sharded_ddp import IN_FLIGHT, POST_AHEAD
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed
 
@@ -32,6 +33,7 @@ def _live_gradients(rank: int, world_size: int, shared_memory: bool, split: bool
         cut = {"split_params": True, "min_split_numel": WIDTH * WIDTH} if split else {"split_params": False}
         optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, **cut)
         sdp = ShardedDataParallel(model, optimizer)
+        comm._scratch._free.clear()  # (the worker process served other tests before)
         params = list(model.parameters())
         pieces = [optimizer.pieces_of(p)[rank] for p in params if optimizer.pieces_of(p)]
         seen: list[int] = []
@@ -50,7 +52,14 @@ def _live_gradients(rank: int, world_size: int, shared_memory: bool, split: bool
         owned = sum(p.numel() * 4 for p in params if optimizer.owner_of(p) == rank)
         owned += sum((q.end - q.start) * 4 for q in pieces)
         assert len(pieces) == (LAYERS if split else 0)
-        return {"peak": max(seen), "owned": owned, "one": WIDTH * WIDTH * 4, "all": LAYERS * WIDTH * WIDTH * 4}
+        pooled = sum(t.numel() * t.element_size() for kept in comm._scratch._free.values() for t in kept)
+        return {
+            "peak": max(seen),
+            "owned": owned,
+            "one": WIDTH * WIDTH * 4,
+            "all": LAYERS * WIDTH * WIDTH * 4,
+            "receive_buffers": pooled,  # an owner's receive buffers over sockets: kept for reuse, so the most in use
+        }
     finally:
         os.environ.pop("DDPKIT_SHARED_MEMORY", None)
 
@@ -61,6 +70,8 @@ def test_a_non_owner_holds_its_share_plus_the_buckets_in_flight_during_backward(
         # its own gradients, the IN_FLIGHT sent buckets not yet done, and the gradient being produced
         assert got["peak"] <= got["owned"] + (IN_FLIGHT + 1) * got["one"], got
         assert got["owned"] + (IN_FLIGHT + 1) * got["one"] < got["all"]  # (the bound is below keeping them all)
+        # receives posted POST_AHEAD buckets ahead and completed as far behind: not one buffer per owned bucket
+        assert got["receive_buffers"] <= 2 * POST_AHEAD * got["one"] < got["owned"], got
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "sockets"])

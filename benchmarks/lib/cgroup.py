@@ -10,10 +10,13 @@ more is ended by the kernel's OOM killer: that is how "it does not fit" is measu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,22 +49,50 @@ class Outcome:
 
 def run(command: list[str], limit_bytes: int | None = None, timeout: float = 900.0) -> Outcome:
     """Runs `command` in a fresh memory cgroup (limited to `limit_bytes` if given) and removes the cgroup after."""
-    group = ROOT / f"ddpkit-bench-{uuid.uuid4().hex[:12]}"
-    group.mkdir()
+    return run_together([command], limit_bytes, timeout)[0]
+
+
+def run_together(
+    commands: list[list[str]], limit_bytes: int | None = None, timeout: float = 900.0, env: dict[str, str] | None = None
+) -> list[Outcome]:
+    """Starts `commands` at once, each in a fresh memory cgroup of its own (each limited to `limit_bytes` if given:
+    the hosts of a job on namespace hosts), waits for all of them and removes the cgroups after. Output goes to
+    files, so no process blocks on a full pipe while another is waited for."""
+    groups: list[Path] = []
     try:
-        if limit_bytes is not None:
-            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-
-        def enter() -> None:  # in the child, before exec: it and everything it starts belong to the group
-            (group / "cgroup.procs").write_text(str(os.getpid()))
-
-        done = subprocess.run(command, preexec_fn=enter, capture_output=True, text=True, timeout=timeout)
-        peak = int((group / "memory.max_usage_in_bytes").read_text())
-        hit_limit = int((group / "memory.failcnt").read_text()) > 0  # an allocation had to wait for reclaim, or failed
-        failed_for_memory = limit_bytes is not None and done.returncode != 0 and hit_limit
-        return Outcome(done.returncode, done.stdout, done.stderr, peak, failed_for_memory)
+        with contextlib.ExitStack() as files:
+            procs, outputs = [], []
+            for command in commands:
+                group = ROOT / f"ddpkit-bench-{uuid.uuid4().hex[:12]}"
+                group.mkdir()
+                groups.append(group)
+                if limit_bytes is not None:
+                    (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+                out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+                outputs.append((out, err))
+                procs.append(subprocess.Popen(command, preexec_fn=_enter(group), stdout=out, stderr=err, env=env))
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            outcomes = []
+            for proc, group, (out, err) in zip(procs, groups, outputs, strict=True):
+                out.seek(0)
+                err.seek(0)
+                peak = int((group / "memory.max_usage_in_bytes").read_text())
+                hit_limit = int((group / "memory.failcnt").read_text()) > 0  # an allocation waited, or failed
+                failed_for_memory = limit_bytes is not None and proc.returncode != 0 and hit_limit
+                outcomes.append(Outcome(proc.returncode, out.read(), err.read(), peak, failed_for_memory))
+            return outcomes
     finally:
-        _remove(group)
+        for group in groups:
+            _remove(group)
+
+
+def _enter(group: Path) -> Callable[[], None]:
+    def enter() -> None:  # in the child, before exec: it and everything it starts belong to the group
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    return enter
 
 
 def _remove(group: Path) -> None:

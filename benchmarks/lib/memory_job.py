@@ -4,13 +4,18 @@
 each), each builds the workload's model and the strategy (the sharding benchmark's builders: the code users run),
 trains `steps` steps and reports its own figures; the command prints them as one JSON line. The spec: strategy,
 world_size, workload ("mlp" with `depth` layers of `width`, or "gpt" with `layers` and `width`), steps, batch, seed,
-and `allocator` ("default": glibc as it comes; "mmap": `ddpkit.distributed.allocator.return_freed_memory`).
+and `allocator` ("default": glibc as it comes; "mmap": `ddpkit.distributed.allocator.return_freed_memory`). With
+`host` (index, per_host, init, ifname) the command is one host of a job on namespace hosts: it runs that host's
+ranks, which join the job's process group at `init` (bench_memory's ``--hosts``).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import os
 import sys
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -57,10 +62,40 @@ def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any
     }
 
 
+def _host_rank(local: int, spec: dict[str, Any], queue: Any) -> None:
+    """One rank of a job on namespace hosts: joins the job's process group over the host's interface, then
+    `rank_main`."""
+    host = spec["host"]
+    os.environ["GLOO_SOCKET_IFNAME"] = host["ifname"]
+    rank = host["index"] * host["per_host"] + local
+    dist.init_process_group("gloo", init_method=host["init"], rank=rank, world_size=spec["world_size"],
+                            timeout=timedelta(seconds=300))  # fmt: skip
+    try:
+        queue.put((local, rank_main(rank, spec["world_size"], spec)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _on_this_host(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """This host's ranks of a job across namespace hosts (``spec["host"]``: index, per_host, init, ifname)."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_host_rank, args=(local, spec, queue)) for local in range(spec["host"]["per_host"])]
+    for proc in procs:
+        proc.start()
+    reports = dict(queue.get(timeout=spec.get("timeout", 900.0)) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    return [reports[local] for local in sorted(reports)]
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    ranks = run_distributed(rank_main, spec["world_size"], spec, fresh=True, timeout=spec.get("timeout", 900.0),
-                            pg_timeout=300)  # fmt: skip
+    if "host" in spec:
+        ranks = _on_this_host(spec)
+    else:
+        ranks = run_distributed(rank_main, spec["world_size"], spec, fresh=True, timeout=spec.get("timeout", 900.0),
+                                pg_timeout=300)  # fmt: skip
     print(json.dumps({"ranks": ranks}), flush=True)
     return 0
 

@@ -40,6 +40,7 @@ class GradBucket:
     in_place: bool = False
     divide_on_owner: bool = False
     key: str = ""  # names this bucket's message, the same every step (shared-memory mailboxes are kept by it)
+    index: int = 0  # its place in the launch order
     posted: comm.PostedReduce | None = None  # this step's reduce with its receiving side posted early, if any
     span: tuple[int, int] | None = None  # a piece of the one parameter's flattened gradient
     shared: bool = False  # packs small parameters: sent as a copy, never in place
@@ -235,6 +236,6 @@ def build_buckets(
             current_key = None if alone else key
         current.params.append(p)
     for index, bucket in enumerate(buckets):
-        bucket.key = str(index)
+        bucket.key, bucket.index = str(index), index
         bucket.reset()
     return buckets

@@ -85,9 +85,9 @@ class ShardedDataParallel(ModuleWrapper):
     parameters and buffers broadcast from rank 0.
     Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
-    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets each owner posts the receives of
-    all its buckets at the first gradient of backward, so both directions of a link carry data at once (see the
-    module doc). With `broadcast_buffers`, module buffers are
+    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets every rank posts the receives of
+    its buckets `POST_AHEAD` buckets ahead of the launches, from the first gradient on, so both directions of a link
+    carry data at once (see the module doc), and completes them as far behind. With `broadcast_buffers`, module buffers are
     broadcast from rank 0 before each forward that will sync gradients (grad enabled, not inside `no_sync()`, as
     torch DDP does). On gloo, reduce + broadcast is faster than
     reduce_scatter + all_gather; on NCCL both map to the same ring kernels. When every rank runs on one host (gloo,
@@ -106,8 +106,8 @@ class ShardedDataParallel(ModuleWrapper):
     through shared memory, where it is copied into a mailbox; over sockets once its send is done, waiting for the
     oldest beyond `IN_FLIGHT`), except the small parameters' own gradients kept with `keep_bucketed_grads` (10% of
     the byte GPT's elements; none with False). On one host each sender reuses two mailboxes per owner, which adds a
-    bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner keeps receive
-    buffers for its buckets, (N-1) P/N, posted when backward starts. With Adam and OSS a rank's peak is thus about P
+    bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner holds receive
+    buffers ((N-1) per bucket) for the few buckets within `POST_AHEAD` of the launches, not for its whole share. With Adam and OSS a rank's peak is thus about P
     + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut into pieces holds its full-size gradient only
     until its pieces are reduced (through shared memory at once, over sockets while the next cut parameter's are in
     flight, across hosts until the end of backward), then only the rank's piece. (glibc keeps freed blocks
@@ -208,6 +208,8 @@ class ShardedDataParallel(ModuleWrapper):
         self._receives_posted = False
         self._unreduced = False
         self._next_bucket = 0
+        self._next_post = 0  # buckets whose receiving side is posted (sockets), in order
+        self._next_owned_finish = 0  # buckets before it: an owner's posted reduces completed during backward
         self._sending: list[GradBucket] = []  # non-owned buckets launched whose transfer may still need their data
         self._warned_unused = False
         self._hooks: list[Any] = []
@@ -398,32 +400,60 @@ class ShardedDataParallel(ModuleWrapper):
                 p.grad.mul_(self.world_size)
 
     def _post_receives(self) -> None:
-        """Over sockets (gloo, CPU), posts the receiving side of every bucket's reduce now, at the first gradient.
+        """Over sockets (gloo, CPU), posts the receiving side of the first buckets' reduces at the first gradient.
 
         Each owner's ready notices then leave before its own outgoing buckets, which would otherwise queue ahead
         of them on the connection and hold the data coming the other way (see `comm.post_reduce` and the module
-        doc). Every rank posts in the bucket order, so the tags match; the shared-memory path needs none of this.
+        doc). Within a host (sockets) the posts run `POST_AHEAD` buckets ahead of the launches (`_post_up_to`), so
+        an owner's receive buffers are bounded by a few buckets, not its whole share; across hosts every bucket is
+        posted here. Every rank posts in the bucket order, so the tags match; shared memory needs none of this.
         """
         if self._receives_posted:
             return
         self._receives_posted = True
+        self._next_post = 0
         if self._mailboxes is not None:
             return
+        if self._two_stage is None:
+            self._post_up_to(POST_AHEAD)
+            return
         for bucket in self._buckets:
-            if self._two_stage is not None:
-                numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
-                key = f"{self._bucket_generation}.{bucket.key}"
-                self._two_stage.post(key, numel, dtype, bucket.owner, bucket.params[0].device)
-            elif comm.can_post_reduce(bucket.params[0].device, self.process_group):
+            numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
+            key = f"{self._bucket_generation}.{bucket.key}"
+            self._two_stage.post(key, numel, dtype, bucket.owner, bucket.params[0].device)
+
+    def _post_up_to(self, end: int) -> None:
+        """Posts the receiving side of the point-to-point reduces of the buckets before index `end` not yet posted
+        (in bucket order on every rank: the same tags)."""
+        if self._mailboxes is not None or self._two_stage is not None:
+            return
+        while self._next_post < min(end, len(self._buckets)):
+            bucket = self._buckets[self._next_post]
+            if comm.can_post_reduce(bucket.params[0].device, self.process_group):
                 numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
                 bucket.posted = comm.post_reduce(numel, dtype, bucket.owner, self.process_group)
+            self._next_post += 1
+
+    def _finish_owned_up_to(self, end: int) -> None:
+        """An owner completes its posted reduces of the buckets before index `end` (its receive buffers go back
+        to the pool for the next ones). Safe to wait for: every rank has posted its receives of a bucket before it
+        launches the one `POST_AHEAD` earlier, so the rank furthest behind never waits for one ahead of it."""
+        while self._next_owned_finish < min(end, self._next_post):
+            bucket = self._buckets[self._next_owned_finish]
+            if bucket.owner == self.rank and bucket.posted is not None and bucket.work is not None:
+                if not bucket.finished:
+                    bucket.finish(True, self.world_size, self.find_unused_parameters)
+                    bucket.finished = True
+            self._next_owned_finish += 1
 
     def _launch(self, bucket: GradBucket) -> None:
         self._drop_stale(bucket)
+        self._post_up_to(bucket.index + 1 + POST_AHEAD)
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
         if bucket.owner != self.rank:
             self._sending.append(bucket)
         self._release_sent()
+        self._finish_owned_up_to(bucket.index + 1 - POST_AHEAD)
         if bucket.span is not None and bucket is self._bucket_of[bucket.params[0]][-1]:
             self._cut_in_flight.append(bucket.params[0])
             self._let_go_of_cut_grads(in_flight=0 if self._mailboxes is not None else 1)
@@ -504,6 +534,7 @@ class ShardedDataParallel(ModuleWrapper):
                     self._held[p] = (id(p.grad), p.grad._version, kind)
             bucket.reset()
         self._next_bucket = 0
+        self._next_owned_finish = 0
         self._sending = []
         self._receives_posted = False
         self._unreduced = False
@@ -571,6 +602,10 @@ ShardedDDP = ShardedDataParallel
 
 
 IN_FLIGHT = 2
+
+POST_AHEAD = 2
+"""Over sockets, buckets whose receiving side is posted ahead of the bucket being launched; an owner completes its
+reduces this many buckets behind the launches."""
 """Non-owned buckets a rank keeps in flight during backward before it waits for the oldest one's transfer."""
 
 
