@@ -7,4 +7,8 @@ Layers (imports only go downwards):
 - `ddpkit.testing`: `run_distributed`, the multi-process test runner.
 """
 
+import time as _time
+
 __version__ = "0.1.0"
+
+_imported_at = _time.time()  # when this process first imported ddpkit: the start of a `ddpkit` command's own work

@@ -164,8 +164,10 @@ TRAIN_DEFAULTS |= {"loss": "the model factory's loss, else cross_entropy", "max_
 TRAIN_DEFAULTS |= {"eval_every": "about 15 evaluations per run: the run's steps / 15"}
 
 
-def _default_text(value: Any) -> str:
+def _default_text(value: Any, action: argparse.Action) -> str:
     if isinstance(value, bool):
+        if isinstance(action, argparse._StoreFalseAction):  # --no-X: the flag is off when X is on by default
+            value = not value
         return "on" if value else "off"
     return "none" if value is None else str(value)
 
@@ -177,16 +179,19 @@ def _show_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) ->
         if action.dest == "help" or not action.option_strings:
             continue
         value = defaults[action.dest] if action.dest in defaults else fields[action.dest]
-        action.help = f"{action.help or ''} (default: {_default_text(value)})".lstrip()
+        action.help = f"{action.help or ''} (default: {_default_text(value, action)})".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpkit", description="Data-parallel training that costs less memory and network than DDP.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model data-parallel", argument_default=argparse.SUPPRESS)
+    # allow_abbrev=False everywhere: `--nproc 4` must not silently become --nproc-per-node 4
+    train = sub.add_parser(
+        "train", help="train a model data-parallel", argument_default=argparse.SUPPRESS, allow_abbrev=False
+    )
     _add_training_flags(train)
     _add_placement_flags(train)
     _add_fault_tolerance_flags(train)
@@ -213,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--debug", action="store_true", help="tracebacks and torch's C++ stack traces on failure")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     _show_defaults(train, TRAIN_DEFAULTS)
-    bench = sub.add_parser("bench", help="compare every strategy on one workload", argument_default=argparse.SUPPRESS)
+    bench = sub.add_parser(
+        "bench", help="compare every strategy on one workload", argument_default=argparse.SUPPRESS, allow_abbrev=False
+    )
     _add_placement_flags(bench)
     bench.add_argument("--steps", type=int, help="timed steps per strategy")
     bench.add_argument("--warmup", type=int, help="untimed steps first")
@@ -234,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="bar chart PNG path")
     _show_defaults(bench, BENCH_DEFAULTS)
     store = sub.add_parser(
-        "store", help="host the store of a fault-tolerant job whose machines each run torchrun (see README)"
+        "store",
+        help="host the store of a fault-tolerant job whose machines each run torchrun (see docs/fault-tolerance.md)",
+        allow_abbrev=False,
     )
     store.add_argument("--port", type=int, required=True, help="TCP port, given to every machine as --master-port")
     store.add_argument(
@@ -282,8 +291,19 @@ def check_bench(given: dict[str, Any]) -> None:
         cfgmod.check_number("timeout", given["timeout"], 0.0, open_low=True)
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed; an unknown flag is reported with the usage of the command it was given to
+    (``ddpkit train --nproc 4`` shows `train`'s usage, not the top level's)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     from ddpkit.distributed.launch import report_and_exit
 
     try:

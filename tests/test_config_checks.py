@@ -93,11 +93,11 @@ SLOW = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency
         ([*SLOW, "--slowmo-merge-alpha", "1.5"], "--slowmo-merge-alpha must be a number in [0, 1]; got 1.5"),
         ([*SLOW, "--slowmo-merge-alpha", "nan"], "--slowmo-merge-alpha must be a finite number >= 0; got nan"),
         ([*SLOW, "--slowmo-base", "sgp", "--slowmo-fragments", "2"], "need --slowmo-base localsgd"),
-        (["--strategy", "ddp", "--slowmo-compression", "int8"], "--slowmo-compression need --strategy slowmo"),
+        (["--strategy", "ddp", "--slowmo-compression", "int8"], "--slowmo-compression needs --strategy slowmo"),
         # flags that would be silently ignored (issue 23 defect 9)
         ([*SLOW, "--slowmo-merge-alpha", "0.3"], "--slowmo-merge-alpha weights a delayed merge: it needs --slowmo-sy"),
         ([*SLOW, "--graph", "ring", "--peers-per-itr", "2"], "--graph, --peers-per-itr only act with --slowmo-base"),
-        (["--strategy", "ddp", "--overlap"], "--overlap need --strategy slowmo"),
+        (["--strategy", "ddp", "--overlap"], "--overlap needs --strategy slowmo"),
         (["--data", "text", "--model", "gpt", "--context", "70000"], "--context 70000 is longer than --data text's"),
     ],
 )
@@ -302,6 +302,25 @@ def test_help_shows_every_default():
         assert f"(default: {fields[option]})" in entries[option], entries[option]
     assert "(default: 60.0)" in entries["--timeout"] and "(default: 2)" in entries["--nproc-per-node"]
     assert "0.01 for adamw" in entries["--weight-decay"] and "0.05 for sgd" in entries["--lr"]
+    # a --no-X switch is off unless given (X on by default), as "--resume" is off
+    for switch in ("--no-checkpoints", "--no-push-sum", "--resume"):
+        assert entries[switch].endswith("(default: off)"), entries[switch]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train", "--nproc", "4"], "unrecognized arguments: --nproc 4"),  # never taken for --nproc-per-node
+        (["train", "--strat", "oss"], "unrecognized arguments: --strat oss"),
+        (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["bench", "--step", "3"], "unrecognized arguments: --step 3"),
+    ],
+)
+def test_no_abbreviations_and_unknown_flags_show_the_commands_usage(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse(argv)
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith(f"usage: ddpkit {argv[0]} "), err
 
 
 def test_bench_numbers_are_checked_before_start(capsys):
@@ -326,7 +345,7 @@ def test_numeric_ranges_cover_every_float_setting():
 
 
 def test_the_readme_toml_example_is_valid(tmp_path, monkeypatch):
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "getting-started.md").read_text()  # the TOML example of `ddpkit train`
     example = text.split("```toml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "run.toml").write_text(example)
     monkeypatch.chdir(tmp_path)

@@ -1,10 +1,10 @@
 """`ddpkit.distributed.manager.Manager` (issue 33): a fault-tolerant job's rounds under a loop of any shape.
 
 Deterministic and in one process: each rank is a thread holding its own Manager, all meeting in one HashStore,
-each round's gloo group made between the threads. The README's own-loop example runs here as written (read from
-README.md), with a failed round, a lost rank and a rank that starts late. The reference is written apart from
-the code under test: one model stepped by torch's own SGD (with momentum) on the mean of the members' gradients
-of every round that committed, the rounds' members and verdicts read from the ranks' logs.
+each round's gloo group made between the threads. The own-loop example of docs/fault-tolerance.md runs here as
+written (read from the page), with a failed round, a lost rank and a rank that starts late. The reference is
+written apart from the code under test: one model stepped by torch's own SGD (with momentum) on the mean of the
+members' gradients of every round that committed, the rounds' members and verdicts read from the ranks' logs.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ SEEDING = threading.Lock()
 def _rank(store: Any, rank: int, world: int, results: dict, standby: bool = False, **faults: Any) -> None:
     """Runs the README's loop as rank `rank`, its names supplied as a reader would."""
     code = snippet(README_LOOP)
+    source = str(code.path)  # the documentation page it was read from, for tracebacks
     with SEEDING:  # the global generator, one thread at a time
         model = MyModel(seed=rank)
     steps = STEPS
@@ -111,7 +112,7 @@ def _rank(store: Any, rank: int, world: int, results: dict, standby: bool = Fals
     code = code.replace("from ddpkit.distributed import Manager\n", "")
     namespace["Manager"] = make
     try:
-        exec(compile(code, "README.md", "exec"), namespace)
+        exec(compile(code, source, "exec"), namespace)
         results[rank] = ("done", [p.detach().clone() for p in model.parameters()])
     except Vanished:
         results["managers"][rank].close()  # its standby store goes with it

@@ -54,6 +54,7 @@ from ddpkit.testing import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BENCH_README = ROOT / "benchmarks" / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]  # the README and the documentation site's pages
 WORLD = 2
 TIMEOUT = 240  # seconds per command: generous for a loaded machine, under pytest-timeout's 300
 
@@ -63,18 +64,28 @@ TIMEOUT = 240  # seconds per command: generous for a loaded machine, under pytes
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """One fenced code block: its language tag (may be empty), its text and the line its fence opens on."""
+    """One fenced code block: its language tag (may be empty), its text, the line its fence opens on, its file."""
 
     lang: str
     text: str
     line: int
+    path: Path = README
 
 
 def blocks(path: Path) -> list[Block]:
     """Every fenced block of a Markdown file, in order."""
     text = path.read_text()
     found = re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
-    return [Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1) for m in found]
+    return [Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, path) for m in found]
+
+
+def doc_blocks() -> list[Block]:
+    """Every fenced block of the README and of the documentation's pages."""
+    return [b for path in DOCS for b in blocks(path)]
+
+
+def where(block: Block) -> str:
+    return f"{block.path.relative_to(ROOT)} line {block.line}"
 
 
 def shell_commands(block: Block) -> list[str]:
@@ -89,22 +100,32 @@ def shell_commands(block: Block) -> list[str]:
     return commands
 
 
-def readme_commands(path: Path) -> list[str]:
-    return [c for b in blocks(path) if b.lang == "bash" for c in shell_commands(b)]
+def readme_commands(path: Path | None = None) -> list[str]:
+    """The commands of one Markdown file's shell blocks, or (None) of the README's and the documentation's."""
+    found = blocks(path) if path is not None else doc_blocks()
+    return [c for b in found if b.lang == "bash" for c in shell_commands(b)]
 
 
-def command(text: str, path: Path = README) -> str:
-    """`text` if it is one of the README's commands (a test of a command that was removed or edited fails)."""
-    assert text in readme_commands(path), f"{path.name} no longer has the command {text!r}"
+def command(text: str, path: Path | None = None) -> str:
+    """`text` if it is one of the documented commands (a test of a command that was removed or edited fails)."""
+    assert text in readme_commands(path), f"{path.name if path else 'the docs'} no longer have the command {text!r}"
     return text
 
 
-def snippet(anchor: str) -> str:
-    """The text of the one Python block of README.md that contains `anchor`, after as many blank lines as come
-    before it in the file (so a traceback names the README's own line numbers)."""
-    found = [b for b in blocks(README) if b.lang == "python" and anchor in b.text]
-    assert len(found) == 1, f"{len(found)} Python blocks of README.md contain {anchor!r}"
-    return "\n" * found[0].line + found[0].text
+class Snippet(str):
+    """A Python block's text, knowing the file it comes from (for tracebacks)."""
+
+    path: Path
+
+
+def snippet(anchor: str) -> Snippet:
+    """The text of the one Python block of the README or the docs that contains `anchor`, after as many blank lines
+    as come before it in its file (so a traceback names the file's own line numbers)."""
+    found = [b for b in doc_blocks() if b.lang == "python" and anchor in b.text]
+    assert len(found) == 1, f"{len(found)} Python blocks of the README and docs contain {anchor!r}"
+    text = Snippet("\n" * found[0].line + found[0].text)
+    text.path = found[0].path
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,6 +231,7 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
     "model.register_comm_hook(optimizer, reduce_to_owners_hook)": "test_reduce_to_owners_hook_snippet",
     "optimizer.consolidate_state_dict(recipient_rank=0)": "test_oss_snippet_and_its_checkpoint",
     "model = ShardedDataParallel(model, optimizer)": "test_sharded_data_parallel_snippet",
+    "sharded = ShardedDataParallel(model, optimizer)": "test_readme_tour_snippet",
     "scaler = ShardedGradScaler()": "test_sharded_grad_scaler_snippet",
     "optimizer = AdaScale(": "test_adascale_snippet",
     "model.perform_slowmo(optimizer)": "test_slowmo_snippets",
@@ -253,16 +275,16 @@ BENCH_COMMANDS: dict[str, str] = {
 
 
 def test_every_block_is_exercised():
-    missing = [c for c in readme_commands(README) if c not in COMMANDS]
-    assert not missing, f"README.md commands without a test (add them to COMMANDS): {missing}"
-    gone = [c for c in COMMANDS if c not in readme_commands(README)]
-    assert not gone, f"COMMANDS no longer in README.md (edited or removed): {gone}"
-    for block in (b for b in blocks(README) if b.lang == "python"):
+    missing = [c for c in readme_commands() if c not in COMMANDS]
+    assert not missing, f"commands of the README or docs without a test (add them to COMMANDS): {missing}"
+    gone = [c for c in COMMANDS if c not in readme_commands()]
+    assert not gone, f"COMMANDS no longer in the README or docs (edited or removed): {gone}"
+    for block in (b for b in doc_blocks() if b.lang == "python"):
         anchors = [a for a in SNIPPETS if a in block.text]
-        assert len(anchors) == 1, f"README.md line {block.line}: Python block claimed by {anchors} (want one)"
+        assert len(anchors) == 1, f"{where(block)}: Python block claimed by {anchors} (want one)"
     for anchor in SNIPPETS:
         snippet(anchor)  # exactly one block holds it
-    others = [b for b in blocks(README) if b.lang not in ("bash", "python")]
+    others = [b for b in doc_blocks() if b.lang not in ("bash", "python")]
     keys = {(b.lang, b.text.splitlines()[0]) for b in others}
     assert keys == set(OTHER_BLOCKS) and len(others) == len(OTHER_BLOCKS), (keys, set(OTHER_BLOCKS))
     bench = readme_commands(BENCH_README)
@@ -348,7 +370,7 @@ def execute(code: str, namespace: dict[str, Any], folder: str) -> tuple[list[str
     calls: list[str] = []
     printed = io.StringIO()
     with working_directory(folder), group_already_made(calls), contextlib.redirect_stdout(printed):
-        exec(compile(code, str(README), "exec"), namespace)
+        exec(compile(code, str(getattr(code, "path", README)), "exec"), namespace)
     return calls, printed.getvalue()
 
 
@@ -450,6 +472,12 @@ def test_sharded_data_parallel_snippet(tmp_path):
     results = on_ranks(_sharded_data_parallel, code, str(tmp_path))
     assert_trained_alike(results)
     assert all(r["accumulated"] > 0 for r in results), "no_sync() left the local gradients in place"
+
+
+def test_readme_tour_snippet(tmp_path):
+    code = snippet("sharded = ShardedDataParallel(model, optimizer)")
+    assert code.path == README
+    assert_trained_alike(on_ranks(_sharded_data_parallel, code, str(tmp_path)))
 
 
 def _sharded_grad_scaler(rank: int, world_size: int, code: str, folder: str) -> dict[str, Any]:
@@ -561,7 +589,7 @@ def test_comm_stats_snippet(tmp_path):
 
 
 def test_layout_names_files_that_exist():
-    layout = next(b for b in blocks(README) if b.lang == "")
+    layout = next(b for b in doc_blocks() if b.lang == "")
     folder = None
     named = 0
     for line in layout.text.splitlines():
@@ -656,7 +684,7 @@ def write_mnist(folder: Path) -> None:
 
 
 def write_run_toml(tmp_path: Path) -> None:
-    toml = next(b for b in blocks(README) if b.lang == "toml")
+    toml = next(b for b in doc_blocks() if b.lang == "toml")
     (tmp_path / "run.toml").write_text(toml.text)
 
 
@@ -720,7 +748,7 @@ def toml_settings() -> dict[str, Any]:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
-    return tomllib.loads(next(b for b in blocks(README) if b.lang == "toml").text)
+    return tomllib.loads(next(b for b in doc_blocks() if b.lang == "toml").text)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 import time
@@ -155,6 +156,23 @@ def test_seconds_since_process_start_counts_the_interpreter_start_and_imports() 
     assert done.returncode == 0, done.stderr
     age = float(done.stdout)
     assert 1.5 <= age <= elapsed + 0.05  # the sleep and torch's import, within the process's whole life
+
+
+def test_the_wall_time_starts_with_the_command_not_with_the_shell_that_exec_d_it() -> None:
+    """``bash -c 'pip install ... && ddpkit train'`` execs ddpkit in bash's process, whose start the kernel keeps:
+    the command's start is then ddpkit's import, not the shell's start (issue 35: 143 s reported for 33 s)."""
+    code = (
+        "import time, ddpkit\n"
+        "from ddpkit.train.loop.launcher import command_started, seconds_since_process_start\n"
+        "now = time.time()\n"
+        "print(now - command_started(), now - ddpkit._imported_at, seconds_since_process_start())"
+    )
+    shell = f"sleep 6; exec {sys.executable} -c {shlex.quote(code)}"
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    since_start, since_import, process_age = (float(v) for v in done.stdout.split())
+    assert process_age >= 6.0  # the kernel's start is the shell's, before the sleep
+    assert abs(since_start - since_import) < 0.5 and since_start < process_age - 5.0
 
 
 def test_eval_every_is_checked_before_start() -> None:

@@ -46,7 +46,7 @@ from torch import nn
 try:
     from accelerate import Accelerator
 except ImportError as exc:  # pragma: no cover - exercised only without accelerate
-    raise ImportError("ddpkit.integrations.accelerate needs accelerate: pip install accelerate") from exc
+    raise ImportError('ddpkit.integrations.accelerate needs accelerate: pip install "ddpkit[accelerate]"') from exc
 
 from ddpkit.integrations.sharding import as_oss, check_oss_kwargs, sharded_scaler_like
 from ddpkit.nn import ShardedDataParallel

@@ -36,6 +36,15 @@ from ddpkit.distributed.buckets import broadcast_coalesced, flatten, unflatten_i
 from ddpkit.distributed.env import group_rank, group_size, require_initialized
 from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
 
+__all__ = [
+    "AverageGradients",
+    "PerformSlowMo",
+    "SetSamplerEpoch",
+    "SyncParameters",
+    "distributed_callbacks",
+    "rank_zero_verbosity",
+]
+
 _SELF_REDUCING = (DistributedDataParallel, ShardedDataParallel, SlowMoDistributedDataParallel)
 
 

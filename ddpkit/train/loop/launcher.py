@@ -22,9 +22,24 @@ from ddpkit.train.settings.config import TrainConfig, sharded_replicas, validate
 DEFAULT_MULTINODE_PORT = 29500
 
 
+IMPORT_LAG_SECONDS = 5.0
+"""More than this between the process's start and ddpkit's import means the process ran something else first."""
+
+
+def command_started() -> float:
+    """When this command began (``time.time()``): the process's start as the kernel records it, so the wall time
+    includes the interpreter's start and torch's import; but ddpkit's first import when that came more than
+    `IMPORT_LAG_SECONDS` later, which happens when a shell ran other commands and then exec'd this one (bash runs
+    the last command of ``bash -c 'pip install ... && ddpkit train'`` in its own process)."""
+    import ddpkit
+
+    process_start = time.time() - seconds_since_process_start()
+    imported = ddpkit._imported_at
+    return imported if imported - process_start > IMPORT_LAG_SECONDS else process_start
+
+
 def seconds_since_process_start() -> float:
-    """How long this process has run, from the kernel's record of its start (Linux's /proc; 0 elsewhere): the
-    command's wall time then includes the interpreter's start and torch's import, seconds before any ddpkit code."""
+    """How long this process has run, from the kernel's record of its start (Linux's /proc; 0 elsewhere)."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()  # the command name (field 2) may hold spaces
@@ -41,7 +56,7 @@ STOPPED_GRACE_SECONDS = 15.0
 
 def launch_training(cfg: TrainConfig) -> None:
     """Runs the training job `cfg` describes; returns when every local process has finished."""
-    started = time.time() - seconds_since_process_start()  # the summary's wall time counts from here
+    started = command_started()  # the summary's wall time counts from here
     if cfg.debug:
         os.environ["DDPKIT_DEBUG"] = "1"  # the ranks inherit it
     placement = from_torchrun()

@@ -346,7 +346,8 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     else:
         changed = [flag(n) for n in (*SLOW_LINK_FLAGS, *SGP_FLAGS) if getattr(cfg, n) != getattr(TrainConfig, n)]
         if changed:
-            raise ValueError(f"{', '.join(changed)} need --strategy slowmo (got {cfg.strategy})")
+            verb = "needs" if len(changed) == 1 else "need"
+            raise ValueError(f"{', '.join(changed)} {verb} --strategy slowmo (got {cfg.strategy})")
     if cfg.fault_tolerant:
         _check_fault_tolerant(cfg)
     elif (cfg.min_replicas, cfg.quorum_timeout) != (TrainConfig.min_replicas, TrainConfig.quorum_timeout):
