@@ -92,6 +92,31 @@ def test_recommendation_picks_fastest_then_least_memory_and_says_why():
     assert "predicted for 100 Mbit/s" in text and text.splitlines()[-1].startswith("recommendation: slowmo")
 
 
+def test_the_recommendation_follows_from_the_table_it_prints():
+    """Crafted results (issue 35): the advice may never call a strategy "the fastest" that its own table shows
+    slower, and where time and peak memory tie, the strategy holding less optimizer state wins (the least memory
+    wins), then the faster one, whatever the order of the results."""
+    noisy = {"step_spread": 0.25}  # windows this noisy put all three within the margin
+    results = [
+        _result("ddp", 2257.5, 0, 0, 1000, optimizer_state_bytes_per_rank=8e6, **noisy),
+        _result("oss", 1506.0, 0, 0, 980, optimizer_state_bytes_per_rank=4e6, **noisy),
+        _result("sharded", 1808.0, 0, 0, 990, optimizer_state_bytes_per_rank=4e6, **noisy),
+    ]
+    for ordered in (results, results[::-1]):
+        advice = advise(ordered, None)
+        assert advice.strategy == "oss", advice.reason  # half ddp's state, and faster than sharded
+        assert "ddp: the fastest" not in advice.reason and "least optimizer state" in advice.reason
+    # ddp chosen while not the fastest: the reason says how it compares, not "the fastest"
+    heavy = [_result("ddp", 2257.5, 0, 0, 500, optimizer_state_bytes_per_rank=8e6, **noisy), *results[1:]]
+    advice = advise(heavy, None)
+    assert advice.strategy == "ddp"
+    assert "; ddp: 2257.5 ms per step measured here, 1.50x the fastest (oss, 1506.0 ms)" in advice.reason
+    # the fastest among equals on memory and state
+    tie = [_result("ddp", 20.0, 0, 0, 600, optimizer_state_bytes_per_rank=1e6),
+           _result("sharded", 19.5, 0, 0, 600, optimizer_state_bytes_per_rank=1e6)]  # fmt: skip
+    assert advise(tie, None).strategy == "sharded" and advise(tie[::-1], None).strategy == "sharded"
+
+
 def test_step_budget():
     assert bench.step_budget(20, 3, None, 3) == (21, 3)
     assert bench.step_budget(3, 1, None, 3) == (3, 3)  # SlowMo's first averaging falls in the warm-up

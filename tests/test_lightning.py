@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -207,3 +208,28 @@ def test_the_readme_snippet_trains(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(prelude + snippet('strategy="ddpkit_sharded"') + "\nassert trainer.global_step == 8\n")
     _torchrun(2, script, cwd=tmp_path)  # (Lightning's default logger writes lightning_logs/ there)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, needle",
+    [
+        (
+            "DDPKitShardedStrategy",
+            {"reduce_bufer_size": 1024},
+            "'reduce_bufer_size' (did you mean 'reduce_buffer_size'?)",
+        ),
+        ("DDPKitShardedStrategy", {"bucket_cap_mb": 1}, "unexpected keyword argument 'bucket_cap_mb'"),
+        ("DDPKitFabricShardedStrategy", {"bucket_cap_mb": 1}, "unexpected keyword argument 'bucket_cap_mb'"),
+        ("DDPKitSlowMoStrategy", {"slowmo_momentum": 0.5}, "unexpected keyword argument 'slowmo_momentum'"),
+        ("DDPKitFabricSlowMoStrategy", {"nprocs_per_node": 1}, "unexpected keyword argument 'nprocs_per_node'"),
+    ],
+)
+def test_options_the_strategy_would_drop_are_refused(name, kwargs, needle):
+    """The sharded and SlowMo strategies never build torch DDP, so what DDPStrategy would pass to it is refused
+    (issue 35: a misspelt option fitted with exit 0 and no warning)."""
+    import ddpkit.integrations.lightning as integration
+
+    with pytest.raises(TypeError, match=re.escape(needle)):
+        getattr(integration, name)(**kwargs)
+    assert integration.DDPKitShardedStrategy(reduce_buffer_size=1024)._sdp_kwargs == {"reduce_buffer_size": 1024}
+    assert integration.DDPKitOSSStrategy(bucket_cap_mb=1)._ddp_kwargs == {"bucket_cap_mb": 1}  # torch DDP takes it

@@ -46,6 +46,7 @@ What Lightning's DDP strategy would get wrong with these wrappers, and what they
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
@@ -67,12 +68,27 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError('ddpkit.integrations.lightning needs lightning: pip install "ddpkit[lightning]"') from exc
 
-from ddpkit.integrations.sharding import as_oss, check_oss_kwargs, sharded_scaler_like, take_sdp_kwargs
+from ddpkit.integrations.sharding import (
+    SDP_OPTIONS,
+    as_oss,
+    check_oss_kwargs,
+    refuse_unknown_kwargs,
+    sharded_scaler_like,
+    take_sdp_kwargs,
+)
 from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS
 
 __all__ = ["DDPKitOSSStrategy", "DDPKitShardedStrategy", "DDPKitSlowMoStrategy", "as_oss"]
 __all__ += ["DDPKitFabricOSSStrategy", "DDPKitFabricShardedStrategy", "DDPKitFabricSlowMoStrategy"]
+
+
+def _own_arguments(strategy: type) -> frozenset[str]:
+    """The named arguments of a Lightning strategy's constructor (its ``**kwargs`` go to torch DDP, which the
+    ShardedDataParallel and SlowMo strategies never build: what is left there would be dropped)."""
+    parameters = inspect.signature(strategy.__init__).parameters.values()
+    named = (p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return frozenset(named) - {"self"}
 
 
 def _clip_by_global_norm(self: Precision, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
@@ -157,6 +173,7 @@ class DDPKitShardedStrategy(_DDPKitStrategy):
 
     def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self._sdp_kwargs = take_sdp_kwargs(kwargs)
+        refuse_unknown_kwargs(kwargs, _own_arguments(DDPStrategy), type(self).__name__, SDP_OPTIONS)
         self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
         self._optimizers_ready = False
@@ -189,6 +206,7 @@ class DDPKitSlowMoStrategy(_DDPKitStrategy):
     checkpoint_key = "ddpkit_slowmo"
 
     def __init__(self, *args: Any, slowmo_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        refuse_unknown_kwargs(kwargs, _own_arguments(DDPStrategy), type(self).__name__, ["slowmo_kwargs"])
         self._slowmo_kwargs = dict(slowmo_kwargs or {})
         self._resumed_slowmo: dict[str, Any] | None = None
         self._slowmo: SlowMoDistributedDataParallel | None = None  # kept after teardown (a save after fit)
@@ -301,6 +319,7 @@ class DDPKitFabricShardedStrategy(_DDPKitFabricStrategy):
 
     def __init__(self, *args: Any, oss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self._sdp_kwargs = take_sdp_kwargs(kwargs)
+        refuse_unknown_kwargs(kwargs, _own_arguments(FabricDDPStrategy), type(self).__name__, SDP_OPTIONS)
         self._oss_kwargs = check_oss_kwargs(oss_kwargs, type(self).__name__)
         super().__init__(*args, **kwargs)
 
@@ -328,6 +347,7 @@ class DDPKitFabricSlowMoStrategy(_DDPKitFabricStrategy):
     strategy_name = "ddpkit_slowmo"
 
     def __init__(self, *args: Any, slowmo_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        refuse_unknown_kwargs(kwargs, _own_arguments(FabricDDPStrategy), type(self).__name__, ["slowmo_kwargs"])
         self._slowmo_kwargs = dict(slowmo_kwargs or {})
         self._slowmo: SlowMoDistributedDataParallel | None = None
         super().__init__(*args, **kwargs)

@@ -3,7 +3,9 @@ GradScaler made a `ShardedGradScaler` (so that a skip is agreed by every rank)."
 
 from __future__ import annotations
 
+import difflib
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -11,7 +13,15 @@ import torch
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS, ShardedGradScaler
 
-__all__ = ["OSS_OPTIONS", "SDP_OPTIONS", "as_oss", "check_oss_kwargs", "sharded_scaler_like", "take_sdp_kwargs"]
+__all__ = [
+    "OSS_OPTIONS",
+    "SDP_OPTIONS",
+    "as_oss",
+    "check_oss_kwargs",
+    "refuse_unknown_kwargs",
+    "sharded_scaler_like",
+    "take_sdp_kwargs",
+]
 
 
 OSS_OPTIONS = frozenset(inspect.signature(OSS.__init__).parameters) - {"self", "params", "optim", "defaults"}
@@ -31,6 +41,21 @@ SDP_OPTIONS = frozenset(inspect.signature(ShardedDataParallel.__init__).paramete
 def take_sdp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Removes ShardedDataParallel's own arguments from `kwargs` (a strategy's keyword arguments) and returns them."""
     return {key: kwargs.pop(key) for key in sorted(SDP_OPTIONS) if key in kwargs}
+
+
+def refuse_unknown_kwargs(kwargs: dict[str, Any], accepted: Iterable[str], where: str, own: Iterable[str]) -> None:
+    """A TypeError naming the first key of `kwargs` (what is left of a strategy's keyword arguments) that is not in
+    `accepted` (its base class's own arguments), with the closest known name: a misspelt option (``reduce_bufer_size``)
+    or one of torch DDP's that ddpkit's wrapper does not take (``bucket_cap_mb``) would otherwise be dropped."""
+    unknown = sorted(set(kwargs) - set(accepted))
+    if not unknown:
+        return
+    known = sorted(set(accepted) | set(own))
+    close = difflib.get_close_matches(unknown[0], known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise TypeError(
+        f"{where}: unexpected keyword argument {unknown[0]!r}{hint}; the wrapper's own are {', '.join(sorted(own))}"
+    )
 
 
 def check_oss_kwargs(oss_kwargs: dict[str, Any] | None, where: str) -> dict[str, Any]:

@@ -34,9 +34,9 @@ their sends (within 9% for every strategy on two namespace hosts, `benchmarks/RE
 
 **The recommendation** is the strategy with the lowest predicted (or, without a link, measured) step time. The
 strategies within the margin of it count as equally fast: the margin is the larger of 5% and the noise of the two
-fastest (each one's `ddpkit.measure.timing.relative_spread` of its windows, added). Of those, the ones with the
-least peak memory per rank (within 5%: memory is measured too) count as lightest, and the first of them in the
-bench's order (ddp, oss, sharded, slowmo, sgp) is recommended. When the runner-up is within the margin the advice
+fastest (each one's `ddpkit.measure.timing.relative_spread` of its windows, added). Of those the least memory
+wins: the least peak memory per rank (within 5%: memory is measured too), then the least optimizer state per rank
+(within 5%), then the fastest. When the runner-up is within the margin the advice
 says so ("no clear winner: ... within N%"), so two runs of the same bench do not seem to contradict each other.
 The reason names its ratios to DDP, whether DDP is communication-bound on the link and what SlowMo predicts.
 """
@@ -151,14 +151,24 @@ def margin(results: list[dict[str, Any]], seconds: dict[str, float]) -> float:
 
 def _pick(results: list[dict[str, Any]], seconds: dict[str, float], within: float) -> tuple[str, list[str]]:
     """The recommended strategy, and every strategy within `within` of the fastest (fastest first). Of those, the
-    ones whose peak memory is within `NEAR_BEST` of the least count as lightest, and the first of them in the
-    order of `results` (ddp first) is chosen: noise in time or memory does not change the choice."""
+    least memory wins: the ones whose peak memory is within `NEAR_BEST` of the least, then of those the ones whose
+    optimizer state per rank is within `NEAR_BEST` of the least (peak memories a few percent apart can hide half
+    the state), then the fastest of them."""
     best = min(seconds.values())
-    near = [r for r in results if seconds[r["strategy"]] <= best * (1 + within)]
-    lightest = min(r["peak_memory_mb"] for r in near)
-    choice = next(r for r in near if r["peak_memory_mb"] <= lightest * NEAR_BEST)["strategy"]
-    near.sort(key=lambda r: seconds[r["strategy"]])
-    return choice, [r["strategy"] for r in near]
+    near = sorted(
+        (r for r in results if seconds[r["strategy"]] <= best * (1 + within)), key=lambda r: seconds[r["strategy"]]
+    )
+    lightest = _least(near, "peak_memory_mb")
+    smallest_state = _least(lightest, "optimizer_state_bytes_per_rank")
+    return smallest_state[0]["strategy"], [r["strategy"] for r in near]
+
+
+def _least(results: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """The results whose `key` is within `NEAR_BEST` of the least (all of them where a result lacks it), in order."""
+    if any(key not in r for r in results):
+        return results
+    least = min(r[key] for r in results)
+    return [r for r in results if r[key] <= least * NEAR_BEST]
 
 
 def _reasons(
@@ -166,8 +176,13 @@ def _reasons(
 ) -> list[str]:
     base = "ddp" if "ddp" in results else next(iter(results))
     where = "measured here" if target is None else f"predicted over {target.mbit:,.0f} Mbit/s"
-    if choice == base:
+    fastest = min(seconds, key=seconds.__getitem__)
+    if choice == base and choice == fastest:
         parts = [f"{choice}: the fastest, {seconds[choice] * 1e3:.1f} ms per step {where}"]
+    elif choice == base:
+        slower = seconds[choice] / seconds[fastest]
+        parts = [f"{choice}: {seconds[choice] * 1e3:.1f} ms per step {where}, {slower:.2f}x the fastest ({fastest}, "
+                 f"{seconds[fastest] * 1e3:.1f} ms)"]  # fmt: skip
     else:
         time_ratio = seconds[choice] / seconds[base]
         memory_ratio = results[choice]["peak_memory_mb"] / results[base]["peak_memory_mb"]
@@ -199,8 +214,9 @@ def advise(results: list[dict[str, Any]], target: Link | None) -> Advice:
     reasons = _reasons({r["strategy"]: r for r in results}, seconds, choice, target)
     if len(near) > 1:
         reasons.insert(0, f"no clear winner: {', '.join(near)} within {within:.0%} of the fastest step time (the "
-                          "margin: 5% or the noise between windows, whichever is larger); of those with the least "
-                          "peak memory (within 5%), the first in the list")  # fmt: skip
+                          "margin: 5% or the noise between windows, whichever is larger); of those the least memory "
+                          "wins: the least peak memory, then the least optimizer state (each within 5%), then the "
+                          "fastest")  # fmt: skip
     return Advice(choice, "; ".join(reasons), seconds)
 
 

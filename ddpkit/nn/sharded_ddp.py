@@ -87,9 +87,9 @@ class ShardedDataParallel(ModuleWrapper):
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
     traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets every rank posts the receives of
     its buckets `POST_AHEAD` buckets ahead of the launches, from the first gradient on, so both directions of a link
-    carry data at once (see the module doc), and completes them as far behind. With `broadcast_buffers`, module buffers are
-    broadcast from rank 0 before each forward that will sync gradients (grad enabled, not inside `no_sync()`, as
-    torch DDP does). On gloo, reduce + broadcast is faster than
+    carry data at once (see the module doc), and completes them as far behind. With `broadcast_buffers`, module
+    buffers are broadcast from rank 0 before each forward that will sync gradients (grad enabled, not inside
+    `no_sync()`, as torch DDP does). On gloo, reduce + broadcast is faster than
     reduce_scatter + all_gather; on NCCL both map to the same ring kernels. When every rank runs on one host (gloo,
     CPU), the reduce goes through shared memory instead (`ddpkit.distributed.mailboxes`: each sender copies its
     bucket into a mailbox the owner adds from, bit for bit the same sum) and so does OSS's broadcast: only 1-byte
@@ -107,11 +107,11 @@ class ShardedDataParallel(ModuleWrapper):
     oldest beyond `IN_FLIGHT`), except the small parameters' own gradients kept with `keep_bucketed_grads` (10% of
     the byte GPT's elements; none with False). On one host each sender reuses two mailboxes per owner, which adds a
     bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner holds receive
-    buffers ((N-1) per bucket) for the few buckets within `POST_AHEAD` of the launches, not for its whole share. With Adam and OSS a rank's peak is thus about P
-    + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut into pieces holds its full-size gradient only
-    until its pieces are reduced (through shared memory at once, over sockets while the next cut parameter's are in
-    flight, across hosts until the end of backward), then only the rank's piece. (glibc keeps freed blocks
-    resident: see `ddpkit.distributed.allocator`.)
+    buffers ((N-1) per bucket) for the few buckets within `POST_AHEAD` of the launches, not for its whole share.
+    With Adam and OSS a rank's peak is thus about P + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut
+    into pieces holds its full-size gradient only until its pieces are reduced (through shared memory at once, over
+    sockets while the next cut parameter's are in flight, across hosts until the end of backward), then only the
+    rank's piece. (glibc keeps freed blocks resident: see `ddpkit.distributed.allocator`.)
 
     `cross_host_compression` (beyond fairscale; "none" by default): "bf16", "int8" or "int4" sends what crosses
     between hosts quantised, with error feedback (`ddpkit.distributed.hierarchical_reduce`): 2x, about 3.8x or
