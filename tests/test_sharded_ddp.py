@@ -551,3 +551,24 @@ def test_fairscale_defaults_zero_grad_and_to(world):
     for diff, zeroed_in_place, error in run_distributed(_fairscale_defaults, world):
         assert diff < 1e-12 and all(zeroed_in_place), (diff, zeroed_in_place)
         assert "moving to meta is not supported" in error
+
+
+def test_the_private_engine_check_is_verified_once_with_a_clear_fallback(monkeypatch):
+    """ShardedDataParallel reads torch's private ``_will_engine_execute_node``; it is checked on a known graph, and
+    when it is missing or answers otherwise, one warning says so and every backward counts as accumulating."""
+    import ddpkit.nn.sharded_ddp as module
+
+    monkeypatch.setattr(module, "_ENGINE_CHECK", [])
+    assert module._engine_check() is torch._C._will_engine_execute_node  # this torch: the reading holds
+    for replacement in (None, lambda node: True):  # missing; or never raising under autograd.grad
+        monkeypatch.setattr(module, "_ENGINE_CHECK", [])
+        if replacement is None:
+            monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+        else:
+            monkeypatch.setattr(torch._C, "_will_engine_execute_node", replacement, raising=False)
+        with pytest.warns(UserWarning, match="does not tell whether a backward will accumulate"):
+            assert module._engine_check() is None
+        assert module._will_accumulate(object()) is True
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            module._engine_check()  # once: no second warning

@@ -619,14 +619,56 @@ def _may_block(bucket: GradBucket) -> bool:
 def _will_accumulate(accumulator: Any) -> bool:
     """Whether the running backward adds to the gradient of the parameter whose AccumulateGrad node is `accumulator`
     (False under ``torch.autograd.grad``, which runs the parameter's hooks but leaves ``.grad`` alone). torch has no
-    public way to ask: its private check raises for a parameter under ``autograd.grad``, which is the answer."""
-    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    public way to ask: its private check raises for a parameter under ``autograd.grad``, which is the answer. That
+    reading is verified once on a known graph (`_engine_check`); where the check is missing or answers otherwise,
+    ShardedDataParallel warns once and takes every backward as accumulating (right for ``backward()``; under
+    ``autograd.grad`` through the wrapper, gradients left by the last reduce may then be dropped)."""
+    will_execute = _engine_check()
     if will_execute is None:
         return True
     try:
         return bool(will_execute(accumulator))
     except RuntimeError:
         return False
+
+
+_ENGINE_CHECK: list[Any] = []  # [the verified check, or None], filled at the first use
+
+
+def _engine_check() -> Any:
+    """torch's private ``_will_engine_execute_node`` if it answers as `_will_accumulate` reads it on a leaf of a known
+    graph (True under ``backward()``, a RuntimeError under ``autograd.grad``), else None after one warning."""
+    if not _ENGINE_CHECK:
+        _ENGINE_CHECK.append(_verified_engine_check())
+    return _ENGINE_CHECK[0]
+
+
+def _verified_engine_check() -> Any:
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    answers: list[bool | str] = []
+    if will_execute is not None:
+        leaf = torch.zeros(1, requires_grad=True)
+        with torch.enable_grad():
+            node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+            def ask(_: torch.Tensor) -> None:
+                try:
+                    answers.append(bool(will_execute(node)))
+                except RuntimeError:
+                    answers.append("raised")
+
+            leaf.register_hook(ask)
+            (leaf * 2).sum().backward()
+            torch.autograd.grad((leaf * 3).sum(), [leaf])
+    if answers == [True, "raised"]:
+        return will_execute
+    warnings.warn(
+        f"ShardedDataParallel: this torch ({torch.__version__}) does not tell whether a backward will accumulate "
+        "into .grad (torch._C._will_engine_execute_node is missing or answers otherwise); every backward is taken "
+        "as accumulating, so torch.autograd.grad through the wrapper may drop gradients the last reduce left",
+        stacklevel=3,
+    )
+    return None
 
 
 def _check_optimizers(sharded_optimizer: OSS | AdaScale | list[OSS | AdaScale]) -> list[OSS]:
