@@ -214,3 +214,48 @@ def _mismatch(rank: int, world: int) -> str:
 def test_a_message_unlike_the_posted_one_is_refused_before_sending():
     for message in run_distributed(_mismatch, 2):
         assert "expected a contiguous tensor of 4 torch.float32 elements" in message and "got 5" in message
+
+
+def _sums_by_path(rank: int, world: int) -> dict:
+    """Each owner's averaged gradients over sockets and over shared memory, and every rank's local gradients
+    (for the reference), on gradients whose float sum depends on its order (magnitudes 10**(3 rank))."""
+    out: dict = {"local": None}
+    for path, switch in (("sockets", "0"), ("shared_memory", "1")):
+        os.environ[SHARED_MEMORY_ENV] = switch
+        try:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 512))
+            opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, split_params=False)
+            sdp = ShardedDataParallel(model, opt)
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(8, 64, generator=g)
+            scale = 10.0 ** (3 * rank)  # exact in fp32
+            if out["local"] is None:  # the rank's own gradients, from a plain copy of the same model
+                plain = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 512))
+                plain.load_state_dict(model.state_dict())
+                out["local"] = list(torch.autograd.grad(plain(x).sum() * scale, list(plain.parameters())))
+            (sdp(x).sum() * scale).backward()
+            out[path] = {i: p.grad.clone() for i, p in enumerate(model.parameters()) if opt.owner_of(p) == rank}
+        finally:
+            os.environ.pop(SHARED_MEMORY_ENV, None)
+    return out
+
+
+def test_sockets_and_shared_memory_give_the_same_sum_bit_for_bit():
+    """The socket path and the shared-memory path promise the same sum bit for bit: the owner's own gradient,
+    then every other rank's in rank order, then divided by N. The reference is that order, written here on the
+    ranks' local gradients; the magnitudes make any other order differ in the last bits."""
+    world = 4
+    results = run_distributed(_sums_by_path, world, timeout=300.0)
+    checked = 0
+    for owner, r in enumerate(results):
+        for index in r["sockets"]:
+            expected = results[owner]["local"][index].clone()
+            for other in range(world):
+                if other != owner:
+                    expected += results[other]["local"][index]
+            expected /= world
+            assert torch.equal(r["sockets"][index], expected), (owner, index)
+            assert torch.equal(r["shared_memory"][index], expected), (owner, index)
+            checked += 1
+    assert checked == 4  # every parameter, each on its owner
