@@ -572,3 +572,16 @@ def test_the_private_engine_check_is_verified_once_with_a_clear_fallback(monkeyp
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             module._engine_check()  # once: no second warning
+
+
+def test_cross_host_compression_is_refused_where_it_would_be_ignored():
+    """The compressed reduce between hosts runs over gloo on CPU tensors; on GPU parameters it would do nothing,
+    so it is refused by name (checked before any collective; no GPU needed to check the rule)."""
+    from ddpkit.nn.sharded_ddp import _check_compression
+
+    with pytest.raises(ValueError, match=r"cross_host_compression='int8' compresses the CPU .* on cuda"):
+        _check_compression("int8", {"cuda"})
+    with pytest.raises(ValueError, match="must be one of"):
+        _check_compression("int3", {"cpu"})
+    _check_compression("int8", {"cpu"})
+    _check_compression("none", {"cuda"})

@@ -115,7 +115,8 @@ class ShardedDataParallel(ModuleWrapper):
 
     `cross_host_compression` (beyond fairscale; "none" by default): "bf16", "int8" or "int4" sends what crosses
     between hosts quantised, with error feedback (`ddpkit.distributed.hierarchical_reduce`): 2x, about 3.8x or
-    about 7x fewer gradient bytes between hosts, no longer bit-equal to DDP. Also with one rank per host.
+    about 7x fewer gradient bytes between hosts, no longer bit-equal to DDP. Also with one rank per host. CPU
+    parameters only (on GPU parameters: a ValueError).
 
     `keep_bucketed_grads` (beyond fairscale; True as fairscale behaves): False drops every gradient a rank does
     not own, the whole of ZeRO-2's gradient saving, for code that never reads them there.
@@ -164,11 +165,7 @@ class ShardedDataParallel(ModuleWrapper):
                 f"got {reduce_buffer_size!r}"
             )
         _check_one_device_type(module)
-        if cross_host_compression not in COMPRESSIONS:
-            raise ValueError(
-                f"ShardedDataParallel: cross_host_compression must be one of {', '.join(COMPRESSIONS)}, got "
-                f"{cross_host_compression!r}"
-            )
+        _check_compression(cross_host_compression, {p.device.type for p in module.parameters()})
         self.cross_host_compression = cross_host_compression
         if not isinstance(keep_bucketed_grads, bool):
             raise TypeError(
@@ -711,6 +708,21 @@ def _ranks(group: ProcessGroup | None) -> list[int]:
     if group is None or group is dist.group.WORLD:
         return list(range(dist.get_world_size()))
     return dist.get_process_group_ranks(group)
+
+
+def _check_compression(compression: str, device_types: set[str]) -> None:
+    """`cross_host_compression` must be a known codec, and (other than "none") acts on CPU parameters only: the
+    two-stage reduce across hosts runs over gloo on CPU tensors, so on GPUs it would be silently ignored."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(
+            f"ShardedDataParallel: cross_host_compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}"
+        )
+    if compression != "none" and device_types - {"cpu"}:
+        raise ValueError(
+            f"ShardedDataParallel: cross_host_compression={compression!r} compresses the CPU (gloo) reduce between "
+            f"hosts; the parameters are on {', '.join(sorted(device_types - {'cpu'}))}, where NCCL reduces them "
+            "uncompressed: leave it at 'none' (or train on CPUs)"
+        )
 
 
 def _check_one_device_type(module: nn.Module) -> None:
