@@ -1,33 +1,13 @@
 """ShardedDataParallel: gradient sharding (ZeRO stage 2) on top of OSS.
 
-Where the time goes (issue 22; `benchmarks/profile_sharded.py` on the byte GPT, 3.3M parameters in 52 tensors and
-26 buckets whose owner changes 17 times along the launch order; 2 ranks, one thread each, Adam, ms per step,
-medians of 3 interleaved rounds; load average 0.5-1.1 on 2 cores):
-
-* On one host compute dominates: DDP 245, OSS + DDP 244, ShardedDataParallel 250 (shared memory) and 251
-  (sockets): forward ~75 and backward ~165 for all. ShardedDataParallel's extra backward time is its Python:
-  52 gradient hooks and 26 launches 11 ms (about 0.2 ms per tensor), of which the mailbox copies and 1-byte
-  signals 7 ms (17 buckets sent), the senders' wait for acknowledgements 5 ms, the owners' adds 1.5 ms. The
-  step: DDP's Adam over the whole model 6.2 ms; OSS's Adam over its half 2 ms plus the shared-memory broadcast
-  2.9 ms (its two barriers 2.3 ms). So on this model sharding saves at most the 3-4 ms of optimizer step.
-* Under a load of 16-29 from other jobs (same script, 2 rounds), ShardedDataParallel's backward spent 305 of
-  811 ms waiting at its end, 285 of them in senders waiting for the owner's acknowledgement, which the owner sends
-  only when its own (slower) backward ends: the per-bucket handshake turns the ranks' skew under contention into
-  waiting (DDP 852 ms per step, OSS + DDP 1099, ShardedDataParallel 1136, over sockets 1521; forward alone
-  varied 318-509 ms between strategies in that run, so these are rough).
-* Across hosts (gloo sockets) the cause was the order of receives: a point-to-point message is a rendezvous
-  whose ready notice queues on the receiver's connection behind its own outgoing data. Owners posted each
-  receive when their own backward reached that bucket, by then streaming their earlier buckets the other way,
-  so the link carried one direction at a time; OSS's broadcast posted sends before receives in the same way.
-  Now every owner posts all its receives at the first gradient of backward (`comm.post_reduce`) and the
-  broadcast posts its receives before its sends (`comm.broadcast_many`); the sum order (the owner's own
-  gradient, then the others' in rank order) and the bytes are unchanged. Two namespace hosts x 1 rank, the
-  advisor's workload (GPT 3.3M, batch 8, 6 steps), old and new code interleaved over 2 rounds, load 0.7-2.6:
-  at 100 Mbit/s DDP 1,341 ms; ShardedDataParallel 1,913 / 1,908 before (1.43x), 1,242 / 1,253 after (0.93x);
-  OSS + DDP 2,134 / 2,063 before, 1,919 / 1,883 after (1.42x: it sends 1.5x DDP's bytes, an all-reduce and a
-  broadcast). At 1 Gbit/s DDP 388 ms; ShardedDataParallel 433 / 401 before, 390 / 373 after (0.98x); OSS + DDP
-  467 / 472 before, 453 / 451 after (1.17x). Same wire bytes per step before and after (13.03 MB for DDP and
-  ShardedDataParallel, 19.59 MB for OSS + DDP).
+What it is: a module wrapper that, during backward, reduces each gradient bucket to the rank whose OSS owns it,
+so each rank holds the averaged gradients of its own shard only; `OSS.step` then updates the shards and
+broadcasts them. What it sends per step: every trainable gradient once (to its owner) plus OSS's broadcast of
+every parameter once, exactly DDP's all-reduce bytes; on one host through shared memory (`mailboxes`), across
+hosts of several ranks in two stages (`hierarchical_reduce`), over sockets with the receives posted a few buckets
+ahead so both directions of a link carry data (`comm.post_reduce`: gloo's point-to-point is a rendezvous whose
+ready notice queues behind the receiver's own outgoing data). What it holds: the class docstring's "Memory".
+Where its time goes, measured: benchmarks/README.md, "Where ZeRO-2's time goes".
 """
 
 from __future__ import annotations
