@@ -190,6 +190,9 @@ def argv(text: str, *appended: str, **values: str) -> list[str]:
 COMMANDS: dict[str, str] = {
     'pip install torch==2.13.0 -e ".[dev]" && ddpkit train --out runs/digits': "test_quick_start_trains",
     'pip install torch==2.13.0 -e ".[dev]" && python -m pytest': "CI: .ci/run installs and runs exactly this",
+    "srun ddpkit train --strategy sharded --out runs/slurm": (
+        "tests/test_slurm.py::test_two_srun_tasks_train_as_one_job (the variables srun sets, on loopback)"
+    ),
     "ddpkit train --strategy ddp|oss|sharded|slowmo --optimizer sgd|adam|adamw --epochs 5 --batch-size 32": (
         "test_train_line"
     ),

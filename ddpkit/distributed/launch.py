@@ -52,6 +52,48 @@ def from_torchrun() -> Placement | None:
     )
 
 
+SLURM_DEFAULT_PORT_BASE = 15000  # the port every task derives from the job id (Lightning's rule), without MASTER_PORT
+
+
+def from_slurm(master_port: int | None = None) -> Placement | None:
+    """This process's placement when ``srun`` started it as one task of a job step of several tasks (one task
+    per rank), read from the variables srun sets for its tasks, else None: rank ``SLURM_PROCID`` of
+    ``SLURM_STEP_NUM_TASKS``, local rank ``SLURM_LOCALID``; the master is ``MASTER_ADDR`` or the first node of
+    the step's node list, the port `master_port` (``--master-port``), else ``MASTER_PORT``, else 15000 plus the
+    job id's last four digits (the same on every task). An interactive allocation's shell (``SLURM_JOB_NAME``
+    bash or interactive) or a single task is not taken as the job's layout: ``ddpkit train`` then starts its own
+    ranks. The torchrun variables are exported for what reads them (threads, the ledger), as torchrun would."""
+    env = os.environ
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1)  # set by srun for its tasks, not in an sbatch script
+    if "SLURM_PROCID" not in env or tasks < 2 or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return None
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    if master_port is None:
+        job = env.get("SLURM_JOB_ID", "")
+        master_port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else SLURM_DEFAULT_PORT_BASE + int(job[-4:] or 0)
+    exported = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": str(tasks),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(tasks // nodes if tasks % nodes == 0 else 1),
+        "GROUP_RANK": env.get("SLURM_NODEID", "0"),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodelist),
+        "MASTER_PORT": str(master_port),
+    }
+    env.update(exported)
+    return from_torchrun()
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``node[07-09,12],gpu1`` -> ``node07``."""
+    match = re.match(r"\s*([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if match is None:
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix if ranges is None else prefix + re.split(r"[-,]", ranges)[0]
+
+
 def rejoin_blocked_note() -> str | None:
     """Why a machine that leaves this elastic torchrun job could not come back, or None.
 

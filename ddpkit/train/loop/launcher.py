@@ -12,6 +12,7 @@ from ddpkit.distributed.launch import (
     Placement,
     exit_without_teardown,
     free_port,
+    from_slurm,
     from_torchrun,
     spawn,
 )
@@ -60,6 +61,11 @@ def launch_training(cfg: TrainConfig) -> None:
     if cfg.debug:
         os.environ["DDPKIT_DEBUG"] = "1"  # the ranks inherit it
     placement = from_torchrun()
+    if placement is None and (placement := from_slurm(cfg.master_port)) is not None and cfg.fault_tolerant:
+        raise ValueError(
+            "--fault-tolerant under srun's tasks: start one torchrun per machine instead "
+            "(srun --ntasks-per-node 1 torchrun --nproc-per-node N -m ddpkit train --fault-tolerant ...)"
+        )
     if cfg.fault_tolerant and placement is not None:  # one torchrun per machine, meeting at `ddpkit store`
         cfg, placement = fault_tolerant_under_torchrun(cfg, placement)
         run_placed(cfg, placement, started)
@@ -67,7 +73,7 @@ def launch_training(cfg: TrainConfig) -> None:
     if cfg.fault_tolerant:
         launch_fault_tolerant(cfg, started)
         return
-    if placement is not None:  # torchrun (or a scheduler) already started one process per rank
+    if placement is not None:  # torchrun (or srun) already started one process per rank
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         cfg = dataclasses.replace(
             cfg, nproc_per_node=local, nnodes=placement.world_size // local, node_rank=placement.rank // local
