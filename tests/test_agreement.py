@@ -122,6 +122,14 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
         per_rank = [{"params": list(_mlp(8).parameters()), "rank": rank, "lr": 0.1}]
         seen["oss_rank_key"] = _error(OSS, per_rank, optim=torch.optim.SGD)
     seen["oss_rank_key_warning"] = " | ".join(str(w.message) for w in caught)
+    # issue 35: fairscale's tests pass a per-rank argument to an optimizer class that takes it through **kwargs
+    # (OSS(..., optim=SGDWithPausingCompute, lr=..., rank=rank)): it lands in every group; a warning, not a refusal
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen["oss_rank_kwarg"] = _error(OSS, _mlp(8).parameters(), optim=_SGDWithRank, lr=0.1, rank=rank)
+    seen["oss_rank_kwarg_warning"] = " | ".join(str(w.message) for w in caught)
+    seen["oss_rank_kwarg_lr"] = _error(OSS, _mlp(8).parameters(), optim=_SGDWithRank, lr=0.2 if other else 0.1,
+                                       rank=rank)  # fmt: skip
     # ... but a hyper-parameter torch's SGD takes, set per group, must agree
     momentum = [{"params": list(_mlp(8).parameters()), "momentum": 0.9 if other else 0.0}]
     seen["oss_group_momentum"] = _error(OSS, momentum, optim=torch.optim.SGD, lr=0.1)
@@ -129,6 +137,14 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
         OSS(_mlp(8).parameters(), optim=torch.optim.SGD, lr=0.2 if other else 0.1, check_agreement=False)
     seen["unchecked_calls"] = repr(unchecked.calls())
     return seen
+
+
+class _SGDWithRank(torch.optim.SGD):
+    """fairscale's test optimizer's shape: a per-rank argument taken from **kwargs, the rest passed on to SGD."""
+
+    def __init__(self, *args, **kwargs):
+        self.rank = kwargs.pop("rank")
+        super().__init__(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +194,9 @@ def test_per_rank_entries_of_a_param_group_warn_and_known_hyperparameters_refuse
         assert f"seen from rank {rank}" in seen["oss_rank_key_warning"]
         assert "check_agreement=False" in seen["oss_rank_key_warning"]
         assert "param group 0 momentum: 0.0 on rank 0; 0.9 on rank 1" in seen["oss_group_momentum"]
+        assert seen["oss_rank_kwarg"] == "", seen["oss_rank_kwarg"]  # fairscale accepts it; so does ddpkit
+        assert "param group 0 rank: 0 on rank 0; 1 on rank 1" in seen["oss_rank_kwarg_warning"]
+        assert "param group 0 lr: 0.1 on rank 0; 0.2 on rank 1" in seen["oss_rank_kwarg_lr"]  # SGD's own: refused
 
 
 def test_disagreement_is_not_reported_as_a_shared_memory_error(two_ranks):

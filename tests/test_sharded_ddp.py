@@ -438,6 +438,17 @@ def _api_and_errors(rank, world):
             wrapped(x).pow(2).sum().backward(create_graph=True)
         except RuntimeError as exc:
             errors[label] = str(exc)
+    # a .grad that requires grad, set by hand (or a hook) after a clean backward: refused at the next forward, as
+    # fairscale does (torch's DDP raises nothing there), naming the parameter
+    fresh = _mlp()
+    fresh_sdp = ShardedDataParallel(fresh, OSS(fresh.parameters(), lr=0.1))
+    x, _ = _batch(rank, 0)
+    fresh_sdp(x).sum().backward()
+    fresh[0].weight.grad = fresh[0].weight.grad.detach().requires_grad_()
+    try:
+        fresh_sdp(x)
+    except RuntimeError as exc:
+        errors["grad_set_by_hand"] = str(exc)
     return errors
 
 
@@ -446,6 +457,7 @@ def test_api_and_clear_errors():
     assert errors["attributes"] == errors["ddp_attributes"] == repr((False, "cpu"))
     assert "only works with gradients that do not require grad" in errors["sdp_create_graph"]
     assert "ddp_create_graph" in errors  # the reference raises too
+    assert "the .grad of 0.weight does (set by hand or by a hook" in errors["grad_set_by_hand"]
     assert "must be a ddpkit.optim.OSS" in errors["plain_optimizer"] and "TypeError" in errors["plain_optimizer"]
     assert "torch.nn.Module" in errors["not_a_module"]
     assert "reduce_buffer_size" in errors["bad_buffer_size"]

@@ -279,12 +279,21 @@ class ShardedDataParallel(ModuleWrapper):
                     stacklevel=2,
                 )
             self.refresh_trainable()
+        if torch.is_grad_enabled():
+            self._refuse_grads_that_require_grad()
         self._sync_this_backward = self._grad_sync_enabled
         # As torch DDP: buffers are synced only by a forward that will sync gradients (grad enabled, not in
         # no_sync), so an evaluation on some ranks only (`torch.no_grad()`) sends nothing and cannot hang.
         if self.broadcast_buffers and self._grad_sync_enabled and torch.is_grad_enabled():
             self.sync_buffers(blocking=True)
         return self.module(*inputs, **kwargs)
+
+    def _refuse_grads_that_require_grad(self) -> None:
+        """Before a forward that may be followed by a backward (where fairscale checks too): a ``.grad`` that
+        requires grad would be reduced into an autograd graph; it is refused on the rank that holds it, naming it."""
+        for name, param in self.module.named_parameters():
+            if param.grad is not None and param.grad.requires_grad:
+                raise RuntimeError(_GRAD_REQUIRES_GRAD.format(name=name))
 
     def sync_buffers(self, blocking: bool = False) -> list[Any] | None:
         """Broadcasts the module's buffers from rank 0.
@@ -308,10 +317,8 @@ class ShardedDataParallel(ModuleWrapper):
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is not None and param.grad.requires_grad:
-            raise RuntimeError(
-                "ShardedDataParallel only works with gradients that do not require grad (as torch's DDP): a "
-                "backward with create_graph=True made one; take higher-order gradients outside the wrapper"
-            )
+            name = next((n for n, p in self.module.named_parameters() if p is param), "a parameter")
+            raise RuntimeError(_GRAD_REQUIRES_GRAD.format(name=name))
         if not self._sync_this_backward:
             self._unreduced = True  # accumulated under no_sync(): `reduce()` has work to do
             return
@@ -577,6 +584,12 @@ class ShardedDataParallel(ModuleWrapper):
 
 ShardedDDP = ShardedDataParallel
 
+
+_GRAD_REQUIRES_GRAD = (
+    "ShardedDataParallel only works with gradients that do not require grad: the .grad of {name} does (set by "
+    "hand or by a hook, or made by backward(create_graph=True)); detach it (p.grad = p.grad.detach()) or clear it "
+    "before the next forward, and take higher-order gradients outside the wrapper"
+)
 
 IN_FLIGHT = 2
 

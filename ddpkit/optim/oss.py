@@ -158,7 +158,7 @@ class OSS(Optimizer):
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
         if check_agreement:  # before any collective that needs it
-            known = hyperparameter_names(optim) | set(defaults)
+            known = hyperparameter_names(optim)
             sharding = {
                 "optim": optim.__qualname__,
                 "split_params": split_params,
@@ -545,10 +545,20 @@ _NUMERIC_HYPERPARAMETERS = ("lr", "momentum", "dampening", "weight_decay", "eps"
 
 
 def hyperparameter_names(optim: type[Optimizer]) -> set[str]:
-    """The param-group keys `optim` reads: its constructor's arguments (lr, momentum, fused, ...) and what torch's
-    schedulers add (initial_lr). Ranks must agree on these; other keys of a group only warn when they differ."""
-    names = set(inspect.signature(optim.__init__).parameters) - {"self", "params", "args", "kwargs"}
-    return names | {"initial_lr"}
+    """The param-group keys `optim` reads, on which ranks must agree: the constructor arguments of the torch
+    optimizer it derives from (torch's SGD, Adam, ...: lr, momentum, betas, weight_decay, fused, ...), or, for one
+    that derives from none, its constructors' named arguments up its class chain while they pass the rest on through
+    ``**kwargs``; plus what torch's schedulers add (initial_lr). Other keys only warn when they differ: a per-rank
+    ``rank`` that a subclass takes, as fairscale's own tests pass it."""
+    chain = [cls for cls in optim.__mro__ if "__init__" in vars(cls) and cls not in (Optimizer, object)]
+    from_torch = [cls for cls in chain if cls.__module__.startswith("torch.optim")]
+    names: set[str] = set()
+    for cls in from_torch[:1] or chain:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        names |= {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break
+    return (names - {"self", "params", "defaults"}) | {"initial_lr"}
 
 
 def _check_numeric_hyperparameters(defaults: dict[str, Any]) -> None:
