@@ -12,6 +12,7 @@ parameters, the parameters after the resumed run, and the bytes of optimizer sta
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,11 +90,18 @@ def run(mode: str, out: Path) -> None:
     batches = list(parts[2])
     losses = _train(accelerator, mode, parts, batches, 4)
     accelerator.save_state(str(out / f"{mode}-ckpt"))
+    saved = _params(parts[0])
+    # issue 35: save_state must not leave the whole optimizer state on every rank (only the writer consolidates)
+    whole_state_here = getattr(parts[1].optimizer, "_consolidated", None) is not None
     rest = list(batches)
     losses += _train(accelerator, mode, parts, batches, 4)
     final = _params(parts[0])
     inner = getattr(parts[1].optimizer, "optim", parts[1].optimizer)
     held = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
+    # issue 35: load_state into the model that has trained since (its parameters live in OSS's buffers)
+    accelerator.load_state(str(out / f"{mode}-ckpt"))
+    reloaded = _params(parts[0])
+    reloaded_losses = _train(accelerator, mode, parts, list(rest), 4)
     accelerator.free_memory()
 
     resumed = Accelerator(cpu=True, gradient_accumulation_steps=2)
@@ -101,7 +109,8 @@ def run(mode: str, out: Path) -> None:
     resumed.load_state(str(out / f"{mode}-ckpt"))
     resumed_losses = _train(resumed, mode, again, rest, 4)
     record = {"losses": losses, "params": final, "resumed_losses": resumed_losses, "resumed": _params(again[0]),
-              "state_bytes": held, "model": type(parts[0]).__name__}  # fmt: skip
+              "state_bytes": held, "model": type(parts[0]).__name__, "saved": saved, "reloaded": reloaded,
+              "reloaded_losses": reloaded_losses, "whole_state_here": whole_state_here}  # fmt: skip
     (out / f"{mode}.rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
@@ -126,8 +135,37 @@ def run_scaled(mode: str, out: Path) -> None:
     (out / f"{mode}-scaled.rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
+DOCUMENTED = "model, optimizer = prepare_sharded(accelerator, model, optimizer)   # instead of accelerator.prepare"
+
+
+def run_documented(out: Path) -> None:
+    """The accelerate loop of docs/integrations.md as written, with the reader's names supplied: every rank ends
+    on the same parameters, moved from where they started, and the checkpoint is written."""
+    from test_readme import snippet  # (this script's folder is on the path)
+
+    code = snippet(DOCUMENTED)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3))
+    start = _params(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3)
+    loader = DataLoader(_data(), batch_size=16)
+    namespace = {"model": model, "optimizer": optimizer, "loss_fn": F.cross_entropy, "loader": loader,
+                 "scheduler": scheduler}  # fmt: skip
+    previous = os.getcwd()
+    os.chdir(out)
+    try:
+        exec(compile(code, str(code.path), "exec"), namespace)
+    finally:
+        os.chdir(previous)
+    rank = namespace["accelerator"].process_index
+    record = {"start": start, "params": _params(model), "checkpoint": (out / "ckpt" / "optimizer.bin").exists()}
+    (out / f"documented.rank{rank}.json").write_text(json.dumps(record))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     for mode in ("ddp", "sharded"):
         run(mode, Path(sys.argv[1]))
         run_scaled(mode, Path(sys.argv[1]))
+    run_documented(Path(sys.argv[1]))

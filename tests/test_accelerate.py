@@ -33,6 +33,32 @@ def _accelerate_launch(world: int, script: str, *args: object) -> None:
     _run([*launch, "--main_process_port", free_port(), HERE / script, *args])
 
 
+def _mismatched(rank: int, world: int) -> str:
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from ddpkit.integrations.accelerate import prepare_sharded
+
+    model = nn.Linear(4, 2)
+    seen_as_one = SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO")
+    try:
+        prepare_sharded(seen_as_one, model, __import__("torch").optim.SGD(model.parameters(), lr=0.1))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_prepare_sharded_refuses_when_accelerate_counts_other_processes():
+    """`accelerate launch --multi_gpu` on a CPU machine without cpu=True: accelerate sees one process while
+    torch.distributed has two, so the data would not be split (issue 35); refused on every rank, saying what to do."""
+    from ddpkit.testing import run_distributed
+
+    for message in run_distributed(_mismatched, 2):
+        assert "accelerate counts 1 process(es)" in message and "torch.distributed has 2 ranks" in message
+        assert "Accelerator(cpu=True)" in message and "--multi_cpu" in message
+
+
 def test_the_sharded_recipe_trains_checkpoints_and_resumes_as_accelerates_ddp(tmp_path):
     _accelerate_launch(2, "accelerate_runs.py", tmp_path)
     for rank in range(2):
@@ -46,6 +72,13 @@ def test_the_sharded_recipe_trains_checkpoints_and_resumes_as_accelerates_ddp(tm
             tail = run["losses"][-len(run["resumed_losses"]) :]
             assert _close(run["resumed_losses"], tail) < 1e-7, rank
         assert 0 < sharded["state_bytes"] < ddp["state_bytes"], (sharded["state_bytes"], ddp["state_bytes"])
+        for run in (ddp, sharded):  # load_state into the model that trained on: back to the saved point, same run
+            assert run["reloaded"] == run["saved"], rank
+            assert _close(run["reloaded_losses"], run["losses"][-len(run["reloaded_losses"]) :]) < 1e-7, rank
+        assert sharded["whole_state_here"] == (rank == 0)  # only the rank that writes gathered the whole state
+        documented = json.loads((tmp_path / f"documented.rank{rank}.json").read_text())  # docs/integrations.md
+        assert documented["checkpoint"] and documented["params"] != documented["start"]
+        assert documented["params"] == json.loads((tmp_path / "documented.rank0.json").read_text())["params"]
         ddp, sharded = (json.loads((tmp_path / f"{mode}-scaled.rank{rank}.json").read_text()) for mode in modes)
         assert (ddp["scaler"], sharded["scaler"]) == ("GradScaler", "ShardedGradScaler")
         assert ddp["scale"] == sharded["scale"] == 2.0**24, (ddp["scale"], sharded["scale"])  # 3 skips from 2**36

@@ -235,6 +235,10 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
     "optimizer.consolidate_state_dict(recipient_rank=0)": "test_oss_snippet_and_its_checkpoint",
     "model = ShardedDataParallel(model, optimizer)": "test_sharded_data_parallel_snippet",
     "sharded = ShardedDataParallel(model, optimizer)": "test_readme_tour_snippet",
+    "model, optimizer = prepare_sharded(accelerator, model, optimizer)": (
+        "tests/test_accelerate.py::test_the_sharded_recipe_trains_checkpoints_and_resumes_as_accelerates_ddp "
+        "(run as written under accelerate launch by tests/accelerate_runs.py)"
+    ),
     "scaler = ShardedGradScaler()": "test_sharded_grad_scaler_snippet",
     "optimizer = AdaScale(": "test_adascale_snippet",
     "model.perform_slowmo(optimizer)": "test_slowmo_snippets",

@@ -7,7 +7,7 @@ accelerate's own wrapper, and ``save_state``/``load_state`` include them) and ad
 
     from ddpkit.integrations.accelerate import clip_grad_norm_, prepare_sharded
 
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)  # cpu=True on CPUs: see below
     model, optimizer = prepare_sharded(accelerator, model, optimizer)   # instead of accelerator.prepare
     loader, scheduler = accelerator.prepare(loader, scheduler)
     for x, y in loader:
@@ -24,16 +24,21 @@ What differs from accelerate's own path, and why:
   holds, i.e. its shard's only; `clip_grad_norm_` here unscales (fp16) and clips by the norm over all shards
   (`OSS.clip_grad_norm`). This is the one call that cannot stay accelerate's own without patching accelerate.
 - ``save_state`` calls the optimizer's ``state_dict()`` on every rank; a pre-save hook registered here first
-  consolidates every OSS onto every rank, so the call works unchanged (the saved state is torch's format, the
-  whole optimizer). ``load_state`` gives every rank that whole state; OSS keeps its own shard of it. The model is
+  consolidates every OSS onto the rank that writes (rank 0; every rank with ``save_on_each_node``), so the call
+  works unchanged and no other rank holds the whole state (the saved state is torch's format, the whole
+  optimizer). ``load_state`` gives every rank that whole state; OSS keeps its own shard of it. The model is
   saved as the wrapped module's own state dict (accelerate does not know to unwrap ShardedDataParallel, and
   safetensors dropped tensors whose storage the wrapper shares), so the checkpoint is the one accelerate's DDP
   path writes: either path loads the other's.
 - fp16 (``mixed_precision="fp16"``): accelerate's GradScaler is replaced by a `ShardedGradScaler`, so a step whose
   gradients overflowed on one rank's shard is skipped on every rank.
 
+- accelerate must count the processes torch.distributed has: `prepare_sharded` refuses otherwise (under
+  ``accelerate launch --multi_gpu`` on a CPU machine accelerate sees one process unless the script builds
+  ``Accelerator(cpu=True)`` or is launched with ``--multi_cpu``, and would not split the data).
+
 Communication and memory: those of `ShardedDataParallel` and `OSS`; a checkpoint gathers the whole optimizer
-state on every rank while it is saved.
+state on the rank that writes it while it is saved.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 try:
@@ -48,6 +54,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without accelerate
     raise ImportError('ddpkit.integrations.accelerate needs accelerate: pip install "ddpkit[accelerate]"') from exc
 
+from ddpkit.distributed.env import group_size
 from ddpkit.integrations.sharding import as_oss, check_oss_kwargs, sharded_scaler_like
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.optim import OSS
@@ -64,14 +71,19 @@ def _inner_oss(optimizer: Any) -> OSS:
 
 
 def _before_save(accelerator: Accelerator) -> Any:
-    """accelerate's pre-save hook: every OSS consolidated on every rank; each ShardedDataParallel saved as its
-    module's own state dict (the keys of a plain model, no storage shared between tensors)."""
+    """accelerate's pre-save hook: every OSS consolidated on the process(es) that write (global rank 0, or every
+    rank with ``save_on_each_node``), the others answering accelerate's ``state_dict()`` call of this save with an
+    empty state they never write; each ShardedDataParallel saved as its module's own state dict (the keys of a
+    plain model, no storage shared between tensors)."""
 
     def hook(models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
+        every_rank = bool(getattr(accelerator.project_configuration, "save_on_each_node", False))
         for optimizer in accelerator._optimizers:
             inner = getattr(optimizer, "optimizer", optimizer)
-            if isinstance(inner, OSS):
-                inner.consolidate_state_dict(recipient_rank=-1)  # a collective: save_state runs on every rank
+            if isinstance(inner, OSS):  # a collective: save_state runs on every rank
+                inner.consolidate_state_dict(recipient_rank=-1 if every_rank else 0)
+                if not every_rank and inner.rank != 0:
+                    optimizer.state_dict = _once_not_written(optimizer)
         for i, model in enumerate(models):
             if isinstance(model, ShardedDataParallel) and i < len(weights):
                 weights[i] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
@@ -79,11 +91,51 @@ def _before_save(accelerator: Accelerator) -> Any:
     return hook
 
 
+def _once_not_written(optimizer: Any) -> Any:
+    """What accelerate's ``state_dict()`` call of one save returns on a rank that does not write: an empty state
+    (no copy of the whole state on every rank); the call after is the optimizer's own again."""
+
+    def state_dict() -> dict[str, Any]:
+        del optimizer.state_dict  # (the instance attribute: the class's method again)
+        return {"state": {}, "param_groups": [], "note": "not written: another rank saves the whole state"}
+
+    return state_dict
+
+
+class _LoadInto(nn.Module):
+    """Stands for a ShardedDataParallel's module while accelerate loads a checkpoint into it: its state dict is
+    a copy (safetensors refuses tensors that share storage, as OSS's message buffers and the parameters of a model
+    that has stepped do), and what is loaded is copied into the module's own tensors."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "target", module)  # not registered: this module holds no tensors itself
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return {k: v.detach().clone() for k, v in self.target.state_dict(*args, **kwargs).items()}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.target.load_state_dict(state_dict, strict=strict)
+
+
 def _before_load(models: list[nn.Module], input_dir: str) -> None:
-    """accelerate's pre-load hook: a ShardedDataParallel loads into its module (the keys `_before_save` wrote)."""
+    """accelerate's pre-load hook: a ShardedDataParallel loads into its module (the keys `_before_save` wrote),
+    through `_LoadInto`, also after the model has trained."""
     for i, model in enumerate(models):
         if isinstance(model, ShardedDataParallel):
-            models[i] = model.module
+            models[i] = _LoadInto(model.module)
+
+
+def _check_processes(accelerator: Accelerator) -> None:
+    """accelerate must count the processes torch.distributed has, or it does not split the data between them."""
+    world = group_size() if dist.is_available() and dist.is_initialized() else 1
+    if accelerator.num_processes != world:
+        raise ValueError(
+            f"prepare_sharded: accelerate counts {accelerator.num_processes} process(es) "
+            f"({accelerator.distributed_type}) but torch.distributed has {world} ranks, so accelerate would not split "
+            "the data between them (every rank would train on the same batches). On CPUs build "
+            "Accelerator(cpu=True) or launch with `accelerate launch --multi_cpu`; on GPUs, `--multi_gpu`."
+        )
 
 
 def prepare_sharded(
@@ -96,6 +148,7 @@ def prepare_sharded(
     """`model` in `ShardedDataParallel` (with `sdp_kwargs`) and `optimizer` as an `OSS` (with `oss_kwargs`, OSS's
     own arguments such as ``min_split_numel``), registered with `accelerator` (module doc). Call it instead of
     ``accelerator.prepare`` for the model and optimizer, before their first step."""
+    _check_processes(accelerator)
     sharded = as_oss(optimizer, **check_oss_kwargs(oss_kwargs, "prepare_sharded"))
     wrapped = ShardedDataParallel(model.to(accelerator.device), sharded, **sdp_kwargs)
     wrapped._is_accelerate_prepared = True  # accelerate then registers it and leaves it as it is
