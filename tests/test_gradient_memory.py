@@ -80,3 +80,41 @@ def test_a_rank_holds_its_pieces_of_cut_parameters_plus_the_ones_in_flight(share
         # its pieces, the full gradient being produced and, over sockets, the cut parameter still in flight
         assert got["peak"] <= got["owned"] + 2 * got["one"], got
         assert got["owned"] + 2 * got["one"] < got["all"]
+
+
+def _live_gradients_on_two_hosts(rank: int, world_size: int) -> dict[str, float]:
+    """Four ranks playing two hosts of two (the host identity each reports, as tests/test_hierarchical.py does):
+    ShardedDataParallel reduces within each host through shared memory, then across; a rank outside a bucket's
+    owner lane gives its gradient to stage 1 and may let it go at once."""
+    from ddpkit.distributed import shared_memory
+
+    original = shared_memory.host_identity
+    shared_memory.host_identity = lambda: f"test-host-{rank // 2}"  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, split_params=False)
+        sdp = ShardedDataParallel(model, optimizer)
+        assert sdp._two_stage is not None  # (hierarchical: the layout was taken as two hosts)
+        params = list(model.parameters())
+        seen: list[int] = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(
+                lambda _: seen.append(sum(q.grad.numel() * 4 for q in params if q.grad is not None))
+            )
+        for step in range(2):
+            sdp.zero_grad(set_to_none=True)
+            torch.manual_seed(rank * 10 + step)
+            sdp(torch.randn(4, WIDTH)).pow(2).mean().backward()
+            optimizer.step()
+        owners = [optimizer.owner_of(p) for p in params]
+        carried = sum(owner != rank and owner % 2 == rank % 2 for owner in owners)  # my lane carries them across
+        return {"peak": max(seen), "owned": owners.count(rank), "carried": carried, "one": WIDTH * WIDTH * 4}
+    finally:
+        shared_memory.host_identity = original  # type: ignore[assignment]
+
+
+def test_across_hosts_a_rank_keeps_only_what_its_lane_carries():
+    for got in run_distributed(_live_gradients_on_two_hosts, 4):
+        bound = (got["owned"] + got["carried"] + IN_FLIGHT + 1) * got["one"]
+        assert got["peak"] <= bound < LAYERS * got["one"], got

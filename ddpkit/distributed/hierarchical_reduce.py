@@ -85,6 +85,15 @@ class _TwoStage:
             self.outer.wait()  # type: ignore[attr-defined]
         return True
 
+    def sent(self) -> bool:
+        """A sender's view, without waiting: whether this rank's message is no longer needed. Outside the owner's
+        lane a rank only gives it to stage 1 (through shared memory: copied into a mailbox at once); on the owner's
+        lane it becomes the host's sum that crosses to the owner, needed until the reduce is waited for."""
+        if self.start_outer is not None:
+            return False
+        taken = getattr(self.inner, "sent", None)
+        return bool(taken()) if callable(taken) else False
+
 
 class _Works:
     """Pending point-to-point transfers (`works`, for `_stage_done`) and what to do once they are complete."""
