@@ -278,7 +278,9 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
         ax = axes[0][1]
         ax.barh([r["key"] for r in figures["largest"]], [r["largest_parameters"] / 1e6 for r in figures["largest"]])
         ax.set_xlabel(f"largest MLP under {figures['search']['limit_gb']:g} GiB, millions of parameters")
-    fig.suptitle(plotting.title("memory per strategy (whole job in a cgroup)", report["config"]["world_size"], report))
+    where = f", {report['config']['hosts']} namespace hosts" if report["config"].get("hosts", 1) > 1 else ", one host"
+    what = f"whole-job memory per strategy (a cgroup per host{where})"
+    fig.suptitle(plotting.title(what, report["config"]["world_size"], report), wrap=True)
     plotting.save(fig, "memory" if report["config"].get("hosts", 1) == 1 else "memory_hosts", out_dir)
 
 
