@@ -8,8 +8,11 @@ and the owners' lanes spread that traffic over the host's ranks.
 
 Stage 2 can start only when stage 1 is complete on that rank; `progress()` (called from ShardedDataParallel's
 gradient hooks) starts it for every finished stage 1 in launch order, so the inter-host transfer overlaps the rest
-of backward, and `wait()` finishes both. Over sockets the owner's stage-2 receives are posted at the first
-gradient (`post`, as `comm.post_reduce`), so its ready notices do not queue behind its own outgoing data.
+of backward, and `wait()` finishes both. Over sockets the owner's stage-2 receives are posted ahead (`post`, as
+`comm.post_reduce`; ShardedDataParallel posts `POST_AHEAD` buckets ahead of its launches and completes an owner's
+reduces as far behind), so its ready notices do not queue behind its own outgoing data and its receive buffers
+stay a few buckets. A rank lets its message go once its part is done (`sent`, `wait_sent`): outside the owner's
+lane when stage 1 took it, on the owner's lane (the host's sum) when its stage-2 send is done.
 
 The sum: host partial sums in lane-rank order, then the hosts' sums in host order: the same value as a flat
 reduce up to floating-point order. Bytes per message of B bytes: within a host (L-1) B through shared memory;
@@ -58,8 +61,9 @@ def _stage_done(handle: object) -> bool:
 class _TwoStage:
     """One message's reduce in flight: stage 1 within the host, then (on the owner's lane) stage 2 across hosts."""
 
-    def __init__(self, message: torch.Tensor, inner: object, start_outer: object | None) -> None:
+    def __init__(self, message: torch.Tensor, inner: object, start_outer: object | None, reducer: object) -> None:
         self.message, self.inner, self.start_outer = message, inner, start_outer
+        self.reducer = reducer  # starts stage 2 in launch order (`HierarchicalReduce.advance_through`)
         self.outer: object | None = None
         self.inner_done = False
 
@@ -88,11 +92,20 @@ class _TwoStage:
     def sent(self) -> bool:
         """A sender's view, without waiting: whether this rank's message is no longer needed. Outside the owner's
         lane a rank only gives it to stage 1 (through shared memory: copied into a mailbox at once); on the owner's
-        lane it becomes the host's sum that crosses to the owner, needed until the reduce is waited for."""
+        lane it becomes the host's sum that crosses to the owner, needed until stage 2's send is done."""
         if self.start_outer is not None:
-            return False
+            return self.outer is not None and bool(getattr(self.outer, "sent", lambda: False)())
         taken = getattr(self.inner, "sent", None)
         return bool(taken()) if callable(taken) else False
+
+    def wait_sent(self) -> None:
+        """A sender's view: waits until this rank's message is no longer needed (`sent`): stage 1, then, on the
+        owner's lane, stage 2's send to the owner, whose receive was posted ahead (`HierarchicalReduce.post`)."""
+        self._finish_inner()
+        self.reducer.advance_through(self)  # type: ignore[attr-defined]
+        wait_sent = getattr(self.outer, "wait_sent", None)
+        if callable(wait_sent):
+            wait_sent()
 
 
 class _Works:
@@ -104,10 +117,17 @@ class _Works:
     def wait(self) -> bool:
         for work in self.works:
             work.wait()
+        self.works = []
         if self.then is not None:
             self.then()  # type: ignore[operator]
             self.then = None
         return True
+
+    def sent(self) -> bool:
+        return not self.works
+
+    def wait_sent(self) -> None:
+        self.wait()
 
 
 class _CompressedOuter:
@@ -211,7 +231,7 @@ class HierarchicalReduce:
                 def start_outer(tensor: torch.Tensor, dst: int = dst) -> object:
                     return comm.reduce(tensor, dst, self.groups.lane_group, async_op=True)
 
-        handle = _TwoStage(message, inner, start_outer)
+        handle = _TwoStage(message, inner, start_outer, self)
         self._in_flight.append(handle)
         self.progress()
         return handle
@@ -220,6 +240,17 @@ class HierarchicalReduce:
         """Starts stage 2 of every message whose stage 1 is done, in launch order (never out of it)."""
         while self._in_flight and self._in_flight[0].advance(block=False):
             self._in_flight.pop(0)
+
+    def advance_through(self, handle: object) -> None:
+        """Starts stage 2 of every message up to `handle` in launch order (blocking on stage 1 where needed), so
+        that `handle` may be waited for before the end of backward without starting a stage 2 out of order."""
+        if handle not in self._in_flight:
+            return  # (its stage 2 started already)
+        while self._in_flight:
+            first = self._in_flight.pop(0)
+            first.advance(block=True)
+            if first is handle:
+                return
 
     def finish(self) -> None:
         """Starts every remaining stage 2 in launch order (blocking on stage 1 where needed)."""

@@ -396,25 +396,21 @@ class ShardedDataParallel(ModuleWrapper):
             return
         self._receives_posted = True
         self._next_post = 0
-        if self._mailboxes is not None:
-            return
-        if self._two_stage is None:
+        if self._mailboxes is None:
             self._post_up_to(POST_AHEAD)
-            return
-        for bucket in self._buckets:
-            numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
-            key = f"{self._bucket_generation}.{bucket.key}"
-            self._two_stage.post(key, numel, dtype, bucket.owner, bucket.params[0].device)
 
     def _post_up_to(self, end: int) -> None:
         """Posts the receiving side of the point-to-point reduces of the buckets before index `end` not yet posted
-        (in bucket order on every rank: the same tags)."""
-        if self._mailboxes is not None or self._two_stage is not None:
+        (in bucket order on every rank: the same tags); across hosts, that of their stage 2 (`HierarchicalReduce`)."""
+        if self._mailboxes is not None:
             return
         while self._next_post < min(end, len(self._buckets)):
             bucket = self._buckets[self._next_post]
-            if comm.can_post_reduce(bucket.params[0].device, self.process_group):
-                numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
+            numel, dtype = bucket.message_spec(self.reduce_fp16, self.find_unused_parameters)
+            if self._two_stage is not None:
+                key = f"{self._bucket_generation}.{bucket.key}"
+                self._two_stage.post(key, numel, dtype, bucket.owner, bucket.params[0].device)
+            elif comm.can_post_reduce(bucket.params[0].device, self.process_group):
                 bucket.posted = comm.post_reduce(numel, dtype, bucket.owner, self.process_group)
             self._next_post += 1
 
@@ -424,10 +420,12 @@ class ShardedDataParallel(ModuleWrapper):
         launches the one `POST_AHEAD` earlier, so the rank furthest behind never waits for one ahead of it."""
         while self._next_owned_finish < min(end, self._next_post):
             bucket = self._buckets[self._next_owned_finish]
-            if bucket.owner == self.rank and bucket.posted is not None and bucket.work is not None:
-                if not bucket.finished:
-                    bucket.finish(True, self.world_size, self.find_unused_parameters)
-                    bucket.finished = True
+            posted = bucket.posted is not None or self._two_stage is not None
+            if bucket.owner == self.rank and posted and bucket.work is not None and not bucket.finished:
+                if self._two_stage is not None:
+                    self._two_stage.advance_through(bucket.work)  # (stage 2 in launch order)
+                bucket.finish(True, self.world_size, self.find_unused_parameters)
+                bucket.finished = True
             self._next_owned_finish += 1
 
     def _launch(self, bucket: GradBucket) -> None:
