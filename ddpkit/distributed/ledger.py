@@ -10,6 +10,7 @@ microseconds; nothing is sent). Wrappers also note the state that decides which 
 `diagnose(timeout)`, called on a failure, writes this rank's entry to the job's store (the key-value store
 every rank joined through), waits up to `timeout` seconds for the other ranks' entries, and returns lines naming
 each rank's last collective and the contexts that differ between ranks. Nothing is exchanged before a failure.
+`explain_uncaught_failures` prints them for an uncaught failure in a loop of the user's own.
 Memory: one entry and the contexts' strings.
 """
 
@@ -123,6 +124,31 @@ def diagnose(timeout: float = 5.0) -> list[str]:
     except Exception:  # the store's host is gone: nothing to compare with
         return [describe(dist.get_rank(), snapshot())]
     return compare(entries)
+
+
+_EXPLAINING: list[bool] = []  # whether `explain_uncaught_failures` installed its hook in this process
+
+
+def explain_uncaught_failures(timeout: float = 3.0) -> None:
+    """Makes an uncaught collective failure of this process (gloo's "Timed out", a peer's connection gone) print,
+    before its traceback, which collective each rank was in and what differs (`diagnose`, waiting up to `timeout`
+    s for the other ranks' entries): a loop of the user's own says what ``ddpkit train`` says. Chained to the
+    previous ``sys.excepthook``; installed once. ddpkit's wrappers call it when they are built."""
+    if _EXPLAINING:
+        return
+    _EXPLAINING.append(True)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, traceback: Any) -> None:
+        from ddpkit.distributed.launch import is_peer_failure  # (launch sits beside this module)
+
+        if is_peer_failure(exc):
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
+            for line in diagnose(timeout):
+                print(f"ddpkit: rank {rank} saw {line}", file=sys.stderr, flush=True)
+        previous(kind, exc, traceback)
+
+    sys.excepthook = hook
 
 
 def _read(store: Any, key: str, deadline: float) -> dict[str, Any] | None:

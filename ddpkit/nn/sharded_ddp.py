@@ -135,6 +135,7 @@ class ShardedDataParallel(ModuleWrapper):
     ) -> None:
         super().__init__()
         require_initialized("ShardedDataParallel")
+        ledger.explain_uncaught_failures()  # a collective failure names each rank's last collective
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
         self.sharded_optimizers = _check_optimizers(sharded_optimizer)

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.algorithms import AveragingContext, AveragingOptions, NodeAverager, SlowPhase, averager_class
 from ddpkit.algorithms.pseudo_gradient_settings import MERGE_ALPHA, OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
+from ddpkit.distributed import ledger
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced, flatten, unflatten_into
 from ddpkit.distributed.env import ProcessGroup, require_initialized
@@ -146,6 +147,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     ) -> None:
         super().__init__()
         require_initialized("SlowMoDistributedDataParallel")
+        ledger.explain_uncaught_failures()  # a collective failure names each rank's last collective
         if not isinstance(module, nn.Module):
             raise TypeError(f"SlowMoDistributedDataParallel: module must be a torch.nn.Module, got {type(module)}")
         self.slowmo_base_algorithm = SlowMoBaseAlgorithm(slowmo_base_algorithm)
