@@ -158,6 +158,7 @@ def run_documented(out: Path) -> None:
         exec(compile(code, str(code.path), "exec"), namespace)
     finally:
         os.chdir(previous)
+    namespace["accelerator"].wait_for_everyone()  # rank 0 writes the checkpoint; the others may be ahead
     rank = namespace["accelerator"].process_index
     record = {"start": start, "params": _params(model), "checkpoint": (out / "ckpt" / "optimizer.bin").exists()}
     (out / f"documented.rank{rank}.json").write_text(json.dumps(record))
