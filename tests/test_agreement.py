@@ -69,6 +69,7 @@ SDP_OPTIONS = [  # (option, rank 0's value, rank 1's)
     ("keep_bucketed_grads", True, False),
     ("cross_host_compression", "none", "int8"),
     ("broadcast_buffers", True, False),
+    ("receives_ahead", None, 2),
 ]
 
 

@@ -18,11 +18,14 @@ from torch import nn
 
 from ddpkit.distributed import comm
 from ddpkit.nn import ShardedDataParallel
-from ddpkit.nn.sharded_ddp import IN_FLIGHT, POST_AHEAD
+from ddpkit.nn.sharded_ddp import IN_FLIGHT
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed
 
 LAYERS, WIDTH = 16, 512  # each weight 2**18 elements (1 MiB): reduced alone, in place
+
+
+AHEAD = 2  # ShardedDataParallel(receives_ahead=AHEAD): the bounded receives over sockets
 
 
 def _live_gradients(rank: int, world_size: int, shared_memory: bool, split: bool = False) -> dict[str, float]:
@@ -32,7 +35,7 @@ def _live_gradients(rank: int, world_size: int, shared_memory: bool, split: bool
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
         cut = {"split_params": True, "min_split_numel": WIDTH * WIDTH} if split else {"split_params": False}
         optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, **cut)
-        sdp = ShardedDataParallel(model, optimizer)
+        sdp = ShardedDataParallel(model, optimizer, receives_ahead=AHEAD)
         comm._scratch._free.clear()  # (the worker process served other tests before)
         params = list(model.parameters())
         pieces = [optimizer.pieces_of(p)[rank] for p in params if optimizer.pieces_of(p)]
@@ -70,8 +73,8 @@ def test_a_non_owner_holds_its_share_plus_the_buckets_in_flight_during_backward(
         # its own gradients, the IN_FLIGHT sent buckets not yet done, and the gradient being produced
         assert got["peak"] <= got["owned"] + (IN_FLIGHT + 1) * got["one"], got
         assert got["owned"] + (IN_FLIGHT + 1) * got["one"] < got["all"]  # (the bound is below keeping them all)
-        # receives posted POST_AHEAD buckets ahead and completed as far behind: not one buffer per owned bucket
-        assert got["receive_buffers"] <= 2 * POST_AHEAD * got["one"] < got["owned"], got
+        # receives posted AHEAD buckets ahead and completed as far behind: not one buffer per owned bucket
+        assert got["receive_buffers"] <= 2 * AHEAD * got["one"] < got["owned"], got
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "sockets"])
@@ -82,7 +85,7 @@ def test_a_rank_holds_its_pieces_of_cut_parameters_plus_the_ones_in_flight(share
         assert got["owned"] + 2 * got["one"] < got["all"]
 
 
-def _live_gradients_on_two_hosts(rank: int, world_size: int) -> dict[str, float]:
+def _live_gradients_on_two_hosts(rank: int, world_size: int, ahead: int | None) -> dict[str, float]:
     """Four ranks playing two hosts of two (the host identity each reports, as tests/test_hierarchical.py does):
     ShardedDataParallel reduces within each host through shared memory, then across; a rank outside a bucket's
     owner lane gives its gradient to stage 1 and may let it go at once."""
@@ -94,7 +97,7 @@ def _live_gradients_on_two_hosts(rank: int, world_size: int) -> dict[str, float]
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
         optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.01, split_params=False)
-        sdp = ShardedDataParallel(model, optimizer)
+        sdp = ShardedDataParallel(model, optimizer, receives_ahead=ahead)
         assert sdp._two_stage is not None  # (hierarchical: the layout was taken as two hosts)
         params = list(model.parameters())
         seen: list[int] = []
@@ -114,9 +117,13 @@ def _live_gradients_on_two_hosts(rank: int, world_size: int) -> dict[str, float]
         shared_memory.host_identity = original  # type: ignore[assignment]
 
 
-def test_across_hosts_a_rank_holds_its_share_plus_the_buckets_in_flight():
-    """Also the host sums a rank carries across (its lane's buckets owned on the other host) go once their stage-2
-    send is done: at most `IN_FLIGHT` wait, where keeping them to the end of backward holds owned + carried."""
-    for got in run_distributed(_live_gradients_on_two_hosts, 4):
+def test_across_hosts_a_rank_keeps_only_what_its_lane_carries():
+    """By default a rank outside a bucket's owner lane lets its gradient go once stage 1 took it; with
+    `receives_ahead` also the host sums it carries across (its lane's buckets owned on the other host) go once their
+    stage-2 send is done: at most `IN_FLIGHT` wait, where keeping them to the end of backward holds owned + carried."""
+    for got in run_distributed(_live_gradients_on_two_hosts, 4, None):
+        bound = (got["owned"] + got["carried"] + IN_FLIGHT + 1) * got["one"]
+        assert got["peak"] <= bound < LAYERS * got["one"], got
+    for got in run_distributed(_live_gradients_on_two_hosts, 4, AHEAD):
         bound = (got["owned"] + IN_FLIGHT + 1) * got["one"]
         assert got["peak"] <= bound < (got["owned"] + got["carried"]) * got["one"], got

@@ -4,8 +4,9 @@ Over gloo a point-to-point message is a rendezvous whose ready notice queues beh
 data, so a receive posted late holds the other direction of the link (issue 22). These tests run the socket path
 (``DDPKIT_SHARED_MEMORY=0``, as between hosts) on a small byte GPT at 2 and 4 ranks and check: the parameters
 and the owners' gradients equal torch DDP's; the bytes, counted by `comm_stats`, are exactly DDP's; on every rank
-the receives of a backward are posted `POST_AHEAD` buckets ahead of the launches (so an owner's receive buffers
-stay a few buckets, issue 34) and every receive of an optimizer step before any of its sends.
+every receive of a backward is posted before any of its sends (with ``receives_ahead=k``, k buckets ahead of the
+launches, so an owner's receive buffers stay a few buckets: issue 34) and every receive of an optimizer step
+before any of its sends.
 """
 
 import os
@@ -19,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpkit.distributed import comm, comm_stats, counting_allreduce_hook
 from ddpkit.distributed.shared_memory import ENV_VAR as SHARED_MEMORY_ENV
 from ddpkit.nn import ShardedDataParallel
-from ddpkit.nn.sharded_ddp import POST_AHEAD
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed
 from ddpkit.train.workloads.gpt import GPT, GPTConfig
@@ -86,7 +86,7 @@ class _OrderSpy:
         return events
 
 
-def _against_ddp(rank: int, world: int, find_unused: bool) -> dict:
+def _against_ddp(rank: int, world: int, find_unused: bool, ahead: int | None) -> dict:
     os.environ[SHARED_MEMORY_ENV] = "0"
     try:
         ref, model = _Routed(find_unused), _Routed(find_unused)
@@ -94,7 +94,9 @@ def _against_ddp(rank: int, world: int, find_unused: bool) -> dict:
         ddp.register_comm_hook(None, counting_allreduce_hook)
         ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
-        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=600, find_unused_parameters=find_unused)
+        sdp = ShardedDataParallel(
+            model, opt, reduce_buffer_size=600, find_unused_parameters=find_unused, receives_ahead=ahead
+        )
         out: dict = {"order": []}
         with _OrderSpy() as spy:
             for step in range(4):
@@ -146,9 +148,9 @@ def _against_ddp(rank: int, world: int, find_unused: bool) -> dict:
         os.environ.pop(SHARED_MEMORY_ENV, None)  # the worker processes serve the next tests too
 
 
-def _expected_backward_events(owners: list[int], rank: int, world: int) -> list[str]:
-    """Posting ahead, by its definition: at the first gradient the receives of the first `POST_AHEAD` buckets,
-    before bucket i is launched those of the buckets up to i + `POST_AHEAD`; a bucket the rank owns is world - 1
+def _expected_backward_events(owners: list[int], rank: int, world: int, ahead: int | None) -> list[str]:
+    """Posting ahead, by its definition: at the first gradient the receives of the first `ahead` buckets (all of
+    them without `ahead`), before bucket i is launched those up to i + `ahead`; a bucket the rank owns is world - 1
     receives, one it does not own one send (at its launch)."""
     events: list[str] = []
     posted = 0
@@ -159,18 +161,20 @@ def _expected_backward_events(owners: list[int], rank: int, world: int) -> list[
             events.extend(["recv"] * (world - 1) if owners[posted] == rank else [])
             posted += 1
 
-    post_to(POST_AHEAD)
+    ahead = len(owners) if ahead is None else ahead
+    post_to(ahead)
     for index, owner in enumerate(owners):
-        post_to(index + 1 + POST_AHEAD)
+        post_to(index + 1 + ahead)
         if owner != rank:
             events.append("send")
     return events
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("find_unused", [False, True])
-def test_socket_path_posts_receives_first_and_matches_ddp_in_values_and_bytes(world, find_unused):
-    results = run_distributed(_against_ddp, world, find_unused, timeout=300.0)
+@pytest.mark.parametrize(
+    "world, find_unused, ahead", [(2, False, None), (2, True, 2), (4, False, 2), (4, True, None)]
+)  # every receive at the first gradient (the default), and receives_ahead=2
+def test_socket_path_posts_receives_first_and_matches_ddp_in_values_and_bytes(world, find_unused, ahead):
+    results = run_distributed(_against_ddp, world, find_unused, ahead, timeout=300.0)
     owners = results[0]["owners_in_launch_order"]
     # the case the fix is for: some owner sends a bucket before it receives one of its own
     assert any(owners[i] != owners[i + 1] for i in range(len(owners) - 1)), owners
@@ -189,7 +193,7 @@ def test_socket_path_posts_receives_first_and_matches_ddp_in_values_and_bytes(wo
         for step, (backward, step_order) in enumerate(r["order"]):
             where = f"rank {rank}, step {step}"
             assert backward.count("recv") == (world - 1) * r["owned_buckets"], (where, backward)
-            assert backward == _expected_backward_events(owners, rank, world), (where, backward)
+            assert backward == _expected_backward_events(owners, rank, world, ahead), (where, backward)
             assert step_order.count("recv") == r["messages"] - r["owned_messages"], (where, step_order)
             last_recv = max((i for i, e in enumerate(step_order) if e == "recv"), default=-1)
             first_send = step_order.index("send") if "send" in step_order else len(step_order)

@@ -9,10 +9,11 @@ and the owners' lanes spread that traffic over the host's ranks.
 Stage 2 can start only when stage 1 is complete on that rank; `progress()` (called from ShardedDataParallel's
 gradient hooks) starts it for every finished stage 1 in launch order, so the inter-host transfer overlaps the rest
 of backward, and `wait()` finishes both. Over sockets the owner's stage-2 receives are posted ahead (`post`, as
-`comm.post_reduce`; ShardedDataParallel posts `POST_AHEAD` buckets ahead of its launches and completes an owner's
-reduces as far behind), so its ready notices do not queue behind its own outgoing data and its receive buffers
-stay a few buckets. A rank lets its message go once its part is done (`sent`, `wait_sent`): outside the owner's
-lane when stage 1 took it, on the owner's lane (the host's sum) when its stage-2 send is done.
+`comm.post_reduce`: ShardedDataParallel posts them all at the first gradient, or with its `receives_ahead` a few
+buckets ahead of its launches, completing an owner's reduces as far behind), so its ready notices do not queue
+behind its own outgoing data. A rank lets its message go once its part is done (`sent`, `wait_sent`): outside the
+owner's lane when stage 1 took it, on the owner's lane (the host's sum) when its stage-2 send is done (waited for
+during backward only with `receives_ahead`).
 
 The sum: host partial sums in lane-rank order, then the hosts' sums in host order: the same value as a flat
 reduce up to floating-point order. Bytes per message of B bytes: within a host (L-1) B through shared memory;

@@ -65,9 +65,10 @@ class ShardedDataParallel(ModuleWrapper):
     parameters and buffers broadcast from rank 0.
     Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
-    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets every rank posts the receives of
-    its buckets `POST_AHEAD` buckets ahead of the launches, from the first gradient on, so both directions of a link
-    carry data at once (see the module doc), and completes them as far behind. With `broadcast_buffers`, module
+    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets each owner posts the receives of
+    all its buckets at the first gradient of backward, so both directions of a link carry data at once (see the
+    module doc); with `receives_ahead` only that many buckets ahead of the launches, completed as far behind.
+    With `broadcast_buffers`, module
     buffers are broadcast from rank 0 before each forward that will sync gradients (grad enabled, not inside
     `no_sync()`, as torch DDP does). On gloo, reduce + broadcast is faster than
     reduce_scatter + all_gather; on NCCL both map to the same ring kernels. When every rank runs on one host (gloo,
@@ -87,7 +88,8 @@ class ShardedDataParallel(ModuleWrapper):
     oldest beyond `IN_FLIGHT`), except the small parameters' own gradients kept with `keep_bucketed_grads` (10% of
     the byte GPT's elements; none with False). On one host each sender reuses two mailboxes per owner, which adds a
     bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner holds receive
-    buffers ((N-1) per bucket) for the few buckets within `POST_AHEAD` of the launches, not for its whole share.
+    buffers for all its buckets, (N-1) P/N, posted when backward starts (with `receives_ahead=k`, for about 2k
+    buckets).
     With Adam and OSS a rank's peak is thus about P + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut
     into pieces holds its full-size gradient only until its pieces are reduced (through shared memory at once, over
     sockets while the next cut parameter's are in flight, across hosts until the end of backward), then only the
@@ -100,6 +102,12 @@ class ShardedDataParallel(ModuleWrapper):
 
     `keep_bucketed_grads` (beyond fairscale; True as fairscale behaves): False drops every gradient a rank does
     not own, the whole of ZeRO-2's gradient saving, for code that never reads them there.
+
+    `receives_ahead` (beyond fairscale; None by default): over sockets (across hosts, or with shared memory off)
+    post each owner's receives only this many buckets ahead of the launches and complete them as far behind, so an
+    owner's receive buffers are about 2k buckets instead of (N-1) P/N. It costs time on slow links: a ready notice
+    posted late waits behind the owner's own outgoing data (two namespace hosts of one rank at 100 Mbit/s: 0.86x
+    DDP's step with None, about 1.05x with 2).
 
     `full_split_grads` (beyond fairscale, whose OSS never cuts a parameter; False by default): True keeps a
     full-size gradient of every cut parameter on every rank, for code that reads ``param.grad`` whole.
@@ -132,6 +140,7 @@ class ShardedDataParallel(ModuleWrapper):
         cross_host_compression: str = "none",
         keep_bucketed_grads: bool = True,
         full_split_grads: bool = False,
+        receives_ahead: int | None = None,
     ) -> None:
         super().__init__()
         require_initialized("ShardedDataParallel")
@@ -156,6 +165,10 @@ class ShardedDataParallel(ModuleWrapper):
         if not isinstance(full_split_grads, bool):
             raise TypeError(f"ShardedDataParallel: full_split_grads must be True or False, got {full_split_grads!r}")
         self.full_split_grads = full_split_grads
+        if receives_ahead is not None and (isinstance(receives_ahead, bool) or not isinstance(receives_ahead, int)
+                                           or receives_ahead < 1):  # fmt: skip
+            raise ValueError(f"ShardedDataParallel: receives_ahead must be None or an int >= 1, got {receives_ahead!r}")
+        self.receives_ahead = receives_ahead
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
         options = {  # what changes the messages every rank exchanges: ranks that differ would mismatch mid-backward
             "reduce_buffer_size": reduce_buffer_size,
@@ -164,6 +177,7 @@ class ShardedDataParallel(ModuleWrapper):
             "keep_bucketed_grads": keep_bucketed_grads,
             "cross_host_compression": cross_host_compression,
             "broadcast_buffers": broadcast_buffers,
+            "receives_ahead": receives_ahead,
         }
         check_parameters_agree(module, self.process_group, what="ShardedDataParallel", extra=options)  # (before
         # shared memory is agreed: nothing is left behind when they differ)
@@ -389,16 +403,31 @@ class ShardedDataParallel(ModuleWrapper):
 
         Each owner's ready notices then leave before its own outgoing buckets, which would otherwise queue ahead
         of them on the connection and hold the data coming the other way (see `comm.post_reduce` and the module
-        doc). Within a host (sockets) the posts run `POST_AHEAD` buckets ahead of the launches (`_post_up_to`), so
-        an owner's receive buffers are bounded by a few buckets, not its whole share; across hosts every bucket is
-        posted here. Every rank posts in the bucket order, so the tags match; shared memory needs none of this.
+        doc). With `receives_ahead` the posts run that many buckets ahead of the launches (`_post_up_to`), so an
+        owner's receive buffers are bounded by a few buckets, not its whole share. Every rank posts in the bucket
+        order, so the tags match; shared memory needs none of this.
         """
         if self._receives_posted:
             return
         self._receives_posted = True
         self._next_post = 0
         if self._mailboxes is None:
-            self._post_up_to(POST_AHEAD)
+            self._post_up_to(self._ahead)
+
+    @property
+    def _ahead(self) -> int:
+        """How many buckets ahead of the launches the receives are posted: all of them by default."""
+        return self.receives_ahead if self.receives_ahead is not None else len(self._buckets)
+
+    def _may_block(self, bucket: GradBucket) -> bool:
+        """Whether waiting for `bucket`'s transfer is safe and wanted: a point-to-point send, which completes once
+        its owner has posted the receive (at its first gradient, or with `receives_ahead` when it is near that
+        bucket, which every rank reaches in the same order); a reduce in two stages across hosts only with
+        `receives_ahead` (by default it is waited for at the end of backward: waiting for a send to cross a slow
+        link would stall this rank's backward)."""
+        if not hasattr(bucket.work, "wait_sent"):
+            return False
+        return self._two_stage is None or self.receives_ahead is not None
 
     def _post_up_to(self, end: int) -> None:
         """Posts the receiving side of the point-to-point reduces of the buckets before index `end` not yet posted
@@ -418,7 +447,7 @@ class ShardedDataParallel(ModuleWrapper):
     def _finish_owned_up_to(self, end: int) -> None:
         """An owner completes its posted reduces of the buckets before index `end` (its receive buffers go back
         to the pool for the next ones). Safe to wait for: every rank has posted its receives of a bucket before it
-        launches the one `POST_AHEAD` earlier, so the rank furthest behind never waits for one ahead of it."""
+        launches the one `receives_ahead` earlier, so the rank furthest behind never waits for one ahead of it."""
         while self._next_owned_finish < min(end, self._next_post):
             bucket = self._buckets[self._next_owned_finish]
             posted = bucket.posted is not None or self._two_stage is not None
@@ -431,12 +460,13 @@ class ShardedDataParallel(ModuleWrapper):
 
     def _launch(self, bucket: GradBucket) -> None:
         self._drop_stale(bucket)
-        self._post_up_to(bucket.index + 1 + POST_AHEAD)
+        self._post_up_to(bucket.index + 1 + self._ahead)
         bucket.launch(self.world_size, self._reduce, self.reduce_fp16, self.find_unused_parameters)
         if bucket.owner != self.rank:
             self._sending.append(bucket)
         self._release_sent()
-        self._finish_owned_up_to(bucket.index + 1 - POST_AHEAD)
+        if self.receives_ahead is not None:
+            self._finish_owned_up_to(bucket.index + 1 - self.receives_ahead)
         if bucket.span is not None and bucket is self._bucket_of[bucket.params[0]][-1]:
             self._cut_in_flight.append(bucket.params[0])
             self._let_go_of_cut_grads(in_flight=0 if self._mailboxes is not None else 1)
@@ -482,7 +512,9 @@ class ShardedDataParallel(ModuleWrapper):
         it was copied into its mailbox)."""
         keep = self.keep_bucketed_grads
         self._sending = [b for b in self._sending if not b.release(keep)]
-        while len(self._sending) > IN_FLIGHT and self._sending[0].release(keep, block=_may_block(self._sending[0])):
+        while len(self._sending) > IN_FLIGHT and self._sending[0].release(
+            keep, block=self._may_block(self._sending[0])
+        ):
             self._sending.pop(0)
 
     def _reduce(self, message: torch.Tensor, owner: int, key: str) -> object:
@@ -591,18 +623,7 @@ _GRAD_REQUIRES_GRAD = (
 )
 
 IN_FLIGHT = 2
-
-POST_AHEAD = 2
-"""Over sockets, buckets whose receiving side is posted ahead of the bucket being launched; an owner completes its
-reduces this many buckets behind the launches."""
 """Non-owned buckets a rank keeps in flight during backward before it waits for the oldest one's transfer."""
-
-
-def _may_block(bucket: GradBucket) -> bool:
-    """Whether waiting for `bucket`'s transfer is safe: a point-to-point send, which completes once its owner has
-    posted the receive (at its first gradient, or when it reaches the bucket, which every rank does in the same
-    order); a reduce in two stages across hosts is waited for only at the end of backward."""
-    return hasattr(bucket.work, "wait_sent")
 
 
 def _will_accumulate(accumulator: Any) -> bool:
