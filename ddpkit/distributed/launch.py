@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddpkit.distributed.ledger import PEER_GONE as _PEER_GONE
 from ddpkit.distributed.rank_guard import say
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -451,7 +452,6 @@ def _describe_exit(index: int, process: Any, error_file: str) -> str:
 
 
 _SOURCE_PREFIX = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*|Got the following error when running the callback: ")
-_PEER_GONE = re.compile(r"closed by peer|Connection reset|Broken pipe|ECONNRESET|EPIPE|remote worker|Socket closed")
 
 
 def explain_failure(exc: BaseException, timeout: float) -> str:
@@ -468,12 +468,6 @@ def explain_failure(exc: BaseException, timeout: float) -> str:
     if _PEER_GONE.search(first):
         return f"{cause} (a peer rank ended: killed, crashed or its machine is gone)"
     return cause
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether `exc` says a collective failed on a peer: it timed out, or the peer's connection went away."""
-    text = str(exc)
-    return bool(re.search(r"[Tt]imed? ?out", text) or _PEER_GONE.search(text))
 
 
 def report_and_exit(exc: BaseException) -> None:

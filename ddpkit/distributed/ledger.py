@@ -17,6 +17,7 @@ Memory: one entry and the contexts' strings.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -126,6 +127,16 @@ def diagnose(timeout: float = 5.0) -> list[str]:
     return compare(entries)
 
 
+PEER_GONE = re.compile(r"closed by peer|Connection reset|Broken pipe|ECONNRESET|EPIPE|remote worker|Socket closed")
+"""What gloo says when a peer's connection went away."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` says a collective failed on a peer: it timed out, or the peer's connection went away."""
+    text = str(exc)
+    return bool(re.search(r"[Tt]imed? ?out", text) or PEER_GONE.search(text))
+
+
 _EXPLAINING: list[bool] = []  # whether `explain_uncaught_failures` installed its hook in this process
 
 
@@ -140,8 +151,6 @@ def explain_uncaught_failures(timeout: float = 3.0) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, traceback: Any) -> None:
-        from ddpkit.distributed.launch import is_peer_failure  # (launch sits beside this module)
-
         if is_peer_failure(exc):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
             for line in diagnose(timeout):

@@ -17,7 +17,6 @@ from ddpkit.distributed.launch import (
     debug_mode,
     exit_without_teardown,
     explain_failure,
-    is_peer_failure,
     join,
     leave,
     pick_backend,
@@ -186,7 +185,7 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
         say(f"ddpkit: {exc}")
         sys.exit(1)
     except Exception as exc:
-        where = ledger.diagnose(timeout=DIAGNOSIS_SECONDS) if is_peer_failure(exc) else []
+        where = ledger.diagnose(timeout=DIAGNOSIS_SECONDS) if ledger.is_peer_failure(exc) else []
         for line in where:
             say(f"ddpkit: rank {placement.rank} saw {line}")
         if debug_mode():
