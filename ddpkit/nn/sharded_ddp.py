@@ -60,9 +60,9 @@ class ShardedDataParallel(ModuleWrapper):
 
     Communication at construction: one all-gather of an 8-byte digest of every rank's parameter names, shapes,
     dtypes and order and of the options that shape the messages (`reduce_buffer_size`, `find_unused_parameters`,
-    `reduce_fp16`, `keep_bucketed_grads`, `cross_host_compression`, `broadcast_buffers`: ranks that differ are
-    refused on every rank, naming the option; `ddpkit.distributed.agreement`), then (`sync_models_at_startup`)
-    parameters and buffers broadcast from rank 0.
+    `reduce_fp16`, `keep_bucketed_grads`, `cross_host_compression`, `broadcast_buffers`, `receives_ahead`: ranks
+    that differ are refused on every rank, naming the option; `ddpkit.distributed.agreement`), then
+    (`sync_models_at_startup`) parameters and buffers broadcast from rank 0.
     Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
     broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
     traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets each owner posts the receives of
