@@ -78,6 +78,7 @@ def test_shared_parameters_train_bit_identically_to_a_replica_per_rank(slow, ada
         assert got["plain"] and not any(got["plain"]), (rank, got)
 
 
+@pytest.mark.long  # (CI time: the option's bit-identity and memory are checked above in the default tier)
 def test_ddpkit_train_shared_parameters_gives_the_same_steps_and_is_refused_where_it_cannot_act(tmp_path):
     import csv
     import subprocess

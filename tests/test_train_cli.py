@@ -326,7 +326,11 @@ def one_epoch(tmp_path_factory):
 
 
 # (CI time: adascale's run is in the long tier; tests/test_adascale.py checks it against its definition)
-@pytest.mark.parametrize("name", [*STRATEGIES, pytest.param("adascale", marks=pytest.mark.long)])
+@pytest.mark.parametrize(  # (CI time: oss and slowmo's runs in the long tier; tests/test_readme.py trains them too)
+    "name",
+    [pytest.param(n, marks=pytest.mark.long) if n in ("oss", "slowmo") else n for n in STRATEGIES]
+    + [pytest.param("adascale", marks=pytest.mark.long)],
+)
 def test_every_strategy_trains_one_epoch_at_two_processes(one_epoch, name):
     result, out = one_epoch(name)
     strategy, _, steps = VARIANTS[name]
@@ -434,6 +438,7 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
 # ------------------------------------------------------------------------------------------- other launchers
 
 
+@pytest.mark.long  # (CI time: tests/test_readme.py runs the README's torchrun command in the default tier)
 def test_torchrun_with_a_toml_config_and_overriding_flags(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(
@@ -558,6 +563,7 @@ def two_hosts():
 
 
 @pytest.mark.netns
+@pytest.mark.long  # (CI time: tests/test_hierarchical_netns.py and test_train_cli's loopback machines stay)
 def test_two_hosts_in_network_namespaces(tmp_path, procs, two_hosts):
     common = ["--nnodes", "2", "--master-addr", "10.78.0.1", "--master-port", "29500", "--nproc-per-node", "1"]
     common += [*TRAIN, *variant_flags("slowmo")]
@@ -711,7 +717,9 @@ def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
     assert result.seconds < timeout + 5 + SLACK, str(result)
 
 
-@pytest.mark.parametrize("target", ["launcher", "group", "ignored"])
+@pytest.mark.parametrize(  # (CI time: two of the three in the long tier)
+    "target", ["launcher", *(pytest.param(t, marks=pytest.mark.long) for t in ("group", "ignored"))]
+)
 def test_ctrl_c_stops_every_local_process(tmp_path, procs, target):
     """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C does; also to a launcher
     started with SIGINT ignored, as a shell starts background jobs (it could not be stopped so: issue 23 defect 9)."""
