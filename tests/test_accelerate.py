@@ -33,30 +33,26 @@ def _accelerate_launch(world: int, script: str, *args: object) -> None:
     _run([*launch, "--main_process_port", free_port(), HERE / script, *args])
 
 
-def _mismatched(rank: int, world: int) -> str:
+def test_prepare_sharded_refuses_when_accelerate_counts_other_processes(monkeypatch):
+    """`accelerate launch --multi_gpu` on a CPU machine without cpu=True: accelerate sees one process while
+    torch.distributed has two, so the data would not be split (issue 35); refused, saying what to do. (The
+    process group's size is what torch.distributed would report on each of two ranks.)"""
     from types import SimpleNamespace
 
+    import torch
     from torch import nn
 
-    from ddpkit.integrations.accelerate import prepare_sharded
+    import ddpkit.integrations.accelerate as integration
 
+    monkeypatch.setattr(integration.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(integration, "group_size", lambda group=None: 2)
     model = nn.Linear(4, 2)
     seen_as_one = SimpleNamespace(num_processes=1, distributed_type="DistributedType.NO")
-    try:
-        prepare_sharded(seen_as_one, model, __import__("torch").optim.SGD(model.parameters(), lr=0.1))
-    except ValueError as exc:
-        return str(exc)
-    return "accepted"
-
-
-def test_prepare_sharded_refuses_when_accelerate_counts_other_processes():
-    """`accelerate launch --multi_gpu` on a CPU machine without cpu=True: accelerate sees one process while
-    torch.distributed has two, so the data would not be split (issue 35); refused on every rank, saying what to do."""
-    from ddpkit.testing import run_distributed
-
-    for message in run_distributed(_mismatched, 2):
-        assert "accelerate counts 1 process(es)" in message and "torch.distributed has 2 ranks" in message
-        assert "Accelerator(cpu=True)" in message and "--multi_cpu" in message
+    with pytest.raises(ValueError) as refused:
+        integration.prepare_sharded(seen_as_one, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    message = str(refused.value)
+    assert "accelerate counts 1 process(es)" in message and "torch.distributed has 2 ranks" in message
+    assert "Accelerator(cpu=True)" in message and "--multi_cpu" in message
 
 
 def test_the_sharded_recipe_trains_checkpoints_and_resumes_as_accelerates_ddp(tmp_path):

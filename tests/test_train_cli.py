@@ -357,6 +357,7 @@ def test_strategies_send_what_they_should(one_epoch):
     assert sent["slowmo"] < 0.5 * sent["ddp"]
 
 
+@pytest.mark.long  # (CI time: tests/test_readme.py trains the slow-link lines on two machines in the default tier)
 def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
     """--slowmo-compression int8, 2 fragments, a delay of 2, error feedback, outer Nesterov: trains like SlowMo,
     sends less, records its settings, and each rank's checkpoint carries its residual and the sync in flight."""
