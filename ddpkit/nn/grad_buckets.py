@@ -45,7 +45,7 @@ class GradBucket:
     span: tuple[int, int] | None = None  # a piece of the one parameter's flattened gradient
     shared: bool = False  # packs small parameters: sent as a copy, never in place
     released: bool = False  # a non-owner dropped its gradients already (`release`), before the reduce completed
-    finished: bool = False  # `finish` ran already, before the end of backward (a piece of a cut parameter)
+    finished: bool = False  # `finish` ran already this step (it may run before the end of backward)
 
     @property
     def numel(self) -> int:
@@ -140,8 +140,12 @@ class GradBucket:
         bucket with `keep_local`, keep their own gradient as it was before the reduce).
 
         Returns the parameters that received no gradient on any rank (only known with `count_users`); their
-        gradients are left as they were, as DDP does.
+        gradients are left as they were, as DDP does. Once per step: a second call (the end of backward after an
+        early one) does nothing.
         """
+        if self.finished:
+            return []
+        self.finished = True
         comm.wait_all([self.work])
         unused: list[torch.nn.Parameter] = []
         if not is_owner:

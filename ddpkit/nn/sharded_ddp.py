@@ -4,10 +4,10 @@ What it is: a module wrapper that, during backward, reduces each gradient bucket
 so each rank holds the averaged gradients of its own shard only; `OSS.step` then updates the shards and
 broadcasts them. What it sends per step: every trainable gradient once (to its owner) plus OSS's broadcast of
 every parameter once, exactly DDP's all-reduce bytes; on one host through shared memory (`mailboxes`), across
-hosts of several ranks in two stages (`hierarchical_reduce`), over sockets with the receives posted a few buckets
-ahead so both directions of a link carry data (`comm.post_reduce`: gloo's point-to-point is a rendezvous whose
-ready notice queues behind the receiver's own outgoing data). What it holds: the class docstring's "Memory".
-Where its time goes, measured: benchmarks/README.md, "Where ZeRO-2's time goes".
+hosts of several ranks in two stages (`hierarchical_reduce`), over sockets with every receive posted at the first
+gradient so both directions of a link carry data (`comm.post_reduce`: gloo's point-to-point is a rendezvous whose
+ready notice queues behind the receiver's own outgoing data; `receives_ahead` posts fewer). What it holds: the
+class docstring's "Memory". Where its time goes, measured: benchmarks/README.md, "Where ZeRO-2's time goes".
 """
 
 from __future__ import annotations
@@ -455,7 +455,6 @@ class ShardedDataParallel(ModuleWrapper):
                 if self._two_stage is not None:
                     self._two_stage.advance_through(bucket.work)  # (stage 2 in launch order)
                 bucket.finish(True, self.world_size, self.find_unused_parameters)
-                bucket.finished = True
             self._next_owned_finish += 1
 
     def _launch(self, bucket: GradBucket) -> None:
@@ -482,9 +481,7 @@ class ShardedDataParallel(ModuleWrapper):
         while len(self._cut_in_flight) > in_flight:
             param = self._cut_in_flight.pop(0)
             for bucket in self._bucket_of[param]:
-                if not bucket.finished:
-                    bucket.finish(bucket.owner == self.rank, self.world_size, self.find_unused_parameters)
-                    bucket.finished = True
+                bucket.finish(bucket.owner == self.rank, self.world_size, self.find_unused_parameters)
             if not self.full_split_grads:
                 self._keep_own_piece(param)
 
@@ -538,9 +535,7 @@ class ShardedDataParallel(ModuleWrapper):
         for bucket in self._buckets:
             unused_here += [p for p, used in zip(bucket.params, bucket.used_here, strict=True) if not used]
             owner = bucket.owner == self.rank
-            if not bucket.finished:
-                bucket.finish(owner, self.world_size, self.find_unused_parameters, keep_local=self.keep_bucketed_grads)
-                bucket.finished = True
+            bucket.finish(owner, self.world_size, self.find_unused_parameters, keep_local=self.keep_bucketed_grads)
         self._let_go_of_cut_grads(in_flight=0)
         for bucket in self._buckets:  # once every piece of a split gradient is final
             kind: HeldKind = "average" if bucket.owner == self.rank else "local"
