@@ -137,7 +137,9 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_sweeps_segments(tmp_path, 
         litter.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("stopped_rank", [False, True])
+# CI time: the stopped-while-training case is in the long tier; the start-up case below stops a rank where the
+# parent-death signal is armed earliest, so it covers the same wake-up
+@pytest.mark.parametrize("stopped_rank", [False, pytest.param(True, marks=pytest.mark.long)])
 def test_sigkill_to_the_launcher_leaves_no_rank_running(tmp_path, procs, stopped_rank):
     """The launcher killed outright cannot stop anything: each rank notices its parent is gone (PR_SET_PDEATHSIG,
     and polling) and ends within a second or two, removing its own segment files (sharded uses them). A rank that
@@ -156,4 +158,29 @@ def test_sigkill_to_the_launcher_leaves_no_rank_running(tmp_path, procs, stopped
     assert not left, f"ranks outlived their launcher: {left}"
     assert time.monotonic() - killed < 15
     assert not segment_files(set(ranks)), "a rank left shared-memory files"
+    assert "its launcher is gone; stopping" in job.result().stderr
+
+
+def _loading_torch(pid):
+    """Whether process `pid` has begun importing torch (its C library is mapped); ddpkit's import came before."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_a_rank_stopped_while_it_starts_ends_with_its_killed_launcher(tmp_path, procs):
+    """A rank stopped (SIGSTOP) while it imports torch, before its rank guard runs, then orphaned by a SIGKILLed
+    launcher: ddpkit's import armed the parent-death signal (SIGCONT), so it is woken and ends, and the launcher's
+    resource tracker with it; both used to stay, stopped and orphaned, forever."""
+    job, _ = start_job(procs, tmp_path, "startup", "--strategy", "ddp")
+    deadline = time.monotonic() + 120
+    while not (ranks := workers(job)) or not _loading_torch(ranks[-1]):
+        assert time.monotonic() < deadline and job.popen.poll() is None, f"no rank began importing torch: {job}"
+        time.sleep(0.02)
+    os.kill(ranks[-1], signal.SIGSTOP)
+    os.kill(job.pid, signal.SIGKILL)
+    job.popen.wait(10)
+    left = wait_gone(job.seen, timeout=30)
+    assert not left, f"processes outlived their launcher: {left}"
     assert "its launcher is gone; stopping" in job.result().stderr

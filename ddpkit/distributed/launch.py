@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddpkit import LAUNCHER_PID_VARIABLE
 from ddpkit.distributed.ledger import PEER_GONE as _PEER_GONE
 from ddpkit.distributed.rank_guard import say
 
@@ -329,7 +330,9 @@ def spawn(
     process exits with 128 + the signal's number. A process stopped (SIGSTOP, Ctrl-Z) for more than
     `stopped_limit` seconds (its peers on other machines have given up on it by then) is ended with the others and
     named. Should this process be killed outright (SIGKILL), each rank notices its parent is gone and ends
-    (`guard_rank`). Shared-memory files a killed rank left behind are removed once every rank has ended.
+    (`guard_rank`), even one stopped at that moment: the ranks find this process's id in `LAUNCHER_PID_VARIABLE`
+    and arm their wake-up at ddpkit's import. Shared-memory files a killed rank left behind are removed once every
+    rank has ended.
     """
     quiet_torch_errors()
     from ddpkit.distributed.shared_memory import sweep_stale
@@ -338,6 +341,8 @@ def spawn(
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     processes: list[Any] = []
+    launcher = os.environ.get(LAUNCHER_PID_VARIABLE)
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # the ranks arm their wake-up at import
     try:
         context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
         processes = list(context.processes)
@@ -364,8 +369,17 @@ def spawn(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _restore_variable(LAUNCHER_PID_VARIABLE, launcher)
         sweep_stale(min_age=0)
     return []
+
+
+def _restore_variable(name: str, value: str | None) -> None:
+    """Puts environment variable `name` back to `value` (None: unset)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _wait_for_all(processes: list[Any], error_files: list[str]) -> list[str]:

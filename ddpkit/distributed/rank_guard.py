@@ -11,22 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpkit import _set_parent_death_signal
+
 PARENT_POLL_SECONDS = 0.5
 """How often a rank checks that the process that started it still runs (where PR_SET_PDEATHSIG is missing)."""
-_PR_SET_PDEATHSIG = 1
-
-
-def _set_parent_death_signal(sig: int) -> bool:
-    """Asks Linux to send `sig` to this process when its parent ends (prctl PR_SET_PDEATHSIG); False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def say(line: str, stream: Any = None) -> None:
@@ -71,7 +59,9 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
     for sig in caught:
         signal.signal(sig, lambda signum, frame: None)  # the watcher acts; the main thread goes on meanwhile
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    _set_parent_death_signal(signal.SIGCONT)  # wakes a stopped rank; the watcher then sees the parent gone
+    # wakes a stopped rank; the watcher then sees the parent gone (ddpkit's import armed it already in the ranks
+    # ddpkit's launcher spawned; torchrun's workers are armed here)
+    _set_parent_death_signal(signal.SIGCONT)
 
     def finish(code: int, why: str) -> None:
         try:
