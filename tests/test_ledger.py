@@ -75,3 +75,26 @@ def test_the_comparison_names_missing_ranks_and_only_differing_contexts():
     assert lines[1] == "rank 1: no report (it ended, or is stuck outside ddpkit's collectives)"
     assert lines[3] == "a differ: rank 0: 1; rank 2: 2" and not any(line.startswith("b differ") for line in lines)
     assert not any("not in the same collective" in line for line in lines)
+
+
+class _StoreGoneAfterWrite:
+    """A job's store that takes this rank's entry and then is gone (its host was killed meanwhile)."""
+
+    def set(self, key, value):
+        pass
+
+    def wait(self, keys, timeout):
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_rank_reports_its_own_collective_when_the_store_went_away(monkeypatch):
+    """A rank named itself "no report" when the store's host died between its write and its read."""
+    monkeypatch.setattr(ledger.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ledger.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(ledger.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(ledger.dist.distributed_c10d, "_get_default_store", _StoreGoneAfterWrite)
+    monkeypatch.setattr(ledger, "_entry", ledger.Entry())
+    ledger.note("all_reduce", "world", 8)
+    lines = ledger.diagnose(timeout=0.1)
+    assert lines[0] == "rank 0: no report (it ended, or is stuck outside ddpkit's collectives)", lines
+    assert lines[1].startswith("rank 1: collective #1, all_reduce of 8 B on world, from "), lines

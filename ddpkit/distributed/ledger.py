@@ -121,7 +121,8 @@ def diagnose(timeout: float = 5.0) -> list[str]:
         prefix = f"ddpkit/ledger/{_diagnoses}/"
         store.set(f"{prefix}{rank}", json.dumps(snapshot()))
         deadline = time.monotonic() + timeout
-        entries = [_read(store, f"{prefix}{r}", deadline) for r in range(world)]
+        # its own entry is known here: read back, it was "no report" whenever the store went away meanwhile
+        entries = [snapshot() if r == rank else _read(store, f"{prefix}{r}", deadline) for r in range(world)]
     except Exception:  # the store's host is gone: nothing to compare with
         return [describe(dist.get_rank(), snapshot())]
     return compare(entries)
