@@ -2,18 +2,19 @@
 
 References: OSS's state dict must carry `OSS.param_groups` key for key (fairscale syncs its param groups from the
 optimizer it wraps and saves those), before and after a load; a scheduler's current values must be in a consolidated
-state dict; `add_param_group` must give every new parameter exactly one owner (the union over the ranks is the
-group, no overlap); AdaScale on one worker without accumulation is refused with a RuntimeError, as fairscale's
-test_single_node_adascale expects; `AdaScale.unhook()` must let the parameters go by reference counting alone
-(fairscale checks that the tensor is freed once model and optimizer are deleted); AdaScale around OSS, in either of
-fairscale's spellings, must give the gain and mean weight fairscale's test_oss_adascale recorded for its four-layer
-model after two steps on two ranks (1.0335265132125744 and 52.92657661437988, the values of plain AdaScale over
-DDP). OSS around AdaScale (``OSS(params, AdaScaleWrapper, optim_cls=SGD)``) must give the same: its AdaScale
-measures the whole model (fairscale's measured each rank's shard and recorded 94.93 there). After a
-ShardedDataParallel backward, code that reads `p.grad` on every rank (fairscale's test_train_eval_change reads the
-first parameter's gradient on each rank and takes its norm) must find a tensor for the small parameters fairscale
-keeps in its buckets: the owner DDP's average, the others their own gradient (from the plain module, outside any
-wrapper); `keep_bucketed_grads=False` drops them, a memory saving of exactly those elements.
+state dict; `add_param_group` must put every new tensor, a frozen one too, in exactly one rank's optimizer (the union
+over the ranks is the group, no overlap: fairscale's test_add_param_group counts the elements each rank holds), and a
+frozen one made trainable in its owner's only; AdaScale on one worker without accumulation is refused with a
+RuntimeError, as fairscale's test_single_node_adascale expects; `AdaScale.unhook()` must let the parameters go by
+reference counting alone (fairscale checks that the tensor is freed once model and optimizer are deleted); AdaScale
+around OSS, in either of fairscale's spellings, must give the gain and mean weight fairscale's test_oss_adascale
+recorded for its four-layer model after two steps on two ranks (1.0335265132125744 and 52.92657661437988, the values of
+plain AdaScale over DDP). OSS around AdaScale (``OSS(params, AdaScaleWrapper, optim_cls=SGD)``) must give the same: its
+AdaScale measures the whole model (fairscale's measured each rank's shard and recorded 94.93 there). After a
+ShardedDataParallel backward, code that reads `p.grad` on every rank (fairscale's test_train_eval_change reads the first
+parameter's gradient on each rank and takes its norm) must find a tensor for the small parameters fairscale keeps in its
+buckets: the owner DDP's average, the others their own gradient (from the plain module, outside any wrapper);
+`keep_bucketed_grads=False` drops them, a memory saving of exactly those elements.
 """
 
 from __future__ import annotations
@@ -51,12 +52,21 @@ def _oss_behaviours(rank: int, world_size: int) -> dict:
     optimizer.consolidate_state_dict(recipient_rank=-1)
     out["after"] = _without_params(optimizer.param_groups)
     out["resaved"] = _without_params(optimizer.state_dict()["param_groups"])
-    extra = [nn.Parameter(torch.randn(n)) for n in (5, 7, 3, 11)]
+    extra = [nn.Parameter(torch.randn(n)) for n in (5, 7, 3, 11)] + [torch.rand(3, 1)]  # the last one frozen
     optimizer.add_param_group({"params": extra, "lr": 0.01})
-    mine = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
-    out["owned"] = [i for i, p in enumerate(extra) if id(p) in mine]
+    out["owned"] = _held(optimizer, extra)
     out["new_group_lr"] = optimizer.param_groups[-1]["lr"]
+    extra[-1].requires_grad_(True)
+    optimizer.refresh_trainable()
+    out["owned once trainable"] = _held(optimizer, extra)
+    out["owner once trainable"] = optimizer.owner_of(extra[-1])
     return out
+
+
+def _held(optimizer: OSS, tensors: list[torch.Tensor]) -> list[int]:
+    """The indices of `tensors` that this rank's local optimizer holds."""
+    mine = [id(p) for group in optimizer.optim.param_groups for p in group["params"]]
+    return [i for i, p in enumerate(tensors) for _ in range(mine.count(id(p)))]
 
 
 def test_oss_state_dict_param_groups_are_oss_param_groups_and_new_groups_are_partitioned():
@@ -66,8 +76,11 @@ def test_oss_state_dict_param_groups_are_oss_param_groups_and_new_groups_are_par
         assert r["before"][0]["fused"] is True and r["before"][0]["lr"] == pytest.approx(0.05), r["before"]
         assert r["after"] == r["before"] and r["resaved"] == r["before"], rank
         assert r["new_group_lr"] == 0.01
-    owned = sorted(i for r in results for i in r["owned"])
-    assert owned == [0, 1, 2, 3] and all(r["owned"] for r in results), [r["owned"] for r in results]
+    for key in ("owned", "owned once trainable"):  # every tensor in one rank's optimizer, frozen too (fairscale's)
+        owned = sorted(i for r in results for i in r[key])
+        assert owned == [0, 1, 2, 3, 4] and all(r[key] for r in results), [r[key] for r in results]
+    holder = [rank for rank, r in enumerate(results) if 4 in r["owned once trainable"]]
+    assert holder == [results[0]["owner once trainable"]] == [results[1]["owner once trainable"]], results
 
 
 def test_adascale_on_one_worker_without_accumulation_is_a_runtime_error_as_in_fairscale():

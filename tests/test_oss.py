@@ -577,12 +577,15 @@ def _partition(rank, world):
     largest = max(p.numel() * p.element_size() for p in trainable)
     out["balanced"] = max(loads) - min(loads) <= largest and max(loads) <= sum(loads) / world + largest
 
-    # partition_parameters(): per rank, the groups with their hyper-parameters and the parameters it owns.
+    # partition_parameters(): per rank, the groups with their hyper-parameters and the parameters it optimizes:
+    # every parameter in exactly one rank's, as in fairscale; a trainable one in its owner's.
     parts = opt.partition_parameters()
     shape_ok = len(parts) == world and all(len(rank_groups) == len(groups) for rank_groups in parts)
+    holder = {id(p): r for r, rank_groups in enumerate(parts) for part in rank_groups for p in part["params"]}
+    shape_ok &= all(holder.get(id(p)) == opt.owner_of(p) for p in trainable)
     for r, rank_groups in enumerate(parts):
         for g, (part, group) in enumerate(zip(rank_groups, opt.param_groups, strict=True)):
-            expected = [p for p in group["params"] if opt.owner_of(p) == r]
+            expected = [p for p in group["params"] if holder[id(p)] == r]
             shape_ok &= [id(p) for p in part["params"]] == [id(p) for p in expected]
             shape_ok &= {k: v for k, v in part.items() if k != "params"} == {
                 k: v for k, v in group.items() if k != "params"
@@ -590,7 +593,7 @@ def _partition(rank, world):
             if r == rank:
                 shape_ok &= [id(p) for p in part["params"]] == [id(p) for p in opt.optim.param_groups[g]["params"]]
     covered = sorted(id(p) for rank_groups in parts for part in rank_groups for p in part["params"])
-    out["partition_parameters"] = shape_ok and covered == sorted(id(p) for p in trainable)
+    out["partition_parameters"] = shape_ok and covered == sorted(id(p) for p in params)
 
     # A model with one parameter on every rank: empty shards elsewhere, and every rank can still step.
     p = nn.Parameter(torch.randn(3, 3))

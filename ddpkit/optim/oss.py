@@ -34,12 +34,13 @@ _BALANCE_TOLERANCE = 0.1  # split_params=None cuts large parameters until the la
 class OSS(Optimizer):
     """Shards the state of any torch optimizer over the ranks of a process group (ZeRO stage 1).
 
-    Algorithm: every trainable parameter is owned by exactly one rank, chosen once, greedily by size (largest
-    first to the least-loaded rank), identically on every rank; parameters added later (a new param group, or
-    a frozen one made trainable) are placed without moving earlier ones. Each rank builds the wrapped optimizer
-    (`optim`) on the parameters it owns only. `step()` copies the hyper-parameters of `OSS.param_groups` (where
-    LR schedulers write) into that local optimizer, which updates the shard; then each owner broadcasts its
-    updated parameters to all ranks.
+    Algorithm: every trainable parameter is owned by exactly one rank, chosen once, greedily by size (largest first to
+    the least-loaded rank), identically on every rank; parameters added later (a new param group, or a frozen one
+    made trainable) are placed without moving earlier ones. A frozen parameter sits in one rank's local optimizer,
+    as in fairscale, counting one byte of load, until it becomes trainable and is placed. Each rank builds the
+    wrapped optimizer (`optim`) on the parameters it owns only. `step()` copies the hyper-parameters of
+    `OSS.param_groups` (where LR schedulers write) into that local optimizer, which updates the shard; then each
+    owner broadcasts its updated parameters to all ranks.
 
     Communication at construction: one all-gather of two 8-byte digests of every rank's parameter shapes, dtypes,
     order and param-group hyper-parameters (`ddpkit.distributed.agreement`; a mismatch is named on every rank).
@@ -152,6 +153,7 @@ class OSS(Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.force_broadcast_object = force_broadcast_object
         self._owner: dict[torch.Tensor, int] = {}
+        self._holder_while_frozen: dict[torch.Tensor, int] = {}  # never-trainable tensors: whose optimizer holds them
         self._loads = [0] * self.world_size
         self._consolidated: dict[str, Any] | None = None
         self.shared_parameters = shared_parameters
@@ -185,8 +187,11 @@ class OSS(Optimizer):
 
     def _assign_new_trainable(self) -> set[torch.Tensor]:
         """Gives owners to trainable parameters that have none yet (cutting large ones into pieces, see
-        `split_params`); returns the tensors this rank now optimizes (parameters and pieces)."""
+        `split_params`), then a holder to each new frozen one (`_hold_frozen`); returns the tensors this rank now
+        optimizes (parameters and pieces)."""
         new = [p for p in self._all_params() if p.requires_grad and p not in self._owner and p not in self._pieces]
+        for p in new:
+            self._holder_while_frozen.pop(p, None)  # placed again by its size, now that it has state to come
         sizes = [p.numel() * p.element_size() for p in new]
         split = self._choose_splits(new, sizes)
         for index in sorted(split):
@@ -199,7 +204,20 @@ class OSS(Optimizer):
         owners = assign_owners([sizes[i] for i in range(len(new)) if i not in split], self._loads)
         self._owner.update(zip(whole, owners, strict=True))
         mine = {p for p, owner in zip(whole, owners, strict=True) if owner == self.rank}
+        self._hold_frozen()
         return mine | {self._pieces[new[i]][self.rank].tensor for i in split}
+
+    def _hold_frozen(self) -> None:
+        """Places each frozen parameter that has no owner in one rank's local optimizer, as fairscale does (every
+        tensor of a group is in exactly one rank's partition), each counting one byte of load so that the shards
+        still balance the state that exists: a frozen tensor has none. It is placed again by its size, and gets
+        state, when it becomes trainable; until then it is not broadcast (it does not change)."""
+        frozen = [
+            p
+            for p in self._all_params()
+            if p not in self._owner and p not in self._pieces and p not in self._holder_while_frozen
+        ]
+        self._holder_while_frozen.update(zip(frozen, assign_owners([1] * len(frozen), self._loads), strict=True))
 
     def _choose_splits(self, params: list[torch.Tensor], sizes: list[int]) -> set[int]:
         if self.world_size == 1 or self.split_params is False:
@@ -222,7 +240,7 @@ class OSS(Optimizer):
         for p in params:
             if p in self._pieces:
                 out.append(self._pieces[p][rank].tensor)
-            elif self._owner.get(p) == rank:
+            elif self._owner.get(p, self._holder_while_frozen.get(p)) == rank:
                 out.append(p)
         return out
 
@@ -238,8 +256,9 @@ class OSS(Optimizer):
         ]
 
     def owner_of(self, param: torch.Tensor) -> int | None:
-        """The rank that optimizes `param`; None for a parameter that has never been trainable, or one cut into
-        pieces over the ranks (see `pieces_of`)."""
+        """The rank that optimizes `param`; None for a parameter that has never been trainable (one rank's local
+        optimizer holds it meanwhile: `partition_parameters`), or one cut into pieces over the ranks (see
+        `pieces_of`)."""
         return self._owner.get(param)
 
     def pieces_of(self, param: torch.Tensor) -> list[ParamPiece]:
@@ -280,14 +299,16 @@ class OSS(Optimizer):
         """Takes `requires_grad` changes into account: newly trainable parameters get an owner.
 
         Parameters keep their owner (and optimizer state) when they are frozen; frozen parameters are simply not
-        broadcast. `step()` calls this itself when it sees a trainable parameter without an owner.
+        broadcast. One never trainable before moves from the local optimizer that held it (`_hold_frozen`) to its
+        new owner's. `step()` calls this itself when it sees a trainable parameter without an owner.
         """
         _check_one_device_type(self._all_params())
-        newly_owned = self._assign_new_trainable()
-        if not newly_owned:
-            return
+        self._assign_new_trainable()
         for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
-            local["params"].extend(t for t in self._optimized_by(self.rank, group["params"]) if t in newly_owned)
+            mine = self._optimized_by(self.rank, group["params"])
+            kept = [t for t in local["params"] if t in set(mine)]  # less a frozen tensor now owned elsewhere
+            held = set(kept)
+            local["params"][:] = kept + [t for t in mine if t not in held]
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------------------------------
 
