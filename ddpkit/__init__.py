@@ -34,16 +34,23 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def _wake_when_launcher_dies() -> None:
-    """In a rank that ddpkit's launcher spawned, arms SIGCONT as the parent-death signal at ddpkit's first import,
+def _launched_rank() -> bool:
+    """Whether this process is a rank that a launcher started: ddpkit's (it named itself, the parent, in
+    `LAUNCHER_PID_VARIABLE`; the rank's own children are not ranks) or torchrun's (its worker variables)."""
+    if _os.environ.get(LAUNCHER_PID_VARIABLE) == str(_os.getppid()):
+        return True
+    return "TORCHELASTIC_RUN_ID" in _os.environ and "LOCAL_RANK" in _os.environ
+
+
+def _wake_when_launcher_dies() -> bool:
+    """In a launched rank (`_launched_rank`), arms SIGCONT as the parent-death signal at ddpkit's first import,
     before torch's: a rank stopped (SIGSTOP, Ctrl-Z) while it starts, then orphaned by a killed launcher, is woken
     and ends at its rank guard (`ddpkit.distributed.rank_guard`), which used to arm it only after torch's import,
-    seconds later, leaving such a rank (and the launcher's resource tracker) stopped forever. Processes the rank
-    starts in turn (their parent is not the launcher) are left alone."""
+    seconds later, leaving such a rank (and the launcher's resource tracker) stopped forever. SIGCONT does nothing
+    to a running process. Returns whether it armed it."""
     import signal
 
-    if _os.environ.get(LAUNCHER_PID_VARIABLE) == str(_os.getppid()):
-        _set_parent_death_signal(signal.SIGCONT)
+    return _launched_rank() and _set_parent_death_signal(signal.SIGCONT)
 
 
 _wake_when_launcher_dies()
