@@ -111,6 +111,16 @@ def test_adascale_unhook_lets_the_parameters_go():
         gc.enable()
 
 
+def test_adascale_hook_handles_count_the_hooked_parameters_as_fairscales_tests_read_them():
+    """fairscale's test_add_param_group counts `_hook_handles`: one per trainable parameter, groups added later too."""
+    optimizer = AdaScale(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    counts = [len(optimizer._hook_handles)]
+    optimizer.add_param_group({"params": nn.Linear(2, 3).parameters()})
+    counts.append(len(optimizer._hook_handles))
+    optimizer.unhook()
+    assert [*counts, len(optimizer._hook_handles)] == [2, 4, 0]
+
+
 def _adascale_around_oss(rank: int, world_size: int, spelling: str) -> tuple[float, float]:
     sizes = [(3, 2), (4, 3), (5, 4), (6, 5)]
     model = nn.Sequential(*(nn.Linear(i, o, bias=False) for o, i in sizes))

@@ -242,6 +242,11 @@ class AdaScale(WrappedOptimizer):
         self._backward_passes = 0
         self._measured = True
 
+    @property
+    def _hook_handles(self) -> list[Any]:
+        """fairscale's name for the gradient hooks' handles, one per trainable parameter (its tests count them)."""
+        return self._meter.handles
+
     def unhook(self) -> None:
         """Removes the gradient hooks (e.g. when training is over); `step()` is an error afterwards."""
         self._meter.close()

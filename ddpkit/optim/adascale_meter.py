@@ -68,6 +68,11 @@ class MicroGradientMeter:
         self._on_backward_end()
 
     @property
+    def handles(self) -> list[Any]:
+        """The handles of the hooks in place, one per watched parameter."""
+        return list(self._handles)
+
+    @property
     def watching(self) -> bool:
         """Whether some parameter is hooked."""
         return bool(self._handles)
