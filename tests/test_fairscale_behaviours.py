@@ -44,10 +44,18 @@ def _oss_behaviours(rank: int, world_size: int) -> dict:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
+    held = optimizer._per_device_params  # fairscale's private views, read by its test_gradient_clipping and
+    out = {  # test_reproducibility
+        "per device": [[id(t) for t in tensors] for tensors in held[torch.device("cpu")]] if len(held) == 1 else held,
+        "partition": [[id(t) for g in groups for t in g["params"]] for groups in optimizer.partition_parameters()],
+        "buckets": sorted(
+            (str(d), owner, m.buffer.dtype) for d, by in optimizer.buckets.items() for owner, m in by.items()
+        ),
+    }
     scheduler.step()
     optimizer.consolidate_state_dict(recipient_rank=-1)
     saved = optimizer.state_dict()
-    out = {"saved": _without_params(saved["param_groups"]), "before": _without_params(optimizer.param_groups)}
+    out |= {"saved": _without_params(saved["param_groups"]), "before": _without_params(optimizer.param_groups)}
     optimizer.load_state_dict(saved)
     optimizer.consolidate_state_dict(recipient_rank=-1)
     out["after"] = _without_params(optimizer.param_groups)
@@ -76,6 +84,9 @@ def test_oss_state_dict_param_groups_are_oss_param_groups_and_new_groups_are_par
         assert r["before"][0]["fused"] is True and r["before"][0]["lr"] == pytest.approx(0.05), r["before"]
         assert r["after"] == r["before"] and r["resaved"] == r["before"], rank
         assert r["new_group_lr"] == 0.01
+    for r in results:
+        assert r["per device"] == r["partition"], r
+        assert r["buckets"] == [("cpu", 0, torch.float32), ("cpu", 1, torch.float32)], r["buckets"]
     for key in ("owned", "owned once trainable"):  # every tensor in one rank's optimizer, frozen too (fairscale's)
         owned = sorted(i for r in results for i in r[key])
         assert owned == [0, 1, 2, 3, 4] and all(r[key] for r in results), [r[key] for r in results]

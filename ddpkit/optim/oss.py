@@ -255,6 +255,26 @@ class OSS(Optimizer):
             for rank in range(self.world_size)
         ]
 
+    @property
+    def _per_device_params(self) -> dict[torch.device, list[list[torch.Tensor]]]:
+        """fairscale's private view of the partition, which its tests read: per device, per rank, the tensors that
+        rank's local optimizer holds."""
+        out: dict[torch.device, list[list[torch.Tensor]]] = {}
+        for rank, groups in enumerate(self.partition_parameters()):
+            for t in (t for group in groups for t in group["params"]):
+                out.setdefault(t.device, [[] for _ in range(self.world_size)])[rank].append(t)
+        return out
+
+    @property
+    def buckets(self) -> dict[torch.device, dict[int, Any]]:
+        """fairscale's private view of the broadcast buffers, which its tests read: per device, per owner rank, its
+        first message (``.buffer``: the flat fp32 buffer the parameters are views of); empty before the first
+        step."""
+        out: dict[torch.device, dict[int, Any]] = {}
+        for message in self._broadcaster.messages:
+            out.setdefault(message.flat.device, {}).setdefault(message.owner, message)
+        return out
+
     def owner_of(self, param: torch.Tensor) -> int | None:
         """The rank that optimizes `param`; None for a parameter that has never been trainable (one rank's local
         optimizer holds it meanwhile: `partition_parameters`), or one cut into pieces over the ranks (see

@@ -83,6 +83,11 @@ class ParamMessage:
                 p.data = slot
         return cls(owner, params, flat, slots, wire)
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """fairscale's name for a bucket's flat buffer (`flat`): its tests read ``bucket.buffer``."""
+        return self.flat
+
     def stage(self) -> None:
         """Owner, before sending: stray parameters go into their slots (and everything into the fp16 wire)."""
         for p, slot in zip(self.params, self.slots, strict=True):
