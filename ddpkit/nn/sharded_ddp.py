@@ -34,6 +34,12 @@ from ddpkit.optim.adascale import AdaScale
 from ddpkit.optim.oss import OSS
 from ddpkit.optim.param_pieces import ParamPiece
 
+
+class DeviceChangeError(ValueError, AssertionError):
+    """`ShardedDataParallel.to` asked to move the parameters to another device type: a ValueError, and the
+    AssertionError fairscale raised there (its own test catches that)."""
+
+
 HeldKind = Literal["average", "local"]
 """What the last reduce left in a parameter's ``.grad``: the owner's average, or a non-owner's own gradient."""
 
@@ -592,14 +598,14 @@ class ShardedDataParallel(ModuleWrapper):
         non_blocking: bool = False,
     ) -> ShardedDataParallel:
         """Casts the module's floating-point parameters and buffers to `dtype` and/or moves them to `device` of
-        the same device type (another type would strand OSS's state: a ValueError), then rebuilds the gradient
+        the same device type (another type would strand OSS's state: a `DeviceChangeError`), then rebuilds the gradient
         buckets. A dtype given first (``sdp.to(torch.float64)``) is taken as `dtype`."""
         if isinstance(device, torch.dtype):
             device, dtype = None, device if dtype is None else dtype
         target = torch.device(device) if device is not None else None
         current = {p.device.type for p in self.module.parameters()}
         if target is not None and current and current != {target.type}:
-            raise ValueError(
+            raise DeviceChangeError(
                 f"ShardedDataParallel.to: the parameters are on {', '.join(sorted(current))} and the optimizer state "
                 f"follows them; moving to {target.type} is not supported (build the model on that device first)"
             )
