@@ -222,7 +222,12 @@ def _master_run(rank, cfg, steps):
         masters.append(_flat(master))
         modules.append(torch.cat([q.detach().reshape(-1) for q in module.parameters()]))
         sched.step()
-    return torch.stack(masters), torch.stack(modules)
+    # fairscale's _init_global_momentum_buffers (its tests call it before training): x0 := the parameters, u := 0
+    model._init_global_momentum_buffers(opt)
+    buffers, now = model.slow_buffers, torch.cat([q.detach().float().reshape(-1) for q in module.parameters()])
+    start, end = model._my_bounds()
+    reset = buffers.x0 is None or (torch.equal(buffers.x0, now[start:end]) and not buffers.u.any())
+    return torch.stack(masters), torch.stack(modules), reset and end > start
 
 
 # -- 1. DDP parity -------------------------------------------------------------------------------------------------
@@ -378,7 +383,8 @@ def test_fp32_master_copy_for_a_half_precision_module():
     for i, cfg in enumerate(MASTER_CONFIGS):
         expected = _simulate(2, cfg, 8)
         for rank, runs in enumerate(results):
-            masters, modules = runs[i]
+            masters, modules, reset = runs[i]
+            assert reset, (cfg, rank)
             assert masters.dtype == torch.float32 and modules.dtype == cfg["dtype"]
             assert (masters - expected[:, rank]).abs().max().item() < TOL, cfg
             assert torch.equal(modules, masters.to(cfg["dtype"]))  # the module follows its master copy

@@ -325,6 +325,18 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
             unflatten_into(flat, list(self.module.parameters()))
 
     @torch.no_grad()
+    def _init_global_momentum_buffers(self, optimizer: torch.optim.Optimizer) -> None:
+        """fairscale's name, which its tests call before training: x0 (the slow buffers' anchor) becomes the current
+        parameters and the slow momentum u zero. Construction does this already; it matters only after the
+        parameters changed. `optimizer` is taken for fairscale's signature and not read. Not a collective."""
+        buffers = self.slow_buffers
+        if buffers is None or buffers.x0 is None or buffers.u is None:
+            return
+        start, end = self._my_bounds()
+        buffers.x0.copy_(self._flat(list(self.module.parameters())).float()[start:end])
+        buffers.u.zero_()
+
+    @torch.no_grad()
     def average_parameters(self) -> None:
         """Averages the module's parameters exactly over all nodes now (e.g. at the end of training), so every
         replica holds the same model; counters and slow buffers are left as they are. A collective. With SGP, the
