@@ -187,11 +187,12 @@ class OSS(Optimizer):
 
     def _assign_new_trainable(self) -> set[torch.Tensor]:
         """Gives owners to trainable parameters that have none yet (cutting large ones into pieces, see
-        `split_params`), then a holder to each new frozen one (`_hold_frozen`); returns the tensors this rank now
-        optimizes (parameters and pieces)."""
+        `split_params`), after giving a holder to each new frozen one (`_hold_frozen`); returns the tensors this rank
+        now optimizes (parameters and pieces)."""
         new = [p for p in self._all_params() if p.requires_grad and p not in self._owner and p not in self._pieces]
         for p in new:
             self._holder_while_frozen.pop(p, None)  # placed again by its size, now that it has state to come
+        self._hold_frozen()
         sizes = [p.numel() * p.element_size() for p in new]
         split = self._choose_splits(new, sizes)
         for index in sorted(split):
@@ -204,18 +205,23 @@ class OSS(Optimizer):
         owners = assign_owners([sizes[i] for i in range(len(new)) if i not in split], self._loads)
         self._owner.update(zip(whole, owners, strict=True))
         mine = {p for p, owner in zip(whole, owners, strict=True) if owner == self.rank}
-        self._hold_frozen()
         return mine | {self._pieces[new[i]][self.rank].tensor for i in split}
 
     def _hold_frozen(self) -> None:
         """Places each frozen parameter that has no owner in one rank's local optimizer, as fairscale does (every
         tensor of a group is in exactly one rank's partition), each counting one byte of load so that the shards
-        still balance the state that exists: a frozen tensor has none. It is placed again by its size, and gets
-        state, when it becomes trainable; until then it is not broadcast (it does not change)."""
+        still balance the state that exists: a frozen tensor has none. They are placed before the new trainable
+        ones, in their order, so frozen tensors at the front of a model go to ranks 0, 1, ... as in fairscale,
+        whose partition goes in order. It is placed again by its size, and gets state, when it becomes trainable;
+        until then it is not broadcast: an optimizer that changes it (fairscale's tests scale every tensor it
+        holds by a per-rank factor) changes it on its holder only."""
         frozen = [
             p
             for p in self._all_params()
-            if p not in self._owner and p not in self._pieces and p not in self._holder_while_frozen
+            if not p.requires_grad
+            and p not in self._owner
+            and p not in self._pieces
+            and p not in self._holder_while_frozen
         ]
         self._holder_while_frozen.update(zip(frozen, assign_owners([1] * len(frozen), self._loads), strict=True))
 
