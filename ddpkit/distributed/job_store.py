@@ -6,8 +6,9 @@ runs its own torchrun) and every rank reaches as a client (`connect`): a
 rank's death does not take it down, and a rank started again finds the job where it is. The launcher keeps it up
 until the job is over: every rank of the final quorum has said it finished (`finish`, `wait_until_finished`), or
 no rank is left (each live rank beats a heartbeat into the store every second: `heartbeat`). Losing node 0's
-launcher (its machine) does not end the job: the survivors meet in a standby store that one of them hosts
-(`ddpkit.distributed.standby`), which then stays up until the others are done (`wait_for_done`).
+launcher (its machine) loses this store, and with it the job (every rank stops with `StoreLost`): a job that must
+outlive any machine keeps the same keys in an etcd cluster instead (`ddpkit.fault_tolerance.etcd_store`), and
+then nobody hosts anything.
 Memory: the keys of the quorums (`ddpkit.distributed.membership`), a few bytes per rank and round.
 """
 
@@ -22,7 +23,6 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED
-from ddpkit.distributed.standby import MOVED
 
 PREFIX = DEFAULT_PREFIX
 FINAL_KEY = PREFIX + "final"  # the members of the job's last round, as a JSON list
@@ -61,12 +61,9 @@ def wait_until_finished(store: Any, start_timeout: float, silence: float = SILEN
     """Blocks while the job runs (node 0's launcher calls it once its own ranks ended; `ddpkit store` at once) and
     says why it returned: every member of the final quorum finished ("finished"), the job ended with fewer ranks
     than its minimum ("ended"), no rank's heartbeat came for `silence` seconds (every rank is gone: "silent"),
-    none came at all within `start_timeout` seconds ("never started"), or this is a fresh store at the job's
-    address and the survivors of the lost one said they meet elsewhere ("moved": `ddpkit.distributed.standby`)."""
+    or none came at all within `start_timeout` seconds ("never started")."""
     started, beats, last_beat = time.monotonic(), None, None
     while not store.check([PREFIX + ENDED]):  # too few ranks were left: every rank stops
-        if store.check([PREFIX + MOVED]):
-            return "moved"
         if store.check([FINAL_KEY]):
             members = json.loads(store.get(FINAL_KEY))
             if store.check([f"{PREFIX}done/{r}" for r in members]):
@@ -112,8 +109,7 @@ def done(store: Any, rank: int) -> None:
 
 
 def wait_for_done(store: Any, members: list[int], timeout: float) -> None:
-    """Waits up to `timeout` seconds until every one of `members` said `done` (the store's host, a rank whose
-    standby store the job met in after losing its own, stays until the others have read their outputs)."""
+    """Waits up to `timeout` seconds until every one of `members` said `done`."""
     try:
         store.wait([f"{PREFIX}done/{r}" for r in members], timedelta(seconds=timeout))
     except dist.DistStoreError:

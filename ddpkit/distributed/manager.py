@@ -18,10 +18,12 @@ is what a training loop holds to take part. Per round it owns:
 - **what happened**: `events` (each round whose members changed or that failed, with the seconds it held this rank
   up), printed by every member as it happens, and `never_joined` (ranks missing from the first round);
 - **staying up**: a heartbeat, so that a quorum stops waiting for ranks that are gone (`liveness`); the keys of
-  old rounds deleted; with `standby_address`, a standby store where the survivors meet and settle the open round
-  when the job's store is lost (`standby`), and a beacon that tells a process started again at the job's first
-  address where they meet (`StoreMoved`: it joins them); gradients all-reduced in buckets while backward runs
-  (`overlap_gradients`, `round_buckets`).
+  old rounds deleted; gradients all-reduced in buckets while backward runs (`overlap_gradients`,
+  `round_buckets`);
+- **the store is the only judge**: every decision (who is a member, the verdict) is one compare-and-set in the
+  job's store, never one rank's own conclusion. A rank that loses the store stops with `StoreLost` (it never
+  goes on alone); with the embedded store (a TCPStore on machine 0) losing machine 0 ends the job, and with an
+  etcd cluster (`ddpkit.fault_tolerance.etcd_store.EtcdStore`) any one machine may be lost.
 
 A replica of several processes (a machine sharding the optimizer state over its processes: `replica`,
 `ddpkit.distributed.replica_membership`): each process holds a manager with the machine's rank; one of them decides
@@ -62,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddpkit.distributed import store_agreement
 from ddpkit.distributed.liveness import STALE_AFTER, Heartbeat, Liveness
@@ -79,16 +82,17 @@ from ddpkit.distributed.membership import (
 from ddpkit.distributed.rank_guard import say
 from ddpkit.distributed.replica_membership import Replica, ReplicaMembership
 from ddpkit.distributed.round_buckets import RoundBuckets
-from ddpkit.distributed.standby import (
-    Standby,
-    StoreLost,
-    StoreMoved,
-    beacon,
-    connect_moved,
-    is_store_loss,
-    moved_to,
-    settle,
-)
+
+
+class StoreLost(RuntimeError):
+    """This rank lost the job's store (its machine is gone, or this rank is cut off from it): it stops, since a
+    rank that cannot reach the store can take part in no decision."""
+
+
+def is_store_loss(exc: BaseException) -> bool:
+    """Whether `exc` says the store's connection broke (its host is gone, or no etcd member answered), not a wait
+    that timed out."""
+    return isinstance(exc, dist.DistNetworkError)
 
 
 class FellBehind(Exception):
@@ -126,10 +130,8 @@ class Manager:
     `store`: a client of the job's store (a ``torch.distributed`` Store: TCPStore, or HashStore in one process);
     `rank` in ``[0, max_world)``; the round timeouts as `Membership`'s; `settings`: what every rank must share
     (name -> value), compared at the first round and at every join; `report`: where each membership change is
-    written as it happens (default: a line on stderr; None: nowhere); `standby_address`: the address the other
-    ranks reach this machine at, to host a standby store where the survivors meet if the job's store is lost
-    (`ddpkit.distributed.standby`; None: no standby, a lost store ends the job); `replica`: this process's place
-    in a replica of several processes (module doc; None: the process is the replica).
+    written as it happens (default: a line on stderr; None: nowhere); `replica`: this process's place in a
+    replica of several processes (module doc; None: the process is the replica).
     """
 
     def __init__(
@@ -145,15 +147,11 @@ class Manager:
         prefix: str = DEFAULT_PREFIX,
         settings: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
         report: Callable[[str], None] | None = say,
-        standby_address: str | None = None,
         replica: Replica | None = None,
     ) -> None:
-        if replica is not None and standby_address is not None:
-            raise ValueError("Manager: a replica of several processes keeps no standby store (give one or the other)")
         membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
                                 start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
         membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
-        membership.interrupt = self._check_moved
         self.membership: Membership | ReplicaMembership = membership
         if replica is not None:
             self.membership = ReplicaMembership(membership, replica)
@@ -175,12 +173,6 @@ class Manager:
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
         self._heartbeat: Heartbeat | None = None
         self._buckets: RoundBuckets | None = None  # gradients averaged while backward runs (`overlap_gradients`)
-        self.standby = Standby(rank, standby_address, prefix) if standby_address is not None else None
-        self._verdicts: dict[int, bool] = {}  # the latest rounds' verdicts (for the survivors of a lost store)
-        self.recoveries = 0  # times the job's store was lost and the survivors met again in a standby
-        # the job's first address: after a loss, where a process started again looks (`standby.beacon`)
-        self._home = (str(store.host), int(store.port)) if hasattr(store, "host") and hasattr(store, "port") else None
-        self._beacon: Any = None
 
     # -- the live state ----------------------------------------------------------------------------------------
 
@@ -226,18 +218,9 @@ class Manager:
         if self.leads:
             store_agreement.offer(self.store, self.prefix, self.rank, self.settings)
         self._beat()
-        if self.standby is not None:
-            self.standby.publish(self.store)
-        try:
-            quorum = self.round(0)
-        except StoreMoved as moved:  # a fresh store at the job's address: the survivors meet elsewhere
-            self._use_store(connect_moved(moved.address, self.membership.timeout))
-            self._say(f"rank {self.rank}: {moved}; joining the survivors there")
-            raise FellBehind(str(moved)) from None
+        quorum = self.round(0)
         if self.leads:
             store_agreement.agree(self.store, self.prefix, self.rank, quorum.members, self.prefix + ENDED)
-        if self.standby is not None:
-            self.standby.learn(self.store, quorum.members)
         self.never_joined = [r for r in range(self.max_world) if r not in quorum.members]
         if self.never_joined:
             self._say(f"{_ranks(self.never_joined)} never joined: training with {len(quorum.members)} of "
@@ -262,7 +245,7 @@ class Manager:
                 return self.rejoin()
             try:
                 self.start()
-            except FellBehind:  # left out of the first round, or the job moved (`StoreMoved`): join from live state
+            except FellBehind:  # left out of the first round: join from live state
                 return self.rejoin()
             if not self.should_commit():
                 raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
@@ -284,9 +267,8 @@ class Manager:
         try:
             formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
         except Exception as exc:
-            if not self._recover(exc):
-                raise
-            return self.round(self.next_round)
+            self._stop_if_lost(exc)
+            raise
         blocked = self._blocked + time.monotonic() - since
         quorum = self.round(formed.round, formed)
         self._blocked += blocked
@@ -300,15 +282,12 @@ class Manager:
         try:
             quorum = formed if formed is not None else self.membership.quorum(round_)
         except Exception as exc:
-            if round_ == 0 or not self._recover(exc):
-                raise
-            return self.round(self.next_round)
+            self._stop_if_lost(exc)
+            raise
         self.next_round = quorum.round + 1
         if not quorum.is_member or self.rank in quorum.joined:
             raise FellBehind(f"rank {self.rank} was left out of round {quorum.round}")
         self._enter(quorum)
-        if quorum.joined and self.standby is not None:
-            self.standby.learn(self.store, quorum.joined)
         if quorum.joined and self.ok:
             self._guarded(heal_object, quorum, self.live_state())
         self._blocked = time.monotonic() - since
@@ -325,9 +304,6 @@ class Manager:
         if self.leads:
             store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings,
                                          self.membership.join_timeout)  # fmt: skip
-        if self.standby is not None:
-            self.standby.publish(self.store)
-            self.standby.learn(self.store, list(range(self.max_world)))
         self._beat()
         round_ = self.membership.announce_join()
         while True:
@@ -335,10 +311,8 @@ class Manager:
             try:
                 quorum = self.membership.quorum(round_)
             except Exception as exc:
-                if not self._recover(exc):
-                    raise
-                round_ = self.membership.announce_join()
-                continue
+                self._stop_if_lost(exc)
+                raise
             round_ = self.next_round = quorum.round + 1
             if not quorum.is_member:
                 continue  # too late for it: the next round expects this rank
@@ -451,10 +425,8 @@ class Manager:
         try:
             committed = quorum.commit(self.ok)
         except Exception as exc:
-            if not self._recover(exc, open_quorum=quorum):
-                raise
-            committed = bool(quorum.committed)
-        self._verdicts = {r: v for r, v in self._verdicts.items() if r > quorum.round - 3} | {quorum.round: committed}
+            self._stop_if_lost(exc)
+            raise
         if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
             self._cleaner.submit(self.membership.forget, quorum.round - KEPT_ROUNDS)
         self._blocked += time.monotonic() - since
@@ -466,45 +438,27 @@ class Manager:
 
     # -- a lost store ----------------------------------------------------------------------------------------------
 
-    def _recover(self, exc: BaseException, open_quorum: Quorum | None = None) -> bool:
-        """When the job's store was lost (`exc` says its connection broke) and this manager keeps a standby: meets
-        the survivors in the lowest live member's standby store, settles with them the round that was open
-        (`open_quorum`: this rank's, whose commit broke) and re-seeds the new store (`ddpkit.distributed.standby`).
-        Returns False (the caller raises) for any other error; raises `StoreLost` when no standby answers."""
-        if self.standby is None or not is_store_loss(exc):
-            return False
-        since, timeout = time.monotonic(), self.membership.timeout
-        try:
-            store = self.standby.meet(sorted(self.standby.known), timeout)
-        except StoreLost as lost:
-            raise StoreLost(f"rank {self.rank}: the job's store is gone ({exc}) and {lost}") from exc
-        self._use_store(store)
-        self._beat()
-        last = open_quorum or self.membership.last
-        mine = last.round if last is not None else -1
-        expected = last.members if last is not None else [self.rank]
-        settled = settle(store, self.rank, self.prefix, self.recoveries, mine, self._verdicts, expected, timeout,
-                         can_decide=last is not None)  # fmt: skip
-        self.recoveries += 1
-        if open_quorum is not None:
-            open_quorum.committed = settled.verdict(open_quorum.round)
-            open_quorum.group = open_quorum.group if open_quorum.committed else None
-        live = self.rank in settled.in_step and mine == settled.open_round
-        self.membership.reseed(settled.open_round, settled.in_step, live, settled.verdict(settled.open_round))
-        store_agreement.record(store, self.prefix, self.settings)
-        self.standby.publish(store)
-        if self.standby.host == self.rank and self._home is not None and self._beacon is None:
-            self._beacon = beacon(self._home, self.prefix, self.standby.address)
-        self.next_round = settled.open_round + 1
-        lost = sorted(set(expected) - set(settled.in_step))
-        held = time.monotonic() - since
-        step = settled.open_round if self.step is None else self.step
-        self.events.append(MembershipEvent(step, settled.open_round, settled.in_step, [], lost,
-                                           settled.verdict(settled.open_round), 0.0, round(held, 3)))  # fmt: skip
-        self._say(f"the job's store was lost{' with ' + _ranks(lost) if lost else ''}: the survivors "
-                  f"({_ranks(settled.in_step)}) meet in rank {self.standby.host}'s standby store from round "
-                  f"{self.next_round} on ({held:.1f} s held up)")  # fmt: skip
-        return True
+    def _stop_if_lost(self, exc: BaseException) -> None:
+        """Raises `StoreLost`, naming the store and what to do, when `exc` (raised by a store call of the rounds)
+        says the store's connection broke; returns otherwise (the caller raises `exc`)."""
+        if not is_store_loss(exc):
+            return
+        where = getattr(self.store, "url", None)
+        if where is None and hasattr(self.store, "host"):
+            where = f"{self.store.host}:{self.store.port}"
+        if where is not None and str(where).startswith("etcd://"):
+            advice = (
+                "this rank is cut off from the etcd cluster's majority and stops (it takes part in no "
+                "decision it cannot reach); start its command again to rejoin once it reaches the cluster"
+            )
+        else:
+            advice = (
+                "the embedded store lives on machine 0, so the job cannot outlive that machine; keep the "
+                "job's coordination in an etcd cluster (--store etcd://HOST:PORT,... or "
+                "Manager(EtcdStore(...))) to survive the loss of any one machine"
+            )
+        raise StoreLost(f"rank {self.rank}: the fault-tolerant job's store{' at ' + str(where) if where else ''} "
+                        f"is gone ({exc}); {advice}") from exc  # fmt: skip
 
     # -- what happened ---------------------------------------------------------------------------------------------
 
@@ -526,17 +480,6 @@ class Manager:
         if self.report is not None:
             self.report(f"ddpkit: rank {self.rank}: {line}")
 
-    def _use_store(self, store: Any) -> None:
-        self.store = store
-        self.membership.use_store(store)
-
-    def _check_moved(self) -> None:
-        """Raises `StoreMoved` if the store this rank reached is a fresh one that the survivors of a lost store
-        told where they meet (asked while the job's first round waits)."""
-        address = moved_to(self.store, self.prefix)
-        if address is not None:
-            raise StoreMoved(address)
-
     def _beat(self) -> None:
         """(Re)starts this rank's heartbeat on the current store (`ddpkit.distributed.liveness`); a replica's
         leader beats for it."""
@@ -548,17 +491,13 @@ class Manager:
         self._heartbeat = Heartbeat(connection, self.prefix, self.rank)
 
     def close(self) -> None:
-        """Stops the background quorum thread (a round being formed is abandoned) and the standby store."""
+        """Stops the background quorum thread (a round being formed is abandoned) and the heartbeat."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._cleaner.shutdown(wait=False, cancel_futures=True)
         if self._heartbeat is not None:
             self._heartbeat.stop(wait=True)
         if self._buckets is not None:
             self._buckets.remove()
-        if self.standby is not None:
-            self.standby.close()
-        if self._beacon is not None:
-            self._beacon.set()
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -125,7 +125,6 @@ class Membership:
         self.predict_next = predict_next
         self._forgetting: Any = None  # the store connection `forget` deletes through
         self.liveness: Any = None  # a `ddpkit.distributed.liveness.Liveness`: stop waiting for ranks that are gone
-        self.interrupt: Any = None  # called while round 0 waits for arrivals (may raise: the job is elsewhere)
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
         self.lanes = 1  # the groups each round makes (one per process of a replica: `replica_membership`)
@@ -239,11 +238,6 @@ class Membership:
         limit = self.start_timeout if round_ == 0 else self.timeout
         keys = [self._key(round_, "in", r) for r in sorted(expected)]
         first = limit if self.liveness is None or round_ == 0 else min(limit, FIRST_WAIT)
-        if round_ == 0 and self.interrupt is not None:  # polled, so that `interrupt` is asked while it waits
-            first = 0.0
-            while time.monotonic() < since + limit and not self.store.check(keys):
-                self.interrupt()
-                time.sleep(POLL_SECONDS)
         try:
             self.store.wait(keys, timedelta(seconds=max(1e-3, since + first - time.monotonic())))
             return expected  # (a rank that was not expected announced itself too late: it is expected next round)
@@ -317,23 +311,6 @@ class Membership:
             self.store.set(self.prefix + LATEST, str(round_))
         quorum.round = round_
         self.last = quorum
-
-    def use_store(self, store: Any) -> None:
-        """Meets in `store` from now on (the job's store was lost, or the job moved): rounds, commits and the
-        deletion of old rounds' keys all go there."""
-        self.store, self._forgetting = store, None
-
-    def reseed(self, round_: int, members: list[int], live: bool, committed: bool) -> None:
-        """After the job's store was lost (`ddpkit.distributed.standby`), in the new one: round `round_` was the
-        latest, its ranks still in step are `members`; this rank goes on as one of them (`live`) or joins again.
-        Every survivor writes the same (compare-and-set), so the first write stands."""
-        self.store.compare_set(self._key(round_, "members"), "", json.dumps(members))
-        self.store.compare_set(self.prefix + LATEST, "", str(round_))
-        if live:
-            self.last = Quorum(round_, members, [], [], committed=committed, _membership=self)  # no group: made anew
-            self.joining = False
-        else:
-            self.announce_join()
 
     # -- commit ----------------------------------------------------------------------------------------------------
 

@@ -24,11 +24,12 @@ import torch.distributed as dist
 from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
-from ddpkit.distributed.launch import Placement, choose_gloo_interface, route_source_address
+from ddpkit.distributed.launch import Placement, choose_gloo_interface
 from ddpkit.distributed.manager import FellBehind, Manager
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import say, tell
 from ddpkit.distributed.replica_membership import join_replica
+from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_lock import claim_out
@@ -81,10 +82,7 @@ def local_group() -> None:
 
 def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float) -> dict[str, Any] | None:
     """Trains this rank of a fault-tolerant job; returns the summary on the rank that wrote it, else None."""
-    if cfg.nnodes > 1:  # the rounds' gloo groups must advertise the address that routes to the other machines
-        choose_gloo_interface(placement.master_addr, placement.master_port)
-    store = job_store.connect(placement.master_addr, placement.master_port, cfg.timeout)
-    job_store.heartbeat(placement.master_addr, placement.master_port, cfg.timeout)  # until this process ends
+    store = open_job_store(cfg, placement)
     waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
     replica, rank, world = None, placement.rank, placement.world_size
     if sharded_replicas(cfg):  # the machine is the replica: its rank is the machine's
@@ -98,10 +96,9 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     work = build_workload(cfg, torch.device("cpu"))
     if cfg.out and (replica is None or replica.leads):
         claim_out(cfg.out, rank)
-    standby = route_source_address(placement.master_addr, placement.master_port) or "127.0.0.1"
     manager = Manager(store, rank, world, min_replicas=cfg.min_replicas, quorum_timeout=cfg.quorum_timeout,
                       prefix=job_store.PREFIX, settings=job_settings(cfg, "gloo", work), report=tell,
-                      standby_address=standby if replica is None else None, replica=replica, **waits)  # fmt: skip
+                      replica=replica, **waits)  # fmt: skip
     model: torch.nn.Module = work.module
     if replica is not None:  # OSS (ZeRO-1) or ShardedDataParallel (ZeRO-2) over the machine's processes
         strategy = build_strategy(cfg, work.module, torch.device("cpu"))
@@ -141,10 +138,28 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
             sync.rejoin(trainer)
     final = sync.finish(trainer)
     summary = report(cfg, placement, manager.store, trainer, recorder, manager, final.members, started)
-    if manager.standby is not None and manager.standby.host == placement.rank:  # the job meets in this rank's store
-        job_store.wait_for_done(manager.store, final.members, cfg.quorum_timeout + 30)
+    if isinstance(store, EtcdStore) and summary is not None and manager.leads:  # the writer clears the job's keys
+        job_store.wait_for_done(store, final.members, cfg.quorum_timeout + 30)
+        store.clear()  # (so that the job's name can be given to the next job)
     manager.close()
     return summary
+
+
+def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
+    """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port, with a
+    heartbeat that tells node 0's launcher this rank lives. Across machines, the rounds' gloo groups advertise the
+    address that routes towards the store (the other machines')."""
+    if cfg.store is not None:
+        store = EtcdStore(cfg.store, cfg.timeout)
+        host, port = store.endpoints[0]
+    else:
+        host, port = placement.master_addr, placement.master_port
+    if cfg.nnodes > 1:
+        choose_gloo_interface(host, port)
+    if cfg.store is not None:
+        return store
+    job_store.heartbeat(host, port, cfg.timeout)  # until this process ends
+    return job_store.connect(host, port, cfg.timeout)
 
 
 def report(

@@ -98,7 +98,8 @@ def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     until the job is over (`ddpkit.distributed.job_store`). A lost local rank leaves the others training; this
     returns normally if any local rank finished the job, else raises the first failure."""
     port = job_port(cfg)
-    store = job_store.host(port, cfg.timeout) if cfg.node_rank == 0 else None
+    hosts_store = cfg.node_rank == 0 and cfg.store is None  # (with etcd nobody hosts the job's coordination)
+    store = job_store.host(port, cfg.timeout) if hosts_store else None
     if sharded_replicas(cfg):  # the machine's processes are one replica: one lost ends them all (a lost machine)
         try:
             failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started))
@@ -128,7 +129,7 @@ def fault_tolerant_under_torchrun(cfg: TrainConfig, torchrun: Placement) -> tupl
             f"{torchrun.world_size // max(local, 1)} machines, whose agents would restart every worker when one "
             "fails); give ddpkit --nnodes/--node-rank for the job's machines instead"
         )
-    if cfg.master_port is None:
+    if cfg.master_port is None and cfg.store is None:
         raise ValueError(
             "--fault-tolerant under torchrun meets at the job's store: start `ddpkit store --port P` on one "
             "machine and give every machine's ddpkit --master-addr <its address> --master-port P"
@@ -136,7 +137,7 @@ def fault_tolerant_under_torchrun(cfg: TrainConfig, torchrun: Placement) -> tupl
     cfg = dataclasses.replace(cfg, nproc_per_node=local)
     validate(cfg)
     rank = cfg.node_rank * local + torchrun.local_rank
-    return cfg, Placement(rank, cfg.world_size, torchrun.local_rank, cfg.master_addr, cfg.master_port)
+    return cfg, Placement(rank, cfg.world_size, torchrun.local_rank, cfg.master_addr, cfg.master_port or 0)
 
 
 def host_job_store(port: int, timeout: float) -> None:
@@ -146,12 +147,6 @@ def host_job_store(port: int, timeout: float) -> None:
     say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine")
     why = job_store.wait_until_finished(store, timeout)
     time.sleep(STORE_GRACE_SECONDS)  # ranks still waiting read the end before the store goes
-    if why == "moved":
-        say(
-            "ddpkit: the fault-tolerant job meets in a survivor's standby store since its store's machine was "
-            "lost; this store stops"
-        )
-        return
     if why in ("finished", "ended"):
         say(f"ddpkit: the fault-tolerant job {why}; its store stops")
         return

@@ -102,6 +102,7 @@ class TrainConfig:
     fault_tolerant: bool = False
     min_replicas: int = 1
     quorum_timeout: float = 5.0
+    store: str | None = None  # etcd://HOST:PORT[,...][/JOB]: the job's coordination in etcd (None: node 0 hosts it)
     # outputs
     out: str | None = None
     resume: bool = False
@@ -352,6 +353,8 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         _check_fault_tolerant(cfg)
     elif (cfg.min_replicas, cfg.quorum_timeout) != (TrainConfig.min_replicas, TrainConfig.quorum_timeout):
         raise ValueError("--min-replicas and --quorum-timeout need --fault-tolerant")
+    elif cfg.store is not None:
+        raise ValueError("--store keeps a fault-tolerant job's coordination in etcd: it needs --fault-tolerant")
     if cfg.resume and not cfg.out:
         raise ValueError("--resume needs --out DIR (where the checkpoint was written)")
     if not cfg.checkpoints and (cfg.resume or cfg.checkpoint_every is not None):
@@ -369,6 +372,10 @@ def sharded_replicas(cfg: TrainConfig) -> bool:
 def _check_fault_tolerant(cfg: TrainConfig) -> None:
     """What --fault-tolerant supports today (ddpkit.train.loop.fault_tolerant_sync), refused by flag otherwise."""
     sharded = sharded_replicas(cfg)
+    if cfg.store is not None:
+        from ddpkit.fault_tolerance.etcd_store import parse_url  # (torch only when asked for)
+
+        parse_url(cfg.store)  # a ValueError naming what is wrong, before any process starts
     replicas = cfg.nnodes if sharded else cfg.world_size
     if not 1 <= cfg.min_replicas <= replicas:
         what = f"the machines (--nnodes {cfg.nnodes}): with --strategy {cfg.strategy} a machine is a replica" if \

@@ -1,0 +1,293 @@
+"""A ``torch.distributed`` Store kept in an etcd cluster: a fault-tolerant job's coordination with no machine special.
+
+The embedded store of a fault-tolerant job is a TCPStore on machine 0: losing that machine loses the job's
+membership, so the job ends. `EtcdStore` keeps the same keys in etcd (>= 3.5), a replicated key-value store that
+decides every write by a majority of its members (Raft): any one of three etcd members may be lost and every
+training machine may be lost (machine 0 included) without the job losing its coordination. A rank that is cut off
+from the etcd majority cannot read or write anything (every request is linearizable), so it can never decide
+alone; it stops with `StoreCutOff`.
+
+The store speaks etcd's v3 HTTP/JSON gateway (``/v3/kv/...``) with the standard library's HTTP client: no etcd
+client package. Each operation of torch's Store API maps onto etcd as follows:
+
+- ``set``/``get``/``check``/``delete_key``/``multi_get``/``multi_set``: puts, ranges and deletes (a get waits
+  for its key, as a TCPStore's does);
+- ``compare_set``, ``add``, ``append``: transactions (compare the key's value or revision, then put), retried
+  when another writer came first; the quorum's decisions and the commit's verdicts are these transactions;
+- ``wait``: polls the keys, from 1 ms apart up to 50 ms apart.
+
+Every key lives under ``/ddpkit/<job>/`` (the URL's path names the job), so jobs sharing a cluster never meet.
+The client tries the cluster's endpoints in turn: a member that refuses or goes silent is skipped, and only when no
+member answers for the store's `timeout` does an operation raise `StoreCutOff`. Because it subclasses
+``torch.distributed.Store``, it also carries the rendezvous of the rounds' gloo process groups.
+
+Sends: one HTTP request per operation (two to three for an addition or an append), each a few hundred bytes of
+JSON. Holds: one keep-alive HTTP connection per store object (`clone` opens another, for a heartbeat thread).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch.distributed as dist
+
+SCHEME = "etcd://"
+DEFAULT_JOB = "default"
+REQUEST_SECONDS = 5.0  # one HTTP request's limit before the next endpoint is tried
+FIRST_POLL, LAST_POLL = 0.001, 0.05  # seconds between a wait's looks at its keys (doubling from the first)
+
+
+class StoreCutOff(dist.DistNetworkError):
+    """No member of the etcd cluster answered within the store's timeout: this rank is cut off from the job's
+    coordination (the cluster lost its majority, or this machine lost the network)."""
+
+
+def _b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
+    """The endpoints and the job name of ``etcd://HOST:PORT[,HOST:PORT...][/JOB]``.
+
+    Args:
+        url: the cluster's client addresses (etcd's ``--listen-client-urls`` ports) and, after a slash, the
+            job's name (letters, digits, ``-``, ``_``, ``.``; ``default`` when left out).
+
+    Returns:
+        ``([(host, port), ...], job)``.
+
+    Raises:
+        ValueError: the URL does not start with ``etcd://``, names no endpoint, has a port that is not a number,
+            or a job name with other characters.
+    """
+    if not url.startswith(SCHEME):
+        raise ValueError(f"store: expected etcd://HOST:PORT[,HOST:PORT...][/JOB], got {url!r}")
+    rest = url[len(SCHEME) :]
+    hosts, _, job = rest.partition("/")
+    job = job.strip("/") or DEFAULT_JOB
+    if not all(c.isalnum() or c in "-_." for c in job):
+        raise ValueError(f"store: the job name {job!r} in {url!r} may hold only letters, digits, '-', '_' and '.'")
+    endpoints = []
+    for part in filter(None, hosts.split(",")):
+        split = urlsplit("//" + part)
+        try:
+            port = split.port
+        except ValueError:
+            port = None
+        if not split.hostname or port is None:
+            raise ValueError(f"store: {part!r} in {url!r} is not HOST:PORT (an etcd member's client address)")
+        endpoints.append((split.hostname, port))
+    if not endpoints:
+        raise ValueError(f"store: {url!r} names no etcd endpoint (expected etcd://HOST:PORT[,HOST:PORT...])")
+    return endpoints, job
+
+
+class EtcdStore(dist.Store):
+    """torch's Store API over an etcd cluster (module doc): the coordination of a fault-tolerant job that survives
+    the loss of any one machine.
+
+    Args:
+        url: ``etcd://HOST:PORT[,HOST:PORT...][/JOB]``: the cluster's client endpoints and the job's name, under
+            which every key lives.
+        timeout: seconds a ``get`` or ``wait`` waits for its keys, and seconds an operation keeps trying the
+            endpoints before it raises `StoreCutOff`.
+
+    Raises:
+        ValueError: `url` is malformed (`parse_url`) or `timeout` is not positive.
+        StoreCutOff: no endpoint answered within `timeout` (raised by any operation).
+
+    Example:
+        Three etcd members on machines a, b and c; every rank of the job::
+
+            store = EtcdStore("etcd://a:2379,b:2379,c:2379/run-7", timeout=30)
+            manager = Manager(store, rank, max_world=3)
+    """
+
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
+        super().__init__()
+        if timeout <= 0:
+            raise ValueError(f"EtcdStore: timeout must be > 0 seconds, got {timeout}")
+        self.url = url
+        self.endpoints, self.job = parse_url(url)
+        self.namespace = f"/ddpkit/{self.job}/"
+        self._timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._connection: http.client.HTTPConnection | None = None
+        self._endpoint = 0  # the endpoint that answered last: tried first
+
+    # -- transport -------------------------------------------------------------------------------------------------
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One gateway request, tried on each endpoint in turn until one answers or the store's timeout passed."""
+        payload = json.dumps(body)
+        deadline = time.monotonic() + self._timeout
+        errors: list[str] = []
+        with self._lock:
+            while True:
+                host, port = self.endpoints[self._endpoint]
+                try:
+                    if self._connection is None:
+                        limit = min(REQUEST_SECONDS, max(0.1, deadline - time.monotonic()))
+                        self._connection = http.client.HTTPConnection(host, port, timeout=limit)
+                    self._connection.request("POST", path, payload, {"Content-Type": "application/json"})
+                    response = self._connection.getresponse()
+                    data = response.read()
+                    if response.status == 200:
+                        return json.loads(data)
+                    errors.append(f"{host}:{port} answered {response.status}: {data[:200]!r}")
+                except (OSError, http.client.HTTPException) as exc:
+                    errors.append(f"{host}:{port}: {exc or type(exc).__name__}")
+                self._drop_connection()
+                self._endpoint = (self._endpoint + 1) % len(self.endpoints)
+                if time.monotonic() > deadline:
+                    raise StoreCutOff(
+                        f"cut off from the job's etcd store {self.url}: no member answered within "
+                        f"{self._timeout:g} s ({'; '.join(errors[-len(self.endpoints) :])})"
+                    )
+                if self._endpoint == 0:
+                    time.sleep(0.05)  # every member failed once: a short pause before the next pass
+
+    def _drop_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _key(self, key: str) -> str:
+        return _b64(self.namespace + key)
+
+    def _range(self, key: str) -> dict[str, Any] | None:
+        kvs = self._post("/v3/kv/range", {"key": self._key(key)}).get("kvs")
+        return kvs[0] if kvs else None
+
+    def _txn(self, compare: dict[str, Any], put: tuple[str, bytes]) -> tuple[bool, dict[str, Any] | None]:
+        """One transaction: if `compare` holds, put `put`; else read the key. Returns whether it put, and the
+        key's entry read on failure."""
+        key = self._key(put[0])
+        body = {
+            "compare": [{"key": key, **compare}],
+            "success": [{"request_put": {"key": key, "value": _b64(put[1])}}],
+            "failure": [{"request_range": {"key": key}}],
+        }
+        answer = self._post("/v3/kv/txn", body)
+        if answer.get("succeeded"):
+            return True, None
+        kvs = answer["responses"][0]["response_range"].get("kvs")
+        return False, kvs[0] if kvs else None
+
+    def _update(self, key: str, change: Any) -> bytes:
+        """Sets `key` to ``change(current value or None)`` atomically (compare the revision, retry on a race)."""
+        entry = self._range(key)
+        while True:
+            current = _unb64(entry.get("value", "")) if entry is not None else None
+            new = change(current)
+            if entry is None:
+                compare = {"target": "CREATE", "create_revision": "0", "result": "EQUAL"}
+            else:
+                compare = {"target": "MOD", "mod_revision": entry["mod_revision"], "result": "EQUAL"}
+            done, entry = self._txn(compare, (key, new))
+            if done:
+                return new
+
+    # -- torch's Store API -----------------------------------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._post("/v3/kv/put", {"key": self._key(key), "value": _b64(_as_bytes(value))})
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        entry = self._range(key)
+        if entry is None:  # deleted between the wait and the read
+            raise dist.DistStoreError(f"EtcdStore.get: key {key!r} was deleted while it was read")
+        return _unb64(entry.get("value", ""))
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._range(key) is not None for key in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout.total_seconds()
+        deadline, pause = time.monotonic() + limit, FIRST_POLL
+        missing = list(keys)
+        while True:
+            missing = [key for key in missing if self._range(key) is None]
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"EtcdStore.wait: timed out after {limit:g} s waiting for {missing}")
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(LAST_POLL, pause * 2)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        if expected:
+            compare = {"target": "VALUE", "value": _b64(expected), "result": "EQUAL"}
+        else:
+            compare = {"target": "CREATE", "create_revision": "0", "result": "EQUAL"}
+        done, entry = self._txn(compare, (key, desired))
+        if done:
+            return desired
+        return expected if entry is None else _unb64(entry.get("value", ""))
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._update(key, lambda old: str(int(old or b"0") + value).encode()))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._update(key, lambda old: (old or b"") + _as_bytes(value))
+
+    def delete_key(self, key: str) -> bool:
+        return int(self._post("/v3/kv/deleterange", {"key": self._key(key)}).get("deleted", 0)) > 0
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"EtcdStore.multi_set: {len(keys)} keys but {len(values)} values")
+        puts = [
+            {"request_put": {"key": self._key(k), "value": _b64(_as_bytes(v))}}
+            for k, v in zip(keys, values, strict=True)
+        ]
+        self._post("/v3/kv/txn", {"success": puts})  # one transaction: every key or none
+
+    def num_keys(self) -> int:
+        answer = self._post("/v3/kv/range", {**self._job_range(), "count_only": True})
+        return int(answer.get("count", 0))
+
+    def _job_range(self) -> dict[str, str]:
+        """The gateway's range of every key of this job (the namespace as a prefix)."""
+        prefix = self.namespace.encode()
+        return {"key": _b64(prefix), "range_end": _b64(prefix[:-1] + bytes([prefix[-1] + 1]))}
+
+    def clear(self) -> int:
+        """Deletes every key of this job (its name may then be given to another job); returns how many."""
+        return int(self._post("/v3/kv/deleterange", self._job_range()).get("deleted", 0))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    @property
+    def timeout(self) -> timedelta:  # type: ignore[override]
+        return timedelta(seconds=self._timeout)
+
+    def clone(self) -> EtcdStore:
+        """Another client of the same cluster and job, with a connection of its own (for another thread)."""
+        return EtcdStore(self.url, self._timeout)
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self.url!r})"
