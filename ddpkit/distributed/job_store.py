@@ -22,10 +22,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED
+from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED, FINAL
 
 PREFIX = DEFAULT_PREFIX
-FINAL_KEY = PREFIX + "final"  # the members of the job's last round, as a JSON list
+FINAL_KEY = PREFIX + FINAL  # the members of the job's last round, as a JSON list (nobody joins after it)
 HEARTBEAT_KEY = PREFIX + "heartbeats"  # a counter every live rank adds to every HEARTBEAT_SECONDS
 HEARTBEAT_SECONDS = 1.0
 SILENCE_SECONDS = 20.0  # no heartbeat for this long: no rank is left, the store's host stops waiting

@@ -241,6 +241,7 @@ class Manager:
             self.take()
         self._blocked = 0.0
         if self.quorum is None:  # this process's first round
+            self.membership.raise_if_finished()
             if self.under_way():
                 return self.rejoin()
             try:

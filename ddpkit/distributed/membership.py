@@ -58,10 +58,16 @@ POLL_SECONDS = 0.05  # how often it looks again after that
 KEPT_ROUNDS = 8  # a round's keys are deleted once this many later rounds committed (a late joiner may still read)
 LATEST = "latest"  # key (under the prefix) of the latest decided round
 ENDED = "ended"  # key of the message that ended the job (too few replicas)
+FINAL = "final"  # key of the members of the job's last round: the job is over, nobody joins it any more
 
 
 class TooFewReplicas(RuntimeError):
     """Fewer ranks than `min_replicas` reached a quorum in time."""
+
+
+class JobFinished(RuntimeError):
+    """The job this rank would join has finished (its last round's members said so): there is nothing to join.
+    A job's name (its store's prefix, an etcd job name) names one run: a new run takes a new name."""
 
 
 @dataclass
@@ -159,6 +165,15 @@ class Membership:
             return set()
         return {int(r) for r in self.store.get(key).decode().split(",") if r}
 
+    def raise_if_finished(self) -> None:
+        """Raises `JobFinished` when the job's last round was recorded (`FINAL`): nobody joins it any more."""
+        if self.store.check([self.prefix + FINAL]):
+            members = self.store.get(self.prefix + FINAL).decode()
+            raise JobFinished(
+                f"the fault-tolerant job finished already (its last members: {members}); nothing to join. A job's "
+                "name stands for one run: start a new run under a new name (etcd://.../NEW-NAME)"
+            )
+
     def _live(self, round_: int) -> bool:
         """Whether this rank holds live state for `round_`: it was a member of the round before (or it is round 0
         and this rank did not announce a join)."""
@@ -224,9 +239,14 @@ class Membership:
         return self._decided(round_ - 1)
 
     def _joined(self, round_: int, members: list[int]) -> list[int]:
-        """The members of `round_` that arrived without live state (they said so on arrival)."""
-        states = self.store.multi_get([self._key(round_, "in", r) for r in members])
-        return [r for r, state in zip(members, states, strict=True) if state != b"live"]
+        """The members of `round_` that arrived without live state (they said so on arrival). A member with no
+        arrival key never arrived: the round was decided by the previous commit (`predict_next`), whose members
+        all hold live state (read without waiting: a rank left out of such a round must not wait for keys that
+        are never written)."""
+        keys = [self._key(round_, "in", r) for r in members]
+        arrived = [(r, key) for r, key in zip(members, keys, strict=True) if self.store.check([key])]
+        states = self.store.multi_get([key for _, key in arrived]) if arrived else []
+        return [r for (r, _), state in zip(arrived, states, strict=True) if state != b"live"]
 
     def _expected(self, round_: int, previous: list[int] | None) -> set[int]:
         base = set(previous) if previous is not None else set(range(self.max_world))
@@ -264,6 +284,7 @@ class Membership:
                     return None  # this rank was stopped for a long while: it joins a later round
                 if self.store.check([ended]):
                     raise TooFewReplicas(f"the job ended: {self.store.get(ended).decode()}") from None
+                self.raise_if_finished()
                 if time.monotonic() > deadline:
                     raise TooFewReplicas(
                         f"round {round_}: no live rank decided its quorum within {self.join_timeout:g} s (is any "

@@ -17,6 +17,8 @@ client package. Each operation of torch's Store API maps onto etcd as follows:
 - ``wait``: polls the keys, from 1 ms apart up to 50 ms apart.
 
 Every key lives under ``/ddpkit/<job>/`` (the URL's path names the job), so jobs sharing a cluster never meet.
+Keep a reference to the store while a ``PrefixStore`` or a process group built on it is in use: those hold the
+C++ side only, and the Python methods go with the last Python reference.
 The client tries the cluster's endpoints in turn: a member that refuses or goes silent is skipped, and only when no
 member answers for the store's `timeout` does an operation raise `StoreCutOff`. Because it subclasses
 ``torch.distributed.Store``, it also carries the rendezvous of the rounds' gloo process groups.

@@ -122,6 +122,7 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
     trainer = Trainer(model, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
                       scaler=scaler, callbacks=[bar, recorder, RunEvents(scaler, None), sync])  # fmt: skip
+    manager.membership.raise_if_finished()  # (a restart that comes as the job ends: nothing to join)
     try:
         if manager.under_way():
             say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")
@@ -138,9 +139,6 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
             sync.rejoin(trainer)
     final = sync.finish(trainer)
     summary = report(cfg, placement, manager.store, trainer, recorder, manager, final.members, started)
-    if isinstance(store, EtcdStore) and summary is not None and manager.leads:  # the writer clears the job's keys
-        job_store.wait_for_done(store, final.members, cfg.quorum_timeout + 30)
-        store.clear()  # (so that the job's name can be given to the next job)
     manager.close()
     return summary
 

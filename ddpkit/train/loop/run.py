@@ -133,11 +133,14 @@ def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
 def run_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float | None) -> dict[str, Any] | None:
     """`run_placed` for ``--fault-tolerant``: no job-wide group to join; fewer live ranks than --min-replicas, or
     the job's store gone, end this rank with a message."""
-    from ddpkit.distributed.membership import TooFewReplicas
+    from ddpkit.distributed.membership import JobFinished, TooFewReplicas
     from ddpkit.train.loop.fault_tolerant_run import train_fault_tolerant
 
     try:
         return train_fault_tolerant(cfg, placement, time.time() if started is None else started)
+    except JobFinished as exc:  # a restart that came as the job ended: done, nothing to do
+        say(f"ddpkit: rank {placement.rank}: {exc}")
+        return None
     except TooFewReplicas as exc:
         say(f"ddpkit: rank {placement.rank} stops: {exc} (--min-replicas {cfg.min_replicas})")
         sys.exit(1)

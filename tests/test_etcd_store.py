@@ -1,0 +1,131 @@
+"""`ddpkit.fault_tolerance.etcd_store.EtcdStore`: torch's Store API kept in a real etcd cluster.
+
+The reference is torch's own in-memory store (`HashStore`): every operation the fault-tolerant rounds use
+(set, get, check, wait, compare_set, add, append, multi_get, multi_set, delete_key, num_keys) must answer on
+EtcdStore exactly as on HashStore for the same sequence of calls. Then what etcd adds: jobs named apart never
+meet, a gloo process group meets through it, a lost member changes nothing, and a store cut off from the
+cluster's majority raises `StoreCutOff` within its timeout instead of answering.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit.fault_tolerance.etcd_store import EtcdStore, StoreCutOff, parse_url
+from ddpkit.testing.etcd_cluster import EtcdCluster
+
+
+def _script(store: Any) -> list[Any]:
+    """One sequence of the Store calls the rounds make, with what each returned."""
+    seen: list[Any] = []
+    store.set("a", "1")
+    seen += [store.get("a"), store.check(["a"]), store.check(["a", "missing"])]
+    seen += [store.compare_set("cas", "", "first"), store.compare_set("cas", "", "second")]
+    seen += [store.compare_set("cas", "first", "third"), store.compare_set("cas", "nope", "x")]
+    seen += [store.compare_set("absent", "expected", "x"), store.check(["absent"])]
+    seen += [store.add("n", 2), store.add("n", -5), store.add("n", 0)]
+    store.append("list", "1,")
+    store.append("list", b"2,")
+    seen.append(store.get("list"))
+    store.multi_set(["m1", "m2"], ["u", b"v"])
+    seen.append(store.multi_get(["m1", "m2", "a"]))
+    seen += [store.delete_key("m1"), store.delete_key("m1"), store.check(["m1"])]
+    seen.append(store.num_keys())
+    store.set("bytes", bytes(range(256)))
+    seen.append(store.get("bytes"))
+    try:
+        store.wait(["never"], timedelta(seconds=0.2))
+        seen.append("no timeout")
+    except dist.DistStoreError:
+        seen.append("timed out")
+    return seen
+
+
+def test_every_call_answers_as_torchs_hashstore(etcd):
+    assert _script(EtcdStore(etcd.url("script"), timeout=10)) == _script(dist.HashStore())
+
+
+def test_jobs_named_apart_never_meet_and_clear_removes_only_ones_own(etcd):
+    one, other = EtcdStore(etcd.url("job-one")), EtcdStore(etcd.url("job-two"))
+    one.set("ddpkit/ft/latest", "7")
+    assert not other.check(["ddpkit/ft/latest"]) and other.num_keys() == 0
+    other.set("x", "y")
+    assert one.clear() == 1 and not one.check(["ddpkit/ft/latest"]) and other.check(["x"])
+
+
+def test_a_get_waits_for_its_key_and_additions_from_threads_never_lose_one(etcd):
+    url = etcd.url("threads")
+    store = EtcdStore(url)
+    threading.Timer(0.3, lambda: EtcdStore(url).set("late", "here")).start()
+    since = time.monotonic()
+    assert store.get("late") == b"here" and time.monotonic() - since >= 0.25
+
+    def add(n: int) -> None:
+        client = EtcdStore(url)
+        for _ in range(n):
+            client.add("counter", 1)
+
+    threads = [threading.Thread(target=add, args=(15,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert int(store.get("counter")) == 60  # each addition a transaction retried on a race: none lost
+
+
+def test_a_gloo_group_meets_through_it(etcd):
+    url, results = etcd.url("gloo"), {}
+
+    def rank(r: int) -> None:
+        etcd_client = EtcdStore(url, timeout=20)  # (held: a PrefixStore keeps no Python object alive)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("round-3/", etcd_client), r, 3, timedelta(seconds=20))
+        x = torch.full((4,), float(r + 1))
+        group.allreduce([x]).wait()
+        results[r] = x
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(torch.equal(results[r], torch.full((4,), 6.0)) for r in range(3)), results
+
+
+def test_one_member_lost_changes_nothing_and_a_lost_majority_cuts_the_store_off_within_its_timeout():
+    with EtcdCluster(3) as cluster:
+        store = EtcdStore(cluster.url("quorum"), timeout=2)
+        store.set("before", "1")
+        cluster.kill(0)
+        assert store.compare_set("decision", "", "[1, 2]") == b"[1, 2]" and store.get("before") == b"1"
+        cluster.kill(1)  # one of three left: no majority, so no write and no linearizable read
+        since = time.monotonic()
+        with pytest.raises(StoreCutOff, match=r"cut off from the job's etcd store .* no member answered within 2 s"):
+            store.compare_set("decision-2", "", "[2]")
+        assert 1.5 < time.monotonic() - since < 10
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://h:2379", "expected etcd://HOST:PORT"),
+        ("etcd://", "names no etcd endpoint"),
+        ("etcd://h", "'h' in 'etcd://h' is not HOST:PORT"),
+        ("etcd://h:port", "is not HOST:PORT"),
+        ("etcd://h:1/a b", "may hold only letters"),
+    ],
+)
+def test_a_malformed_url_is_refused_naming_what_is_wrong(url, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        parse_url(url)
+
+
+def test_the_url_names_endpoints_and_job():
+    assert parse_url("etcd://a:1,b:2/run-7") == ([("a", 1), ("b", 2)], "run-7")
+    assert parse_url("etcd://[::1]:2379") == ([("::1", 2379)], "default")

@@ -1,0 +1,51 @@
+"""The membership protocol's rounds in one process: ranks as threads on one HashStore, no process spawned.
+
+Each test drives `Membership` through one schedule that once went wrong and checks the outcome the module doc
+defines (who is a member, who joined, that nothing waits past its timeout).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ddpkit.distributed.membership import Membership
+
+
+def _form(memberships: list[Membership], round_: int) -> dict[int, object]:
+    """Every one of `memberships` forms `round_` in its own thread and commits it as a success."""
+    quorums: dict[int, object] = {}
+
+    def rank(m: Membership) -> None:
+        quorum = m.quorum(round_)
+        quorum.commit(True)
+        quorums[m.rank] = quorum
+
+    threads = [threading.Thread(target=rank, args=(m,)) for m in memberships]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return quorums
+
+
+def test_a_joiner_reaching_a_round_decided_by_the_previous_commit_is_told_at_once_it_is_not_a_member():
+    """Round 0 commits with nobody asking to join round 1, so its commit decides round 1 with the same members
+    (no arrival keys written). A rank that announced itself a moment too late reads round 1 as decided without
+    it: it must learn that at once and be expected next round, not wait on arrival keys never written (it waited
+    for the store's whole timeout, then failed)."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    members = [Membership(store, r, 3, quorum_timeout=2.0, start_timeout=2.0) for r in (0, 1)]
+    quorums = _form(members, 0)
+    assert all(q.committed and q.next_decided for q in quorums.values()), quorums  # round 1: decided already
+    late = Membership(store, 2, 3, quorum_timeout=2.0, join_timeout=5.0)
+    late.joining = True  # announced, but after round 0's commit looked for joiners
+    since = time.monotonic()
+    quorum = late.quorum(1)
+    assert time.monotonic() - since < 1.0
+    assert not quorum.is_member and quorum.members == [0, 1]
+    assert late._joiners(2) == {2}  # the next round expects it
