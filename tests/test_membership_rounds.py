@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import Membership
+from ddpkit.distributed.membership import Membership, Quorum
 
 
 def _form(memberships: list[Membership], round_: int) -> dict[int, object]:
@@ -49,3 +49,28 @@ def test_a_joiner_reaching_a_round_decided_by_the_previous_commit_is_told_at_onc
     assert time.monotonic() - since < 1.0
     assert not quorum.is_member and quorum.members == [0, 1]
     assert late._joiners(2) == {2}  # the next round expects it
+
+
+def test_a_member_that_reports_after_its_round_was_decided_without_it_writes_nothing_of_later_rounds():
+    """Rank 0 stalls before its commit report; rank 1 waits the round's timeout, writes the verdict "failed", and
+    the job decides round 6 without rank 0. When rank 0 resumes, its report completes the count: it must read the
+    verdict, not decide round 6 anew with the old members (it overwrote the later decision before)."""
+    store = dist.HashStore()
+    ranks = [Membership(store, r, 2, quorum_timeout=0.3) for r in (0, 1)]
+    quorums = [Quorum(5, [0, 1], [], [], [0, 1], _membership=m) for m in ranks]
+    assert quorums[1].commit(True) is False  # rank 0 never reported within the timeout: the round failed
+    store.compare_set("ddpkit/ft/r6/members", "", "[1]")  # the job went on without rank 0
+    store.set("ddpkit/ft/latest", "6")
+    assert quorums[0].commit(True) is False  # the late report reads the verdict
+    assert store.get("ddpkit/ft/r6/members") == b"[1]" and store.get("ddpkit/ft/latest") == b"6"
+
+
+def test_the_latest_round_only_moves_forward():
+    store = dist.HashStore()
+    early, late = Membership(store, 0, 2), Membership(store, 1, 2)
+    early.advance_latest(3)
+    late.advance_latest(10)
+    early.advance_latest(4)  # a rank paused since round 4 writes late: the record stays at 10
+    assert early.latest_round() == 10
+    early.advance_latest(11)
+    assert late.latest_round() == 11

@@ -130,6 +130,7 @@ class Membership:
         self.join_timeout = join_timeout
         self.predict_next = predict_next
         self._forgetting: Any = None  # the store connection `forget` deletes through
+        self._latest_written = b""  # the latest round this rank recorded (`advance_latest`)
         self.liveness: Any = None  # a `ddpkit.distributed.liveness.Liveness`: stop waiting for ranks that are gone
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
@@ -220,7 +221,7 @@ class Membership:
             raise TooFewReplicas(message)
         if self.rank in members:
             if members.index(self.rank) == 0:
-                self.store.set(self.prefix + LATEST, str(round_))
+                self.advance_latest(round_)
             self._member_of(quorum)
         return quorum
 
@@ -329,7 +330,7 @@ class Membership:
         call it on every member before the quorum's commit, so nobody goes on before the record exists."""
         if quorum.index == 0:
             self.store.compare_set(self._key(round_, "members"), "", json.dumps(quorum.members))
-            self.store.set(self.prefix + LATEST, str(round_))
+            self.advance_latest(round_)
         quorum.round = round_
         self.last = quorum
 
@@ -349,7 +350,9 @@ class Membership:
         if not ok:  # the round failed: nobody need wait for the others' reports (a dead member never sends one)
             verdict = self.store.compare_set(verdict_key, "", "0")
         elif failed + succeeded == n:
-            verdict = self.store.compare_set(verdict_key, "", "0" if failed else self._success(quorum))
+            verdict = self.store.compare_set(verdict_key, "", "0" if failed else self._success_verdict(quorum))
+            if verdict == b"1+":  # this report's writer won the verdict: it writes the next round it promised
+                self._decide_next(quorum)
         else:
             try:
                 self.store.wait([verdict_key], timedelta(seconds=self.timeout))
@@ -362,18 +365,39 @@ class Membership:
             quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
         return quorum.committed
 
-    def _success(self, quorum: Quorum) -> str:
-        """The verdict of a round that succeeded on every member, written by its last reporter: "1+" when it also
-        decided the next round with the same members (nobody asked to join it: the members' next quorum needs
-        no store round trip), else "1"."""
-        following = quorum.round + 1
-        if not self.predict_next or self._joiners(following):
+    def _success_verdict(self, quorum: Quorum) -> str:
+        """The verdict of a round that succeeded on every member, proposed by its last reporter: "1+" when it also
+        decides the next round with the same members (nobody asked to join it: the members' next quorum needs no
+        store round trip; `_decide_next` writes it once the verdict is won), else "1"."""
+        if not self.predict_next or self._joiners(quorum.round + 1):
             return "1"
-        # the next round's members are written by this report's writer alone (every other member waits for the
-        # verdict, a joiner never decides): one write of both keys
-        self.store.multi_set([self._key(following, "members"), self.prefix + LATEST],
-                             [json.dumps(quorum.members), str(following)])  # fmt: skip
         return "1+"
+
+    def _decide_next(self, quorum: Quorum) -> None:
+        """Writes the round after `quorum` with the same members, as its verdict "1+" promised. Only the verdict's
+        writer does, after winning it: a reporter that came too late (its round was decided without it) writes
+        nothing, so it can never overwrite a later decision."""
+        following = quorum.round + 1
+        self.store.compare_set(self._key(following, "members"), "", json.dumps(quorum.members))
+        self.advance_latest(following)
+
+    def advance_latest(self, round_: int) -> None:
+        """Records `round_` as the latest decided round unless a later one is recorded already: the record only
+        moves forward, so a rank that was paused and writes late cannot move the job back. A compare-and-set from
+        the value this rank saw last (one store round trip when nobody else moved it)."""
+        key, new = self.prefix + LATEST, str(round_).encode()
+        expected = self._latest_written
+        while True:
+            seen = self.store.compare_set(key, expected, new)
+            if seen == new:
+                break
+            if seen == expected:  # (the key is missing: a compare-and-set from a value returns that value)
+                expected = b""
+                continue
+            if int(seen) >= round_:
+                break
+            expected = seen
+        self._latest_written = new
 
     def forget(self, round_: int) -> None:
         """Deletes round `round_`'s keys from the store (arrivals, joiners, members, reports, verdict and its
