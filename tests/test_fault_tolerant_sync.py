@@ -186,7 +186,7 @@ def test_a_checkpoint_is_written_beside_training_and_a_failed_write_is_raised(tm
     plan = live_checkpoint.LiveCheckpoints(str(tmp_path), 10, 2, {"world_size": 2, "strategy": "ddp"})
     state = {"model": {"w": torch.arange(4.0)}}
     began = time.monotonic()
-    plan.save(state, 10, 0, 0)
+    plan.save(state, 10, 0, 0, 10)
     state["model"]["w"].add_(100)  # training goes on: the checkpoint holds the state as it was saved
     assert time.monotonic() - began < 0.5
     folder = plan.wait()
@@ -198,6 +198,6 @@ def test_a_checkpoint_is_written_beside_training_and_a_failed_write_is_raised(tm
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint_files, "write_atomic", full)
-    plan.save(state, 20, 0, 0)
+    plan.save(state, 20, 0, 0, 20)
     with pytest.raises(OSError, match="No space left"):
         plan.wait()

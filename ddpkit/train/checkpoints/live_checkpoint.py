@@ -5,7 +5,9 @@ past) every N-th step, the lowest member of the round writes the *live state* it
 optimizer, slow-momentum buffers, SGP's push-sum buffer, the trainer's counters) as one file, ``live.pt``, in a
 step folder of its own ``--out``, then the folder's commit marker with the file's SHA-256 (the same folder layout
 and marker as `ddpkit.train.checkpoints.checkpoint`, so a torn or damaged checkpoint is passed over the same way).
-With ``--out`` on a shared file system the job keeps one series of checkpoints whichever member writes.
+With ``--out`` on a shared file system the job keeps one series of checkpoints whichever member writes, and each
+write is fenced by its round (`ddpkit.train.checkpoints.out_fence`): a writer replaced while it stalled cannot
+write over its successor's checkpoints when it wakes.
 
 The state is serialised on the training thread (a copy in memory) and written, committed and pruned by a thread
 of its own, so that a slow disk never holds up the next round (a save longer than `--quorum-timeout` would
@@ -30,6 +32,7 @@ import torch
 
 from ddpkit.train.checkpoints import checkpoint_files as files
 from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
+from ddpkit.train.checkpoints.out_fence import fenced
 
 LIVE = "live.pt"
 
@@ -51,20 +54,25 @@ class LiveCheckpoints:
         """Whether a committed round at `step` should be saved, the last save being at `last_saved`."""
         return self.every is not None and step // self.every > last_saved // self.every
 
-    def save(self, live_state: dict[str, Any], step: int, epoch: int, epoch_samples: int) -> None:
+    def save(self, live_state: dict[str, Any], step: int, epoch: int, epoch_samples: int, round_: int) -> None:
         """Serialises `live_state` now and writes, commits and prunes the checkpoint of `step` in the background
-        (module doc); raises what the previous write raised."""
+        (module doc), fenced by `round_` (the committed round this rank writes for); raises what the previous
+        write raised (`StaleWriter` when this rank was replaced as the writer)."""
         self.wait()
         buffer = io.BytesIO()
         torch.save(live_state, buffer)
-        self._pending = self._writer.submit(self._write, buffer.getvalue(), step, epoch, epoch_samples)
+        self._pending = self._writer.submit(self._write, buffer.getvalue(), step, epoch, epoch_samples, round_)
 
     def wait(self) -> str | None:
         """Ends the write in progress (if any); returns its folder, raising what it raised."""
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
 
-    def _write(self, data: bytes, step: int, epoch: int, epoch_samples: int) -> str:
+    def _write(self, data: bytes, step: int, epoch: int, epoch_samples: int, round_: int) -> str:
+        with fenced(self.out, round_, f"the checkpoint of step {step}"):
+            return self._write_folder(data, step, epoch, epoch_samples)
+
+    def _write_folder(self, data: bytes, step: int, epoch: int, epoch_samples: int) -> str:
         folder = os.path.join(files.checkpoint_root(self.out), files.folder_name(step))
         os.makedirs(folder, exist_ok=True)
         files.write_atomic(os.path.join(folder, LIVE), data)

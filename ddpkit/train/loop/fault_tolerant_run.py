@@ -26,12 +26,14 @@ from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.distributed import job_store
 from ddpkit.distributed.launch import Placement, choose_gloo_interface
 from ddpkit.distributed.manager import FellBehind, Manager
+from ddpkit.distributed.membership import Quorum
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import say, tell
 from ddpkit.distributed.replica_membership import join_replica
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
+from ddpkit.train.checkpoints.out_fence import fenced
 from ddpkit.train.checkpoints.out_lock import claim_out
 from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, GossipSchedule, OuterSchedule
@@ -138,7 +140,7 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
             say(f"ddpkit: {exc}; taking the live state again")
             sync.rejoin(trainer)
     final = sync.finish(trainer)
-    summary = report(cfg, placement, manager.store, trainer, recorder, manager, final.members, started)
+    summary = report(cfg, placement, manager.store, trainer, recorder, manager, final, started)
     manager.close()
     return summary
 
@@ -167,11 +169,13 @@ def report(
     trainer: Trainer,
     recorder: MetricsRecorder,
     manager: Manager,
-    members: list[int],
+    final: Quorum,
     started: float,
 ) -> dict[str, Any] | None:
     """Leaves this replica's figures in the store (its processes' sums: one process, or a machine's sharding
-    processes); the writer (module doc) gathers them and writes the outputs. A collective of the replica."""
+    processes); the writer (module doc) gathers them and writes the outputs, fenced by the job's `final` round
+    (`out_fence`). A collective of the replica."""
+    members = final.members
     steps = recorder.steps
     totals = recorder.totals()  # the loop's wall time up to now, as a plain run's summary reads it: one clock
     mine = {
@@ -200,8 +204,9 @@ def report(
             return None
         print(format_summary(summary), flush=True)
         if cfg.out:
-            paths = write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows(),
-                                  recorder.heldout_rows())  # fmt: skip
+            with fenced(cfg.out, final.round, "the job's outputs (metrics.json, steps.csv, metrics.png)"):
+                paths = write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows(),
+                                      recorder.heldout_rows())  # fmt: skip
             for path in paths:
                 print(f"wrote {path}")
     if manager.leads:

@@ -341,7 +341,7 @@ class FaultTolerantSync(Callback):
         if quorum.index == 0:
             state = trainer.state
             state.carried["totals"] = self.recorder.totals()
-            plan.save(self.manager.live_state(), step, state.epoch, state.epoch_samples)
+            plan.save(self.manager.live_state(), step, state.epoch, state.epoch_samples, quorum.round)
 
     def _annotate(self, trainer: Trainer, quorum: Quorum | None, sent: float) -> None:
         """steps.csv: the members of the step's round, who joined or left in it (rank ids: "-2 +2"), and the bytes
