@@ -10,7 +10,19 @@ import ddpkit
 
 PACKAGE = Path(ddpkit.__file__).parent
 # bottom to top; a module may import its own layer and the ones below it
-LAYERS = ["distributed", "algorithms", "optim", "nn", "testing", "measure", "train", "integrations", "compat", "cli"]
+LAYERS = [
+    "distributed",
+    "fault_tolerance",
+    "algorithms",
+    "optim",
+    "nn",
+    "testing",
+    "measure",
+    "train",
+    "integrations",
+    "compat",
+    "cli",
+]
 AVERAGING_CODE = [PACKAGE / "algorithms", PACKAGE / "nn" / "slowmo_ddp.py", PACKAGE / "nn" / "slowmo_checks.py"]
 MAX_FUNCTION_LINES = 60
 

@@ -58,9 +58,11 @@ class Logged(Manager):
     started again finds the job still running."""
 
     def __init__(self, *args: Any, fail_round: int = -1, vanish_round: int = -1,
-                 await_join: tuple[int, int] | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 await_join: tuple[int, int] | None = None, fail_when_joins: int = -1,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.fail_round, self.vanish_round, self.await_join = fail_round, vanish_round, await_join
+        self.fail_when_joins = fail_when_joins  # fail the first round that rank joins in
         self._patience = time.monotonic() + 30
         self.log: list[tuple[int, list[int], bool]] = []
 
@@ -69,8 +71,9 @@ class Logged(Manager):
         if quorum.round == self.vanish_round:
             raise Vanished
         super().average(tensor, counts)
-        if quorum.round == self.fail_round:
+        if quorum.round == self.fail_round or self.fail_when_joins in quorum.joined:
             self.fail()
+            self.fail_when_joins = -1
 
     def should_commit(self) -> bool:
         committed = super().should_commit()
@@ -210,6 +213,23 @@ def test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_t
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[3][1], strict=True))  # bit for bit
     assert managers[3].rejoined == 1 and managers[0].rejoined == 0
+
+
+def test_a_joiner_whose_join_round_failed_takes_part_in_the_next_round_without_failing_it():
+    """Rank 2 starts late; rank 1 fails the round rank 2 joins in. The next round is decided with rank 2 as a
+    joiner again: rank 2 receives the live state there and the round commits (it used to announce itself once
+    more and leave that round, which then failed on every member)."""
+    results, managers = _run(3, late={2: 8}, rank1={"fail_when_joins": 2})
+    assert {rank: results[rank][0] for rank in range(3)} == {0: "done", 1: "done", 2: "done"}, results
+    log = managers[0].log
+    failed = [(r, m) for r, m, c in log if not c]
+    assert len(failed) == 1 and 2 in failed[0][1], log  # only the join round failed
+    after = [(r, m, c) for r, m, c in log if r == failed[0][0] + 1]
+    assert after and after[0][2] and 2 in after[0][1], log
+    reference = _reference([managers[r].log for r in range(3)])
+    for rank in range(3):
+        for got, want in zip(results[rank][1], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_an_uncommitted_round_leaves_every_member_where_it_was():

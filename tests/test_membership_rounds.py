@@ -1,4 +1,5 @@
-"""The membership protocol's rounds in one process: ranks as threads on one HashStore, no process spawned.
+"""The membership protocol's rounds and the manager's in one process: ranks as threads on one HashStore, no process
+spawned.
 
 Each test drives `Membership` through one schedule that once went wrong and checks the outcome the module doc
 defines (who is a member, who joined, that nothing waits past its timeout).
@@ -10,9 +11,11 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import Membership, Quorum
+from ddpkit.distributed.manager import Manager
+from ddpkit.distributed.membership import Membership, Quorum, TooFewReplicas
 
 
 def _form(memberships: list[Membership], round_: int) -> dict[int, object]:
@@ -74,3 +77,41 @@ def test_the_latest_round_only_moves_forward():
     assert early.latest_round() == 10
     early.advance_latest(11)
     assert late.latest_round() == 11
+
+
+def _one_rank_manager() -> Manager:
+    manager = Manager(dist.HashStore(), 0, 1, quorum_timeout=2.0, start_timeout=2.0, report=None)
+    manager.start_round()
+    return manager
+
+
+def test_only_a_peers_failure_fails_a_round_and_every_other_error_is_raised():
+    """A round whose collective fails because a peer died is dropped (and retried by the next round); an error of
+    this rank's own (a bug, `TooFewReplicas`) used to be taken for one too, so the job looped on "round failed"
+    forever instead of stopping with the cause."""
+    manager = _one_rank_manager()
+
+    def peer_died(*_: object) -> None:
+        raise RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    def bug(*_: object) -> None:
+        raise RuntimeError("The size of tensor a (3) must match the size of tensor b (4)")
+
+    def too_few(*_: object) -> None:
+        raise TooFewReplicas("round 1: no member holds live state")
+
+    def store_timeout(*_: object) -> None:
+        raise dist.DistStoreError("wait timeout")
+
+    manager.collective(store_timeout)
+    assert not manager.ok and manager.should_commit() is False
+    manager.start_round()
+    manager.collective(peer_died)
+    assert not manager.ok and manager.should_commit() is False
+    for own_error, kind in ((bug, RuntimeError), (too_few, TooFewReplicas)):
+        manager.start_round()
+        with pytest.raises(kind):
+            manager.collective(own_error)
+        assert manager.ok
+        manager.should_commit()
+    manager.close()

@@ -64,9 +64,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ddpkit.distributed import store_agreement
+from ddpkit.distributed.failures import is_peer_failure, is_store_loss
 from ddpkit.distributed.liveness import STALE_AFTER, Heartbeat, Liveness
 from ddpkit.distributed.membership import (
     DEFAULT_PREFIX,
@@ -87,12 +87,6 @@ from ddpkit.distributed.round_buckets import RoundBuckets
 class StoreLost(RuntimeError):
     """This rank lost the job's store (its machine is gone, or this rank is cut off from it): it stops, since a
     rank that cannot reach the store can take part in no decision."""
-
-
-def is_store_loss(exc: BaseException) -> bool:
-    """Whether `exc` says the store's connection broke (its host is gone, or no etcd member answered), not a wait
-    that timed out."""
-    return isinstance(exc, dist.DistNetworkError)
 
 
 class FellBehind(Exception):
@@ -170,6 +164,7 @@ class Manager:
         self._blocked = 0.0  # seconds the current round held up the training thread so far
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
         self._pending: Future[Quorum] | None = None  # a quorum being formed in the background
+        self._joining: Quorum | None = None  # a round decided with this rank as a joiner, for `rejoin` to enter
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
         self._heartbeat: Heartbeat | None = None
         self._buckets: RoundBuckets | None = None  # gradients averaged while backward runs (`overlap_gradients`)
@@ -286,8 +281,11 @@ class Manager:
             self._stop_if_lost(exc)
             raise
         self.next_round = quorum.round + 1
-        if not quorum.is_member or self.rank in quorum.joined:
+        if not quorum.is_member:
             raise FellBehind(f"rank {self.rank} was left out of round {quorum.round}")
+        if self.rank in quorum.joined:  # its last round failed as it joined: it joins this one, where it is expected
+            self._joining = quorum
+            raise FellBehind(f"rank {self.rank} takes the live state again in round {quorum.round}")
         self._enter(quorum)
         if quorum.joined and self.ok:
             self._guarded(heal_object, quorum, self.live_state())
@@ -306,14 +304,16 @@ class Manager:
             store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings,
                                          self.membership.join_timeout)  # fmt: skip
         self._beat()
-        round_ = self.membership.announce_join()
+        decided, self._joining = self._joining, None  # a round decided with this rank as a joiner already
+        round_ = self.membership.announce_join() if decided is None else decided.round
         while True:
             since = time.monotonic()
             try:
-                quorum = self.membership.quorum(round_)
+                quorum = decided or self.membership.quorum(round_)
             except Exception as exc:
                 self._stop_if_lost(exc)
                 raise
+            decided = None
             round_ = self.next_round = quorum.round + 1
             if not quorum.is_member:
                 continue  # too late for it: the next round expects this rank
@@ -331,14 +331,18 @@ class Manager:
     # -- the round's work ------------------------------------------------------------------------------------------
 
     def _guarded(self, work: Callable[..., Any], *args: Any) -> Any:
-        """Runs a collective of the round unless the round failed already; a RuntimeError (a member died or
-        stalled in it) marks the round failed. Counted in the round's blocked seconds."""
+        """Runs a collective of the round unless the round failed already; a peer's failure in it (a member died
+        or stalled: `is_peer_failure`) marks the round failed. Any other error (`TooFewReplicas`, a bug, a shape
+        that differs) is raised: retrying the round could never make it pass. Counted in the round's blocked
+        seconds."""
         if not self.ok:
             return None
         since = time.monotonic()
         try:
             return work(*args)
-        except RuntimeError:
+        except RuntimeError as exc:
+            if not is_peer_failure(exc):
+                raise
             self.ok = False
             return None
         finally:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ddpkit.distributed.comm import nbytes
+from ddpkit.distributed.failures import is_peer_failure
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 
 
@@ -79,7 +80,9 @@ class RoundBuckets:
         comm_stats.record("all_reduce", "quorum", size, wire_bytes("all_reduce", size, self.members()))
         try:
             self.flights[bucket] = (group.allreduce([flat]), flat)
-        except RuntimeError:
+        except RuntimeError as exc:
+            if not is_peer_failure(exc):
+                raise
             self.failed = True
 
     def finish(self) -> bool:
@@ -93,7 +96,9 @@ class RoundBuckets:
             try:
                 work.wait()
                 results[bucket] = flat
-            except RuntimeError:
+            except RuntimeError as exc:
+                if not is_peer_failure(exc):
+                    raise
                 self.failed = True
         ok = not self.failed
         if ok:
