@@ -9,6 +9,7 @@ members' gradients of every round that committed, the rounds' members and verdic
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from torch import nn
 from ddpkit.distributed.agreement import RanksDisagree
 from ddpkit.distributed.manager import Manager, StoreLost
 from ddpkit.distributed.membership import TooFewReplicas
+from ddpkit.distributed.stats import comm_stats
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 
 LR, MOMENTUM, STEPS = 0.1, 0.9, 40
@@ -230,6 +232,22 @@ def test_a_joiner_whose_join_round_failed_takes_part_in_the_next_round_without_f
     for rank in range(3):
         for got, want in zip(results[rank][1], reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_heal_sends_the_live_state_to_the_joiners_alone():
+    """Four ranks, two of them late (each joins in a round of its own or together): the heal source sends the
+    serialised live state once per joiner, point to point; the members that hold it already receive nothing (a
+    broadcast sent it to every member)."""
+    comm_stats.reset()
+    results, managers = _run(4, late={2: 6, 3: 6})
+    assert all(results[rank][0] == "done" for rank in range(4)), results
+    joins = sum(len(e.joined) for e in managers[0].events)
+    assert joins == 2, managers[0].events
+    buffer = io.BytesIO()
+    torch.save(managers[0].live_state(), buffer)
+    sent = comm_stats.snapshot()[("send", "heal")]
+    assert sent.calls == joins
+    assert abs(sent.sent_bytes - joins * (len(buffer.getvalue()) + 8)) <= 16 * joins, (sent, len(buffer.getvalue()))
 
 
 def test_an_uncommitted_round_leaves_every_member_where_it_was():

@@ -288,7 +288,7 @@ class Manager:
             raise FellBehind(f"rank {self.rank} takes the live state again in round {quorum.round}")
         self._enter(quorum)
         if quorum.joined and self.ok:
-            self._guarded(heal_object, quorum, self.live_state())
+            self._guarded(heal_object, quorum, self.live_state)  # (the source alone serialises it)
         self._blocked = time.monotonic() - since
         return quorum
 

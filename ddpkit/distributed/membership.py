@@ -29,7 +29,8 @@ hosted where no rank's death takes it down, such as the launcher):
 
 A rank that starts late or restarts calls `announce_join` and takes part from the next round after the latest
 decided one; the quorum tells the others it `joined`, and the members send it the live state over the round's
-group (`heal_object`: a broadcast from the lowest member that was in the previous quorum).
+group (`heal_object`: sent point to point from the lowest member that was in the previous quorum to each joiner
+alone).
 
 What it costs when nothing fails: per round the commit's 3-4 store round trips per member (about 100 us each
 from Python on one host) and no new connection; a round's first member deletes the keys of the round
@@ -42,6 +43,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -437,11 +439,44 @@ def _broadcast(group: Any, index: int, size: int, tensor: torch.Tensor, root: in
     group.broadcast(tensor, root).wait()
 
 
-def heal_object(quorum: Quorum, obj: Any) -> Any:
-    """`obj` (any `torch.save`-able state: an optimizer's state dict, counters) as the heal root has it, on every
-    member, when someone joined this round; else `obj` unchanged. Two broadcasts: the length, then the bytes."""
+def heal_object(quorum: Quorum, obj: Callable[[], Any] | None) -> Any:
+    """The live state, sent by the heal source to this round's joiners alone: on the source, `obj()` is called
+    and its value (any `torch.save`-able state) sent to each joiner, point to point (its length, then its bytes);
+    a joiner returns what it received; every other member sends and receives nothing and returns None (as does
+    everyone when nobody joined). Bytes on the wire: the serialised state once per joiner."""
     root = _heal_root(quorum)
-    return obj if root is None else broadcast_object_from(quorum, obj, root)
+    if root is None or quorum.index is None:
+        return None
+    joiners = [quorum.members.index(r) for r in quorum.joined]
+    tag = (quorum.round % (1 << 20)) + (1 << 21)  # (apart from `quorum_exchange`'s tags)
+    if quorum.index == root:
+        assert obj is not None, "heal_object: the heal source must give the live state"
+        payload = _serialise(obj())
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        works = []
+        for joiner in joiners:
+            comm_stats.record("send", "heal", nbytes(length) + nbytes(payload), float(nbytes(length) + nbytes(payload)))
+            works += [quorum.group.send([length], joiner, tag), quorum.group.send([payload], joiner, tag + 1)]
+        for work in works:
+            work.wait()
+        return None
+    if quorum.index not in joiners:
+        return None
+    length = torch.empty(1, dtype=torch.int64)
+    quorum.group.recv([length], root, tag).wait()
+    payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    quorum.group.recv([payload], root, tag + 1).wait()
+    return _deserialise(payload)
+
+
+def _serialise(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _deserialise(payload: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
 
 
 def broadcast_object_from(quorum: Quorum, obj: Any, root: int) -> Any:
@@ -454,17 +489,13 @@ def broadcast_object_over(group: Any, index: int, size: int, obj: Any, root: int
     """`obj` (`torch.save`-able) as rank `root` of `group` has it, on every rank of it: `group` is a ProcessGroup
     object of `size` ranks, this process its rank `index` (called directly, so it need not be registered). Two
     broadcasts, the length then the bytes, counted in `comm_stats` under `label` (None: not counted)."""
-    payload = torch.empty(0, dtype=torch.uint8)
-    if index == root:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    payload = _serialise(obj) if index == root else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     _broadcast(group, index, size, length, root, label)
     if index != root:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     _broadcast(group, index, size, payload, root, label)
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)  # (a copy on the root too)
+    return _deserialise(payload)  # (a copy on the root too)
 
 
 def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:
