@@ -100,11 +100,12 @@ def test_a_gloo_group_meets_through_it(etcd):
 
 def test_one_member_lost_changes_nothing_and_a_lost_majority_cuts_the_store_off_within_its_timeout():
     with EtcdCluster(3) as cluster:
-        store = EtcdStore(cluster.url("quorum"), timeout=2)
+        store = EtcdStore(cluster.url("quorum"), timeout=30)  # (time for an election on a loaded machine)
         store.set("before", "1")
         cluster.kill(0)
         assert store.compare_set("decision", "", "[1, 2]") == b"[1, 2]" and store.get("before") == b"1"
         cluster.kill(1)  # one of three left: no majority, so no write and no linearizable read
+        store.set_timeout(timedelta(seconds=2))
         since = time.monotonic()
         with pytest.raises(StoreCutOff, match=r"cut off from the job's etcd store .* no member answered within 2 s"):
             store.compare_set("decision-2", "", "[2]")

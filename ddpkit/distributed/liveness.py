@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -25,10 +26,14 @@ def _key(prefix: str, rank: int) -> str:
 
 
 class Heartbeat:
-    """This rank's beat (module doc), on `store` (give it a connection of its own: `store.clone()`)."""
+    """This rank's beat (module doc), on `store` (give it a connection of its own: `store.clone()`); a store
+    call that fails ends it and is passed to `on_error` (once, from the heartbeat's thread)."""
 
-    def __init__(self, store: Any, prefix: str, rank: int) -> None:
+    def __init__(
+        self, store: Any, prefix: str, rank: int, on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
         self._stop = threading.Event()
+        self._on_error = on_error
         self._thread = threading.Thread(target=self._beat, args=(store, _key(prefix, rank)), daemon=True,
                                         name="ddpkit-alive")  # fmt: skip
         self._thread.start()
@@ -37,8 +42,10 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
-            except (RuntimeError, dist.DistError):
-                return  # the store is gone: the rank learns it from its next round
+            except (RuntimeError, dist.DistError) as exc:
+                if self._on_error is not None and not self._stop.is_set():
+                    self._on_error(exc)
+                return  # (the rank learns the store is gone from its next round)
             self._stop.wait(INTERVAL)
 
     def stop(self, wait: bool = False) -> None:

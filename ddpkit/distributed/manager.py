@@ -166,6 +166,7 @@ class Manager:
         self._pending: Future[Quorum] | None = None  # a quorum being formed in the background
         self._joining: Quorum | None = None  # a round decided with this rank as a joiner, for `rejoin` to enter
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
+        self._forgetting: Future[None] | None = None  # the deletion running in the background (`_forget`)
         self._heartbeat: Heartbeat | None = None
         self._buckets: RoundBuckets | None = None  # gradients averaged while backward runs (`overlap_gradients`)
 
@@ -433,13 +434,26 @@ class Manager:
             self._stop_if_lost(exc)
             raise
         if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
-            self._cleaner.submit(self.membership.forget, quorum.round - KEPT_ROUNDS)
+            self._forget(quorum.round - KEPT_ROUNDS)
         self._blocked += time.monotonic() - since
         self._note(quorum)
         if not committed and self.rank in quorum.joined:
             self.membership.announce_join()
             self.next_round = max(self.next_round, self.membership.latest_round() + 1)
         return committed
+
+    def _forget(self, round_: int) -> None:
+        """Deletes the old rounds' keys through `round_` in the background, one deletion at a time (a call while
+        the previous one runs is skipped: the next covers its rounds), and reports a deletion that failed."""
+        previous = self._forgetting
+        if previous is not None:
+            if not previous.done():
+                return
+            error = previous.exception()
+            if error is not None:
+                self._say(f"could not delete old rounds' keys from the store ({type(error).__name__}: {error}); "
+                          "the store keeps them")  # fmt: skip
+        self._forgetting = self._cleaner.submit(self.membership.forget_through, round_)
 
     # -- a lost store ----------------------------------------------------------------------------------------------
 
@@ -493,7 +507,11 @@ class Manager:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         connection = self.store.clone() if hasattr(self.store, "clone") else self.store
-        self._heartbeat = Heartbeat(connection, self.prefix, self.rank)
+        self._heartbeat = Heartbeat(connection, self.prefix, self.rank, on_error=self._heartbeat_failed)
+
+    def _heartbeat_failed(self, error: BaseException) -> None:
+        self._say(f"its heartbeat stopped ({type(error).__name__}: {error}): the others will count this rank "
+                  "gone and go on without it; it rejoins when its next round finds the store")  # fmt: skip
 
     def close(self) -> None:
         """Stops the background quorum thread (a round being formed is abandoned) and the heartbeat."""

@@ -133,6 +133,7 @@ class Membership:
         self.predict_next = predict_next
         self._forgetting: Any = None  # the store connection `forget` deletes through
         self._latest_written = b""  # the latest round this rank recorded (`advance_latest`)
+        self._forgotten_through = -1  # the rounds whose keys this rank deleted (`forget_through`)
         self.liveness: Any = None  # a `ddpkit.distributed.liveness.Liveness`: stop waiting for ranks that are gone
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
@@ -194,6 +195,7 @@ class Membership:
         arrival = time.monotonic()
         live = self._live(round_)
         self.store.set(self._key(round_, "in", self.rank), "live" if live else "joining")
+        self.store.append(self._key(round_, "arrived"), f"{self.rank},")  # who arrived, for O(members) reads
         previous = self._previous(round_)
         if live:  # (a round decided already, without this late rank, is what `_decide` returns)
             arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
@@ -271,7 +273,14 @@ class Membership:
             if not missing or (self.liveness is not None and self.liveness.gone(self.store, missing)):
                 break
             time.sleep(POLL_SECONDS)
-        return {r for r in range(self.max_world) if self.store.check([self._key(round_, "in", r)])}
+        return self._arrived(round_)
+
+    def _arrived(self, round_: int) -> set[int]:
+        """The ranks that arrived at `round_` so far (each appends itself on arrival)."""
+        key = self._key(round_, "arrived")
+        if not self.store.check([key]):
+            return set()
+        return {int(r) for r in self.store.get(key).decode().split(",") if r}
 
     def _await_decision(self, round_: int) -> list[int] | None:
         """The members of `round_` as the live ranks decide them (None: the round is long past and its keys were
@@ -401,17 +410,28 @@ class Membership:
             expected = seen
         self._latest_written = new
 
+    def forget_through(self, round_: int) -> None:
+        """Deletes the keys of every round up to `round_` not deleted yet by this rank (at most
+        `2 * KEPT_ROUNDS` rounds a call: a rank that becomes the rounds' first member starts from there), so the
+        store holds a bounded number of rounds however long the job runs. Run in the background
+        (`Manager`): on a connection of its own (`store.clone()`), so that it never holds up the rounds."""
+        start = max(self._forgotten_through + 1, round_ - 2 * KEPT_ROUNDS, 0)
+        for old in range(start, round_ + 1):
+            self.forget(old)
+        self._forgotten_through = max(self._forgotten_through, round_)
+
     def forget(self, round_: int) -> None:
-        """Deletes round `round_`'s keys from the store (arrivals, joiners, members, reports, verdict and its
-        group's rendezvous keys), so the store holds a bounded number of rounds however long the job runs. On a
-        connection of its own (`store.clone()`), so that it never holds up the rounds' store calls."""
+        """Deletes round `round_`'s keys from the store: its arrivals (those that arrived: O(members), not
+        O(max_world)), joiners, members, reports, verdict and its group's rendezvous keys."""
         if self._forgetting is None:
             self._forgetting = self.store.clone() if hasattr(self.store, "clone") else self.store
         store = self._forgetting
         key = self._key(round_, "members")
         members = json.loads(store.get(key)) if store.check([key]) else []
-        keys = [self._key(round_, "in", r) for r in range(self.max_world)]
-        keys += [self._key(round_, part) for part in ("joiners", "members", "reports", "verdict")]
+        arrived_key = self._key(round_, "arrived")
+        arrived = store.get(arrived_key).decode().split(",") if store.check([arrived_key]) else []
+        keys = [self._key(round_, "in", r) for r in arrived if r]
+        keys += [self._key(round_, part) for part in ("arrived", "joiners", "members", "reports", "verdict")]
         keys += [self._group_key(round_, lane) + f"//0/{i}" for lane in range(self.lanes) for i in range(len(members))]
         for key in keys:
             store.delete_key(key)

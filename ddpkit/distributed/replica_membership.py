@@ -147,9 +147,9 @@ class ReplicaMembership:
         committed = self.inner.commit(quorum, ok)
         return committed, quorum.next_decided
 
-    def forget(self, round_: int) -> None:
+    def forget_through(self, round_: int) -> None:
         if self.replica.leads:
-            self.inner.forget(round_)
+            self.inner.forget_through(round_)
 
 
 def _portable(exc: Exception) -> Exception:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 from typing import Any
 
 import torch
@@ -84,7 +85,15 @@ def local_group() -> None:
 
 def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float) -> dict[str, Any] | None:
     """Trains this rank of a fault-tolerant job; returns the summary on the rank that wrote it, else None."""
-    store = open_job_store(cfg, placement)
+    store, beating = open_job_store(cfg, placement)
+    try:
+        return _train(cfg, placement, started, store)
+    finally:
+        if beating is not None:
+            beating.set()  # (the launcher learns this rank ended from its own process table)
+
+
+def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -> dict[str, Any] | None:
     waits = {"start_timeout": cfg.timeout, "join_timeout": max(300.0, cfg.timeout)}
     replica, rank, world = None, placement.rank, placement.world_size
     if sharded_replicas(cfg):  # the machine is the replica: its rank is the machine's
@@ -145,10 +154,10 @@ def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float)
     return summary
 
 
-def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
+def open_job_store(cfg: TrainConfig, placement: Placement) -> tuple[Any, threading.Event | None]:
     """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port, with a
-    heartbeat that tells node 0's launcher this rank lives. Across machines, the rounds' gloo groups advertise the
-    address that routes towards the store (the other machines')."""
+    heartbeat that tells node 0's launcher this rank lives (set the returned event to stop it). Across machines,
+    the rounds' gloo groups advertise the address that routes towards the store (the other machines')."""
     if cfg.store is not None:
         store = EtcdStore(cfg.store, cfg.timeout)
         host, port = store.endpoints[0]
@@ -157,9 +166,9 @@ def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
     if cfg.nnodes > 1:
         choose_gloo_interface(host, port)
     if cfg.store is not None:
-        return store
-    job_store.heartbeat(host, port, cfg.timeout)  # until this process ends
-    return job_store.connect(host, port, cfg.timeout)
+        return store, None
+    beating = job_store.heartbeat(host, port, cfg.timeout)
+    return job_store.connect(host, port, cfg.timeout), beating
 
 
 def report(
