@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import shlex
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from test_train_cli import DDPKIT, procs  # noqa: F401  (fixture)
 
 from ddpkit.distributed.launch import free_port
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
+from ddpkit.testing.etcd_cluster import etcd_binary
 from ddpkit.train.settings.config import TrainConfig, validate
 
 
@@ -128,3 +131,46 @@ def test_steps_and_summary_helpers_read_what_the_writer_wrote(tmp_path):
     with open(tmp_path / "steps.csv", "w", newline="") as f:
         csv.writer(f).writerows([["step"], ["0"], ["1"]])
     assert _summary(tmp_path) == {"replicas_equal": True} and [r["step"] for r in _steps(tmp_path)] == ["0", "1"]
+
+
+ONE_MACHINE_ETCD = [
+    f"etcd --name m{i} --data-dir /tmp/etcd-m{i} --listen-client-urls http://127.0.0.1:{c} --advertise-client-urls "
+    f"http://127.0.0.1:{c} --listen-peer-urls http://127.0.0.1:{p} --initial-advertise-peer-urls http://127.0.0.1:{p} "
+    "--initial-cluster m0=http://127.0.0.1:2380,m1=http://127.0.0.1:22380,m2=http://127.0.0.1:32380 "
+    "--initial-cluster-state new --initial-cluster-token ddpkit-try"
+    for i, (c, p) in enumerate([(2379, 2380), (22379, 22380), (32379, 32380)])
+]
+ONE_MACHINE_TRAIN = [
+    f"ddpkit train --fault-tolerant --strategy ddp --nnodes 3 --nproc-per-node 1 --node-rank {k} "
+    f"--store etcd://127.0.0.1:2379,127.0.0.1:22379,127.0.0.1:32379/try-1 --epochs 40 --out runs/try-1-n{k}"
+    for k in range(3)
+]
+
+
+def test_the_docs_one_machine_etcd_commands_run_as_written(tmp_path, procs):  # noqa: F811
+    """docs/fault-tolerance.md's "Trying it on one machine": its three etcd lines and three `ddpkit train` lines,
+    run as written but for free ports in place of etcd's usual ones, folders under the test's, and a short run
+    (--max-steps 6 in place of --epochs 40): the cluster forms and the three machines train one job."""
+    from test_readme import command
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "fault-tolerance.md"
+    ports = {port: str(free_port()) for port in ("2379", "2380", "22379", "22380", "32379", "32380")}
+
+    def local(text: str) -> list[str]:
+        text = re.sub(r":(2379|2380|22379|22380|32379|32380)\b", lambda m: ":" + ports[m.group(1)], text)
+        text = text.replace("/tmp/", f"{tmp_path}/").replace("runs/", f"{tmp_path}/runs/")
+        return shlex.split(text.replace("--epochs 40", "--epochs 1 --max-steps 6 --batch-size 16 --no-progress"))
+
+    for i, line in enumerate(ONE_MACHINE_ETCD):
+        args = local(command(line, page))
+        procs([etcd_binary(), *args[1:]], f"etcd-m{i}")
+    store = EtcdStore(f"etcd://127.0.0.1:{ports['2379']},127.0.0.1:{ports['22379']}/try-1", timeout=30)
+    store.set("ready", "1")  # the cluster elected a leader
+    store.delete_key("ready")
+    machines = [procs([*DDPKIT, *local(command(line, page))[1:]], f"n{k}", env=ENV)
+                for k, line in enumerate(ONE_MACHINE_TRAIN)]  # fmt: skip
+    for machine in machines:
+        result = machine.wait(180)
+        assert result.returncode == 0, result
+    summary = _summary(tmp_path / "runs" / "try-1-n0")
+    assert summary["final_members"] == [0, 1, 2] and summary["replicas_equal"], summary

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_fault_tolerant_etcd as _etcd_docs  # (its commands of docs/fault-tolerance.md)
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -225,6 +226,26 @@ COMMANDS: dict[str, str] = {
     "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id myjob --local-addr $MY_ADDRESS "
     "-m ddpkit train --strategy sharded --out /shared/run1 --checkpoint-every 50": "test_torchrun_lines",
     "ddpkit train --backend nccl --nproc-per-node 8": "test_gpu_lines",
+    **dict.fromkeys(
+        _etcd_docs.ONE_MACHINE_ETCD + _etcd_docs.ONE_MACHINE_TRAIN,
+        "tests/test_fault_tolerant_etcd.py::test_the_docs_one_machine_etcd_commands_run_as_written",
+    ),
+    **dict.fromkeys(
+        [
+            f"etcd --name m{i} --data-dir /var/lib/etcd-ddpkit --listen-client-urls http://10.0.0.{i + 1}:2379 "
+            f"--advertise-client-urls http://10.0.0.{i + 1}:2379 --listen-peer-urls http://10.0.0.{i + 1}:2380 "
+            f"--initial-advertise-peer-urls http://10.0.0.{i + 1}:2380 --initial-cluster m0=http://10.0.0.1:2380,"
+            "m1=http://10.0.0.2:2380,m2=http://10.0.0.3:2380 --initial-cluster-state new --initial-cluster-token "
+            "ddpkit-etcd"
+            for i in range(3)
+        ]
+        + [
+            "ddpkit train --fault-tolerant --strategy ddp --nnodes 3 --nproc-per-node 1 --node-rank k --store "
+            "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/run-1 --out run-1"
+        ],
+        "not run: three machines; the same flags on loopback run in "
+        "tests/test_fault_tolerant_etcd.py::test_the_docs_one_machine_etcd_commands_run_as_written",
+    ),
     "ddpkit train --backend gloo --device cuda --nproc-per-node 2": "test_gpu_lines",
 }
 
