@@ -238,7 +238,13 @@ def test_four_ranks_one_differs():
 def test_fingerprints_are_stable_text_without_addresses():
     assert canonical({"b": (0.9, 0.999), "a": None}) == "{'a': None, 'b': (0.9, 0.999)}"
     assert canonical(torch.tensor([0.5])) == "tensor(1,) float32 [0.5]"
-    assert canonical(lambda: 0) == canonical(lambda: 1) == "function"
+    # a function or class by its qualified name: the same code path on every rank, never an address
+    assert (
+        canonical(lambda: 0)
+        == canonical(lambda: 1)
+        == f"{__name__}.{test_fingerprints_are_stable_text_without_addresses.__qualname__}.<locals>.<lambda>"
+    )
+    assert canonical(torch.optim.SGD) == "torch.optim.sgd.SGD" and canonical(object()) == "object"
     assert canonical(torch.float16) == "torch.float16"
     groups = [{"params": list(_mlp(8).parameters()), "lr": 0.1, "betas": (0.9, 0.99)}]
     entries = dict(parameter_settings(groups))

@@ -9,6 +9,7 @@ members' gradients of every round that committed, the rounds' members and verdic
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import time
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from test_readme import snippet
 from torch import nn
 
-from ddpkit.distributed.agreement import RanksDisagree
+from ddpkit.distributed.agreement import CannotCompare, RanksDisagree, optimizer_settings
 from ddpkit.distributed.manager import Manager, StoreLost
 from ddpkit.distributed.membership import TooFewReplicas
 from ddpkit.distributed.stats import comm_stats
@@ -61,8 +62,9 @@ class Logged(Manager):
 
     def __init__(self, *args: Any, fail_round: int = -1, vanish_round: int = -1,
                  await_join: tuple[int, int] | None = None, fail_when_joins: int = -1,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 pause_round: tuple[int, float] | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
+        self.pause_round = pause_round  # (round, seconds): this rank stalls that long before the round's average
         self.fail_round, self.vanish_round, self.await_join = fail_round, vanish_round, await_join
         self.fail_when_joins = fail_when_joins  # fail the first round that rank joins in
         self._patience = time.monotonic() + 30
@@ -72,6 +74,9 @@ class Logged(Manager):
         quorum = self.current()
         if quorum.round == self.vanish_round:
             raise Vanished
+        if self.pause_round is not None and quorum.round == self.pause_round[0]:
+            time.sleep(self.pause_round[1])  # (as a process stopped and continued)
+            self.pause_round = None
         super().average(tensor, counts)
         if quorum.round == self.fail_round or self.fail_when_joins in quorum.joined:
             self.fail()
@@ -154,6 +159,14 @@ def _client(port: int) -> Any:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
 
 
+def _reached(store: Any, round_: int) -> bool:
+    """Whether the job decided round `round_` (or its store is gone: a rank started then stops at once)."""
+    try:
+        return store.check(["ddpkit/ft/latest"]) and int(store.get("ddpkit/ft/latest")) >= round_
+    except dist.DistNetworkError:
+        return True
+
+
 def _run(
     world: int,
     late: dict[int, int] | None = None,
@@ -181,7 +194,7 @@ def _run(
             threads[rank].start()
     for rank, after in late.items():
         deadline = time.monotonic() + 60
-        while not reader.check(["ddpkit/ft/latest"]) or int(reader.get("ddpkit/ft/latest")) < after:
+        while not _reached(reader, after):
             assert time.monotonic() < deadline, f"the job did not reach round {after}"
             time.sleep(0.01)
         threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results), daemon=True)
@@ -368,6 +381,58 @@ def test_ranks_whose_settings_differ_are_refused_at_the_first_round_naming_the_s
     for rank in range(3):
         assert isinstance(out[rank], RanksDisagree), out
         assert "--lr: 0.05 on ranks 0, 2; 0.2 on rank 1" in str(out[rank]), out[rank]
+
+
+@dataclasses.dataclass
+class Recipe:
+    lr: float
+    layers: tuple[int, ...]
+
+
+def test_settings_compare_by_value_dataclasses_sets_and_tensors_of_any_size():
+    """Values whose text was their type's name (a dataclass, a set, a tensor past 16 elements) compared equal
+    whatever they held: two ranks with different recipes trained together. They are compared by value now."""
+    weights = torch.zeros(100)
+    other = weights.clone()
+    other[57] = 1e-6
+    cases = [
+        ({"recipe": Recipe(0.1, (2, 3))}, {"recipe": Recipe(0.2, (2, 3))}, "recipe: Recipe(lr=0.1"),
+        ({"tags": {"a", "b"}}, {"tags": {"a", "c"}}, "tags: {'a', 'b'} on rank 0"),
+        ({"init": weights}, {"init": other}, "init: tensor(100,) float32 sha256"),
+    ]
+    for first, second, named in cases:
+        managers = _managers(dist.HashStore(), 2, [first, second], start_timeout=20)
+        out = _in_threads({r: managers[r].start for r in range(2)})
+        for rank in range(2):
+            assert isinstance(out[rank], RanksDisagree) and named in str(out[rank]), out[rank]
+    same = _managers(dist.HashStore(), 2, [{"recipe": Recipe(0.1, (2,))}, {"recipe": Recipe(0.1, (2,))}])
+    out = _in_threads({r: same[r].start for r in range(2)})
+    assert all(q.members == [0, 1] for q in out.values()), out
+
+
+def test_a_setting_that_cannot_be_compared_is_refused_naming_it():
+    with pytest.raises(CannotCompare, match="the setting 'loader': a object cannot be compared across processes"):
+        Manager(dist.HashStore(), 0, 2, settings={"loader": object()}, report=None)
+    manager = Manager(dist.HashStore(), 0, 1, report=None, start_timeout=1)
+    manager.require_same({"optimizer 0 group 0 lr": 0.1})
+    with pytest.raises(ValueError, match="given already"):
+        manager.require_same({"optimizer 0 group 0 lr": 0.2})
+    manager.start_round()
+    with pytest.raises(RuntimeError, match="before the first start_round"):
+        manager.require_same({"late": 1})
+    manager.close()
+
+
+def test_a_replica_whose_optimizer_alone_sets_another_lr_is_refused():
+    """The Lightning and Fabric strategies add every optimizer's hyper-parameters to the manager's settings
+    (`optimizer_settings`): replica 1 silently took replica 0's lr when lr was set only in its optimizer."""
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    settings = [optimizer_settings([torch.optim.SGD(params, lr=lr, momentum=0.9)]) for lr in (0.1, 0.3)]
+    managers = _managers(dist.HashStore(), 2, settings, start_timeout=20)
+    out = _in_threads({r: managers[r].start for r in range(2)})
+    for rank in range(2):
+        assert isinstance(out[rank], RanksDisagree), out[rank]
+        assert "optimizer 0 group 0 lr: 0.1 on rank 0; 0.3 on rank 1" in str(out[rank]), out[rank]
 
 
 def test_a_joiner_whose_settings_differ_is_refused_before_it_takes_part():

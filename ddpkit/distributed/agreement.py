@@ -14,6 +14,8 @@ for entries that may differ). Memory: the settings' text, a few bytes per entry.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import warnings
 from collections.abc import Collection, Iterable, Mapping
@@ -36,19 +38,47 @@ class RanksDisagree(ValueError):
     """Ranks of one group hold different settings or parameters where they must hold the same."""
 
 
-def canonical(value: Any) -> str:
-    """A text for `value` that is equal on two processes exactly when the values are (no addresses, no salt)."""
+class CannotCompare(TypeError):
+    """A setting whose value ddpkit cannot compare across processes (`canonical` with ``strict=True``)."""
+
+
+def canonical(value: Any, strict: bool = False) -> str:
+    """A text for `value` that is equal on two processes exactly when the values are (no addresses, no salt).
+
+    Compared by value: None, bools, numbers, strings, tuples, lists, dicts, sets, dataclasses (their class and
+    fields), enums, tensors of any size (shape, dtype and, past a few elements, a SHA-256 of their bytes), dtypes,
+    devices, classes and functions (by qualified name). Anything else has no value ddpkit can compare: its type's
+    name stands for it, or with `strict` it raises `CannotCompare`."""
     if value is None or isinstance(value, bool | int | float | str):
         return repr(value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
     if isinstance(value, tuple | list):
-        return "(" + ", ".join(canonical(v) for v in value) + ")"
+        return "(" + ", ".join(canonical(v, strict) for v in value) + ")"
+    if isinstance(value, set | frozenset):
+        return "{" + ", ".join(sorted(canonical(v, strict) for v in value)) + "}"
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{canonical(k)}: {canonical(value[k])}" for k in sorted(value, key=str)) + "}"
+        items = sorted((canonical(k, strict), canonical(value[k], strict)) for k in value)
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{f.name}={canonical(getattr(value, f.name), strict)}" for f in dataclasses.fields(value))
+        return f"{type(value).__qualname__}({fields})"
     if isinstance(value, torch.Tensor):
         head = f"tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
-        return head + (f" {value.detach().cpu().tolist()}" if value.numel() <= _SMALL_TENSOR else "")
+        if value.numel() <= _SMALL_TENSOR:
+            return f"{head} {value.detach().cpu().tolist()}"
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return f"{head} sha256 {hashlib.sha256(data).hexdigest()[:32]}"
     if isinstance(value, torch.dtype | torch.device):
         return str(value)
+    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    if strict:
+        raise CannotCompare(
+            f"a {type(value).__qualname__} cannot be compared across processes; give a str, number, bool, None, "
+            "a tuple, list, dict or set of those, a dataclass, an enum, a tensor, a dtype or a device (or a text "
+            "that stands for the value)"
+        )
     return type(value).__qualname__
 
 
@@ -147,6 +177,27 @@ def parameter_settings(
         for key in sorted(k for k in group if k != "params" and (known_keys is None or k in known_keys)):
             entries.append((f"param group {index} {key}", canonical(group[key])))
     return entries
+
+
+def optimizer_settings(optimizers: list[torch.optim.Optimizer], first: int = 0) -> dict[str, Any]:
+    """What every replica's optimizers must share, for `Manager.require_same`: each one's class and, per param
+    group, its size and hyper-parameters (``"optimizer 0 group 1 lr"`` -> 0.1), numbered from `first`.
+
+    Args:
+        optimizers: the optimizers, in the order every replica creates them.
+        first: the number of the first of them (an optimizer set up after others).
+
+    Returns:
+        name -> value, every hyper-parameter as its `canonical` text (any value is accepted).
+    """
+    settings: dict[str, Any] = {}
+    for index, optimizer in enumerate(optimizers, start=first):
+        settings[f"optimizer {index}"] = type(optimizer)
+        for g, group in enumerate(optimizer.param_groups):
+            settings[f"optimizer {index} group {g} size"] = len(group["params"])
+            for key in sorted(k for k in group if k != "params"):
+                settings[f"optimizer {index} group {g} {key}"] = canonical(group[key])  # (any value: by its text)
+    return settings
 
 
 def param_group_extras(groups: Iterable[dict[str, Any]], known_keys: Collection[str]) -> list[tuple[str, str]]:

@@ -199,6 +199,25 @@ class Manager:
         for name, entry in self._registry.items():
             entry.load(state[name])
 
+    def require_same(self, settings: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Adds `settings` (name -> value) to those every rank must share, compared by value as the constructor's
+        (the optimizer's hyper-parameters, once the optimizer exists). Only before this process's first round.
+
+        Raises:
+            RuntimeError: this process took part in a round already (its settings were compared).
+            ValueError: a name is given twice.
+            CannotCompare: a value cannot be compared by value (`ddpkit.distributed.agreement.canonical`).
+        """
+        if self.quorum is not None or self._pending is not None:
+            raise RuntimeError(
+                "Manager.require_same: call it before the first start_round (settings are compared there)"
+            )
+        texts = store_agreement.settings_texts(settings)
+        again = sorted(set(texts) & set(self.settings))
+        if again:
+            raise ValueError(f"Manager.require_same: {again} given already")
+        self.settings.update(texts)
+
     # -- the job's first round -----------------------------------------------------------------------------------
 
     def under_way(self) -> bool:

@@ -18,15 +18,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.distributed.agreement import MAX_NAMED, RanksDisagree, canonical, describe_differences
+from ddpkit.distributed.agreement import MAX_NAMED, CannotCompare, RanksDisagree, canonical, describe_differences
 
 SETTINGS = "settings"  # key (under the prefix) of the job's settings, as its first round agreed them
 
 
 def settings_texts(settings: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, str]:
-    """`settings` as name -> canonical text (equal texts exactly when the values are equal)."""
+    """`settings` as name -> canonical text (equal texts exactly when the values are equal); raises
+    `CannotCompare` naming a setting whose value cannot be compared by value (`agreement.canonical`)."""
     items = settings.items() if isinstance(settings, Mapping) else settings
-    return {str(k): v if isinstance(v, str) else canonical(v) for k, v in items}
+    texts = {}
+    for name, value in items:
+        try:
+            texts[str(name)] = value if isinstance(value, str) else canonical(value, strict=True)
+        except CannotCompare as exc:
+            raise CannotCompare(f"the setting {str(name)!r}: {exc}") from None
+    return texts
 
 
 def _key(prefix: str, rank: int | None = None) -> str:

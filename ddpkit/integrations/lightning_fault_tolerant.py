@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     needs = 'ddpkit.integrations.lightning_fault_tolerant needs lightning: pip install "ddpkit[lightning]"'
     raise ImportError(needs) from exc
 
+from ddpkit.distributed.agreement import optimizer_settings
 from ddpkit.distributed.manager import Manager
 
 __all__ = ["DDPKitFabricFaultTolerantStrategy", "DDPKitFaultTolerantStrategy"]
@@ -121,6 +122,7 @@ class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
             )
         self.manager.register("module", self.lightning_module)
         _register_optimizers(self.manager, lambda: self.optimizers)
+        self.manager.require_same(optimizer_settings(self.optimizers))  # (a replica's lr set only here is compared)
 
         def load_schedulers(states: list[dict[str, Any]]) -> None:
             for config, state in zip(trainer.lr_scheduler_configs, states, strict=True):
@@ -188,6 +190,7 @@ class DDPKitFabricFaultTolerantStrategy(FabricSingleDeviceStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self._optimizers.append(optimizer)
+        self.manager.require_same(optimizer_settings([optimizer], first=len(self._optimizers) - 1))
         return super().setup_optimizer(optimizer)
 
     def open_round(self) -> None:

@@ -1,0 +1,180 @@
+"""The fault-tolerant rounds under random schedules of faults (hypothesis), in one process.
+
+Each example is a job of 3-5 ranks as threads running the documented own loop (`tests/test_manager.py`'s
+harness) on one in-memory store, with a random schedule drawn by hypothesis: ranks that vanish in the middle of a
+round (a killed process), stall for longer than the round's timeout (a paused one), fail a round, start late,
+and possibly the loss of the store itself. Whatever the schedule, the invariants of the protocol must hold:
+
+- every rank that logged a round logged the same members and the same verdict for it (no split);
+- every rank that finished holds the model of the reference (rank 0's initial model stepped by torch's SGD on
+  the mean gradient of each committed round's members; a failed round changes nothing), bit-identical to the
+  other finishers;
+- a stalled rank comes back and finishes like the others;
+- once the store is lost, no rank finishes: each stops with `StoreLost` (nobody decides alone to go on);
+- the whole job ends within a bound set by the schedule (no wait past its timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import test_manager as harness
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from ddpkit.distributed.manager import StoreLost
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+
+
+class LossyStore(dist.Store):
+    """An in-memory store (torch's HashStore behind it) that can be lost: after `lose()` every call raises the
+    error a broken connection raises (as the job's TCPStore does when its machine goes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = dist.HashStore()
+        self.lost = False
+
+    def lose(self) -> None:
+        self.lost = True
+
+    def _live(self) -> dist.HashStore:
+        if self.lost:
+            raise dist.DistNetworkError("Connection reset by peer (the store's machine is gone)")
+        return self.inner
+
+    def set(self, key: str, value: Any) -> None:
+        self._live().set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._live().get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self._live().add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._live().compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._live().check(keys)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self._live().wait(keys)
+        else:
+            self._live().wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._live().delete_key(key)
+
+    def append(self, key: str, value: Any) -> None:
+        self._live().append(key, value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._live().multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._live().multi_set(keys, values)
+
+    def num_keys(self) -> int:
+        return self._live().num_keys()
+
+    def clone(self) -> LossyStore:
+        return self  # (one in-memory store: every "connection" is the same object)
+
+
+FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "none"])
+
+
+@st.composite
+def schedules(draw: Any) -> dict[str, Any]:
+    """A job's size and a fault (or none) for each rank but rank 0, each at a round of its own, and maybe the
+    store's loss."""
+    world = draw(st.integers(3, 5))
+    faults = {}
+    for rank in range(1, world):
+        kind = draw(FAULTS)
+        if kind != "none":
+            faults[rank] = (kind, draw(st.integers(3, STEPS - 6)))
+    lost_at = draw(st.one_of(st.none(), st.integers(4, STEPS - 4)))
+    return {"world": world, "faults": faults, "lost_at": lost_at}
+
+
+def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float]:
+    world, store = schedule["world"], LossyStore()
+    faults_by_rank: dict[str, dict] = {}
+    late = {}
+    for rank, (kind, round_) in schedule["faults"].items():
+        if kind == "vanish":
+            faults_by_rank[f"rank{rank}"] = {"vanish_round": round_}
+        elif kind == "pause":
+            faults_by_rank[f"rank{rank}"] = {"pause_round": (round_, 3.0)}  # twice the round's timeout
+        elif kind == "fail":
+            faults_by_rank[f"rank{rank}"] = {"fail_round": round_}
+        else:
+            late[rank] = round_
+    results: dict = {}
+    if schedule["lost_at"] is not None:
+
+        def lose() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not store.lost:
+                with_latest = store.inner.check(["ddpkit/ft/latest"])
+                if with_latest and int(store.inner.get("ddpkit/ft/latest")) >= schedule["lost_at"]:
+                    store.lose()
+                time.sleep(0.005)
+
+        threading.Thread(target=lose, daemon=True).start()
+    since = time.monotonic()
+    got, managers = harness._run(world, late=late, client=lambda: store, results=results, **faults_by_rank)
+    return got, managers, time.monotonic() - since
+
+
+EXAMPLES = int(os.environ.get("DDPKIT_PROPERTY_EXAMPLES", "6"))  # more, drawn afresh: a longer hunt by hand
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize="DDPKIT_PROPERTY_EXAMPLES" not in os.environ,  # CI: the same schedules on every run
+    database=None,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: each example is a job of seconds
+    suppress_health_check=list(HealthCheck),
+)
+@given(schedules())
+def test_any_schedule_of_faults_keeps_the_rounds_agreed_and_the_finishers_equal_to_the_reference(schedule):
+    print(schedule)  # (shown with -s, and with a failure)
+    old_steps = harness.STEPS
+    harness.STEPS = STEPS
+    try:
+        got, managers, seconds = _run(schedule)
+    finally:
+        harness.STEPS = old_steps
+    faults, world = schedule["faults"], schedule["world"]
+    ends = {rank: got[rank][0] for rank in range(world)}
+    # bounded: a few rounds' timeouts per fault and a pause each, on a loaded machine
+    assert seconds < 30 + 10 * len(faults), (seconds, schedule)
+    for rank, (end, value) in got.items():
+        if end == "error":
+            assert isinstance(value, StoreLost), (rank, value, schedule)  # the only way a rank may fail here
+    logs = [managers[rank].log for rank in managers]
+    reference = harness._reference(logs)  # (asserts that every round was logged alike by every rank)
+    done = [rank for rank in range(world) if ends[rank] == "done"]
+    if schedule["lost_at"] is not None and any(e == "error" for e in ends.values()):
+        assert not done or all(managers[r].log[-1][0] <= schedule["lost_at"] + 1 for r in done), schedule
+        return  # (the store went before the end: every rank still training stopped with StoreLost)
+    expected_done = {r for r in range(world) if faults.get(r, ("none",))[0] != "vanish"}
+    assert set(done) == expected_done, (ends, schedule)
+    for rank in done:
+        for got_param, want in zip(got[rank][1], reference, strict=True):
+            torch.testing.assert_close(got_param, want, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(got[rank][1], got[done[0]][1], strict=True)), rank
