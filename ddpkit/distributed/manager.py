@@ -57,6 +57,7 @@ quorum, the events; `average_gradients` a flat copy of the gradients during the 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -116,6 +117,46 @@ class MembershipEvent:
 class _Entry:
     save: Callable[[], Any]
     load: Callable[[Any], None]
+
+
+def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
+    """`StoreLost`, naming the store and what to do, when `exc` (raised by a store call of the rounds) says the
+    store's connection broke; None otherwise."""
+    if not is_store_loss(exc):
+        return None
+    where = getattr(manager.store, "url", None)
+    if where is None and hasattr(manager.store, "host"):
+        where = f"{manager.store.host}:{manager.store.port}"
+    if where is not None and str(where).startswith("etcd://"):
+        advice = (
+            "this rank is cut off from the etcd cluster's majority and stops (it takes part in no "
+            "decision it cannot reach); start its command again to rejoin once it reaches the cluster"
+        )
+    else:
+        advice = (
+            "the embedded store lives on machine 0, so the job cannot outlive that machine; keep the "
+            "job's coordination in an etcd cluster (--store etcd://HOST:PORT,... or "
+            "Manager(EtcdStore(...))) to survive the loss of any one machine"
+        )
+    return StoreLost(f"rank {manager.rank}: the fault-tolerant job's store{' at ' + str(where) if where else ''} "
+                    f"is gone ({exc}); {advice}")  # fmt: skip
+
+
+def _stops_if_store_lost(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A `Manager` method whose store calls raise `StoreLost` (naming the store and what to do) when the store's
+    connection broke, instead of the transport's own error."""
+
+    @functools.wraps(method)
+    def wrapped(self: Manager, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            lost = _store_lost(self, exc)
+            if lost is None:
+                raise
+            raise lost from exc
+
+    return wrapped
 
 
 class Manager:
@@ -224,6 +265,7 @@ class Manager:
         """Whether the job has decided a round already (a process starting now joins it: `rejoin`)."""
         return self.membership.latest_round() >= 0
 
+    @_stops_if_store_lost
     def start(self, share_state: bool = True) -> Quorum:
         """The job's first round (round 0): the quorum of the ranks that start within `start_timeout`, the
         settings agreement (`RanksDisagree` on every member, naming the settings and ranks), the ranks that never
@@ -248,6 +290,7 @@ class Manager:
 
     # -- a round ---------------------------------------------------------------------------------------------------
 
+    @_stops_if_store_lost
     def start_round(self, *, background: bool = False) -> Quorum | None:
         """Your loop's round: forms the next round's quorum (in the background with `background`: taken by the
         next call that needs it) and, as a rank that joins or was left out, takes the live state first (`rejoin`).
@@ -275,31 +318,25 @@ class Manager:
             quorum = self.rejoin()
         return quorum
 
+    @_stops_if_store_lost
     def take(self) -> Quorum:
         """The quorum formed in the background (`start_round(background=True)`), entered (`round`)."""
         assert self._pending is not None, "Manager.take: no round is being formed"
         since = time.monotonic()
         future, self._pending = self._pending, None
-        try:
-            formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
-        except Exception as exc:
-            self._stop_if_lost(exc)
-            raise
+        formed = future.result()  # re-raises what forming it raised (TooFewReplicas)
         blocked = self._blocked + time.monotonic() - since
         quorum = self.round(formed.round, formed)
         self._blocked += blocked
         return quorum
 
+    @_stops_if_store_lost
     def round(self, round_: int, formed: Quorum | None = None) -> Quorum:
         """Forms round `round_` (or enters `formed`, formed in the background) as a rank that holds live state,
         and sends the live state to its joiners. Raises `FellBehind` if this rank is not a member, or is one of
         its joiners (its state is not the others': `rejoin`)."""
         since = time.monotonic()
-        try:
-            quorum = formed if formed is not None else self.membership.quorum(round_)
-        except Exception as exc:
-            self._stop_if_lost(exc)
-            raise
+        quorum = formed if formed is not None else self.membership.quorum(round_)
         self.next_round = quorum.round + 1
         if not quorum.is_member:
             raise FellBehind(f"rank {self.rank} was left out of round {quorum.round}")
@@ -315,6 +352,7 @@ class Manager:
     def _enter(self, quorum: Quorum) -> None:
         self.quorum, self.ok = quorum, quorum.group is not None  # None: a member vanished before it connected
 
+    @_stops_if_store_lost
     def rejoin(self) -> Quorum:
         """Takes part as a joiner: checks this rank's settings against the job's, announces itself, and enters
         the next round decided with it in it, receiving the live state there (loaded into the registry). Returns
@@ -328,11 +366,7 @@ class Manager:
         round_ = self.membership.announce_join() if decided is None else decided.round
         while True:
             since = time.monotonic()
-            try:
-                quorum = decided or self.membership.quorum(round_)
-            except Exception as exc:
-                self._stop_if_lost(exc)
-                raise
+            quorum = decided or self.membership.quorum(round_)
             decided = None
             round_ = self.next_round = quorum.round + 1
             if not quorum.is_member:
@@ -442,16 +476,13 @@ class Manager:
         """Marks the current round failed on this rank (the commit then drops it on every member)."""
         self.ok = False
 
+    @_stops_if_store_lost
     def should_commit(self) -> bool:
         """The round's verdict, the same on every member: True only if it went well on every member. A joiner of a
         round that failed joins again (its state is not the others')."""
         quorum = self.current()
         since = time.monotonic()
-        try:
-            committed = quorum.commit(self.ok)
-        except Exception as exc:
-            self._stop_if_lost(exc)
-            raise
+        committed = quorum.commit(self.ok)
         if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
             self._forget(quorum.round - KEPT_ROUNDS)
         self._blocked += time.monotonic() - since
@@ -475,28 +506,6 @@ class Manager:
         self._forgetting = self._cleaner.submit(self.membership.forget_through, round_)
 
     # -- a lost store ----------------------------------------------------------------------------------------------
-
-    def _stop_if_lost(self, exc: BaseException) -> None:
-        """Raises `StoreLost`, naming the store and what to do, when `exc` (raised by a store call of the rounds)
-        says the store's connection broke; returns otherwise (the caller raises `exc`)."""
-        if not is_store_loss(exc):
-            return
-        where = getattr(self.store, "url", None)
-        if where is None and hasattr(self.store, "host"):
-            where = f"{self.store.host}:{self.store.port}"
-        if where is not None and str(where).startswith("etcd://"):
-            advice = (
-                "this rank is cut off from the etcd cluster's majority and stops (it takes part in no "
-                "decision it cannot reach); start its command again to rejoin once it reaches the cluster"
-            )
-        else:
-            advice = (
-                "the embedded store lives on machine 0, so the job cannot outlive that machine; keep the "
-                "job's coordination in an etcd cluster (--store etcd://HOST:PORT,... or "
-                "Manager(EtcdStore(...))) to survive the loss of any one machine"
-            )
-        raise StoreLost(f"rank {self.rank}: the fault-tolerant job's store{' at ' + str(where) if where else ''} "
-                        f"is gone ({exc}); {advice}") from exc  # fmt: skip
 
     # -- what happened ---------------------------------------------------------------------------------------------
 
