@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from lightning_runs import Net, _data
 from torch.utils.data import DataLoader, Subset
 
-from ddpkit.distributed import Manager
+from ddpkit.fault_tolerance import Manager
 from ddpkit.integrations.lightning_fault_tolerant import (
     DDPKitFabricFaultTolerantStrategy,
     DDPKitFaultTolerantStrategy,

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.quantize import dequantize, quantize
 from ddpkit.algorithms.slow_momentum import SlowMoRule
-from ddpkit.distributed.manager import Manager
+from ddpkit.fault_tolerance.manager import Manager
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, OuterSchedule
 from ddpkit.train.loop.trainer import Trainer
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit.distributed.manager import Manager
+from ddpkit.fault_tolerance.manager import Manager
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, OuterSchedule
 from ddpkit.train.loop.trainer import Trainer
 

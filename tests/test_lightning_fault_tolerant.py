@@ -19,8 +19,8 @@ pytest.importorskip("lightning")
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed import Manager
 from ddpkit.distributed.launch import free_port
+from ddpkit.fault_tolerance import Manager
 
 HERE = Path(__file__).parent
 DIE_AT, WAIT_AT, STEPS = 6, 9, 24

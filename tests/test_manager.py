@@ -1,4 +1,4 @@
-"""`ddpkit.distributed.manager.Manager` (issue 33): a fault-tolerant job's rounds under a loop of any shape.
+"""`ddpkit.fault_tolerance.manager.Manager` (issue 33): a fault-tolerant job's rounds under a loop of any shape.
 
 Deterministic and in one process: each rank is a thread holding its own Manager, all meeting in one HashStore,
 each round's gloo group made between the threads. The own-loop example of docs/fault-tolerance.md runs here as
@@ -24,10 +24,10 @@ from test_readme import snippet
 from torch import nn
 
 from ddpkit.distributed.agreement import CannotCompare, RanksDisagree, optimizer_settings
-from ddpkit.distributed.manager import Manager, StoreLost
-from ddpkit.distributed.membership import TooFewReplicas
 from ddpkit.distributed.stats import comm_stats
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
+from ddpkit.fault_tolerance.manager import Manager, StoreLost
+from ddpkit.fault_tolerance.membership import TooFewReplicas
 
 LR, MOMENTUM, STEPS = 0.1, 0.9, 40
 START = 3.0  # seconds round 0 waits for every rank: the threads start at once, the late one does not count
@@ -119,7 +119,7 @@ def _rank(store: Any, rank: int, world: int, results: dict, **faults: Any) -> No
         results.setdefault("managers", {})[rank] = manager = Logged(*args, **faults, **kwargs)
         return manager
 
-    code = code.replace("from ddpkit.distributed import Manager\n", "")
+    code = code.replace("from ddpkit.fault_tolerance import Manager\n", "")
     namespace["Manager"] = make
     try:
         exec(compile(code, source, "exec"), namespace)

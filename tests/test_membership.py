@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.algorithms.fault_tolerant import FaultTolerantGossip, FaultTolerantLocalSGD
-from ddpkit.distributed.manager import Manager
-from ddpkit.distributed.membership import Membership, TooFewReplicas
+from ddpkit.fault_tolerance.manager import Manager
+from ddpkit.fault_tolerance.membership import Membership, TooFewReplicas
 
 pytestmark = pytest.mark.slow
 

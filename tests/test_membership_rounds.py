@@ -14,8 +14,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ddpkit.distributed.manager import Manager
-from ddpkit.distributed.membership import Membership, Quorum, TooFewReplicas
+from ddpkit.fault_tolerance.manager import Manager
+from ddpkit.fault_tolerance.membership import Membership, Quorum, TooFewReplicas
 
 
 def _form(memberships: list[Membership], round_: int) -> dict[int, object]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from ddpkit.distributed.manager import StoreLost
+from ddpkit.fault_tolerance.manager import StoreLost
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Replicas of several processes under one quorum (`ddpkit.distributed.replica_membership`, issue 33's HSDP).
+"""Replicas of several processes under one quorum (`ddpkit.fault_tolerance.replica_membership`, issue 33's HSDP).
 
 Deterministic and in one process: two replicas of two processes (lanes) each, every process a thread with its own
 `Manager`, each replica's lanes tied by a gloo control group of their own, all meeting in one HashStore. Lane k of
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.manager import Manager
-from ddpkit.distributed.replica_membership import Replica
+from ddpkit.fault_tolerance.manager import Manager
+from ddpkit.fault_tolerance.replica_membership import Replica
 
 LR, STEPS, LANES = 0.1, 60, 2
 START = 3.0  # seconds round 0 waits for every process (the threads start at once)

@@ -33,7 +33,7 @@ collectives the caller keeps issuing on its own groups. `compressed_mean` starts
 `simulate_compressed_mean` computes, in one process, the very result N ranks get, bit for bit.
 
 The ranks may also be a fault-tolerant round's members (`start_mean_on` with a `MeanWay` over
-`ddpkit.distributed.round_channel.RoundChannel`: the exchange runs at once on the caller's thread), where a
+`ddpkit.fault_tolerance.round_channel.RoundChannel`: the exchange runs at once on the caller's thread), where a
 member that just joined takes part without counting: the owners sum only the counted ranks' messages and divide
 by their number.
 """

@@ -1,6 +1,6 @@
 """Local SGD and SGP whose nodes may come and go: each round is over the ranks that reached its quorum.
 
-Both take the round from a `ddpkit.distributed.manager.Manager` (quorum, group, live state, commit) and hold no
+Both take the round from a `ddpkit.fault_tolerance.manager.Manager` (quorum, group, live state, commit) and hold no
 group of their own; `ddpkit train --fault-tolerant` and your own loop run the same classes.
 
 **Local SGD** (`FaultTolerantLocalSGD`): each round replaces the parameters by their mean over the members that
@@ -34,9 +34,9 @@ from ddpkit.algorithms.gossip_mixing import UniformMixing
 from ddpkit.algorithms.pseudo_gradient import OuterSync
 from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
-from ddpkit.distributed.manager import Manager
-from ddpkit.distributed.membership import Quorum, heal_source
-from ddpkit.distributed.round_channel import RoundChannel
+from ddpkit.fault_tolerance.manager import Manager
+from ddpkit.fault_tolerance.membership import Quorum, heal_source
+from ddpkit.fault_tolerance.round_channel import RoundChannel
 
 
 class FaultTolerantLocalSGD:

@@ -3,15 +3,11 @@
 from ddpkit.distributed.comm import all_gather, all_reduce, broadcast, reduce, reduce_scatter
 from ddpkit.distributed.env import comm_device, group_label, group_rank, group_size, require_initialized
 from ddpkit.distributed.hooks import counting_allreduce_hook
-from ddpkit.distributed.manager import FellBehind, Manager, MembershipEvent
 from ddpkit.distributed.stats import CollectiveCount, CommStats, comm_stats
 
 __all__ = [
     "CollectiveCount",
     "CommStats",
-    "FellBehind",
-    "Manager",
-    "MembershipEvent",
     "all_gather",
     "all_reduce",
     "broadcast",

@@ -1,5 +1,5 @@
 """Lightning and Fabric strategies that train on through lost machines: one process per replica under a
-`ddpkit.distributed.Manager` (the same manager as ``ddpkit train --fault-tolerant`` and your own loop).
+`ddpkit.fault_tolerance.Manager` (the same manager as ``ddpkit train --fault-tolerant`` and your own loop).
 
 Each process runs Lightning on one device and no process group spans the job: the ranks meet in rounds through
 the manager's store. Per optimizer step the strategy
@@ -43,14 +43,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(needs) from exc
 
 from ddpkit.distributed.agreement import optimizer_settings
-from ddpkit.distributed.manager import Manager
+from ddpkit.fault_tolerance.manager import Manager
 
 __all__ = ["DDPKitFabricFaultTolerantStrategy", "DDPKitFaultTolerantStrategy"]
 
 
 def _check_manager(manager: Any, who: str) -> Manager:
     if not isinstance(manager, Manager):
-        raise TypeError(f"{who}: manager must be a ddpkit.distributed.Manager, got {type(manager).__name__}")
+        raise TypeError(f"{who}: manager must be a ddpkit.fault_tolerance.Manager, got {type(manager).__name__}")
     return manager
 
 
@@ -93,7 +93,7 @@ def load_loop_counters(trainer: pl.Trainer, counters: dict[str, Any]) -> None:
 class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
     """``Trainer(strategy=DDPKitFaultTolerantStrategy(manager))``: a fault-tolerant replica (module doc).
 
-    `manager`: this process's `ddpkit.distributed.Manager` (its store, rank, ``max_world``, ``min_replicas``,
+    `manager`: this process's `ddpkit.fault_tolerance.Manager` (its store, rank, ``max_world``, ``min_replicas``,
     timeouts). `device`: where the module trains (default the CPU). Register anything else a joiner needs
     (a data position, your own counters) with the manager before ``fit``."""
 

@@ -1,10 +1,10 @@
 """One process of `ddpkit train --fault-tolerant`: train with whoever is alive, rejoin from live state, report.
 
-The process joins no job-wide process group: it reaches the job's store (`ddpkit.distributed.job_store`), trains its
+The process joins no job-wide process group: it reaches the job's store (`ddpkit.fault_tolerance.job_store`), trains its
 own replica and meets the others in rounds (`ddpkit.train.loop.fault_tolerant_sync`). Locally it runs a process
 group of one (so the trainer's own bookkeeping works unchanged), or with --strategy oss / sharded a group of its
 machine's processes, which are together one replica sharding the optimizer state (`sharded_replicas`:
-`ddpkit.distributed.replica_membership`; the machine's index is then its rank in the rounds). If the job is already
+`ddpkit.fault_tolerance.replica_membership`; the machine's index is then its rank in the rounds). If the job is already
 under way (a round was decided), the process joins from live state instead of starting. At the end the lowest member
 of the final quorum that never had to rejoin writes the outputs, with every member's figures from the store and
 every membership change (metrics.json's ``membership``, ``never_joined`` and ``trained_ranks``, steps.csv's
@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowMoRule
-from ddpkit.distributed import job_store
 from ddpkit.distributed.launch import Placement, choose_gloo_interface
-from ddpkit.distributed.manager import FellBehind, Manager
-from ddpkit.distributed.membership import Quorum
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import say, tell
-from ddpkit.distributed.replica_membership import join_replica
+from ddpkit.fault_tolerance import job_store
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
+from ddpkit.fault_tolerance.manager import FellBehind, Manager
+from ddpkit.fault_tolerance.membership import Quorum
+from ddpkit.fault_tolerance.replica_membership import join_replica
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_fence import fenced

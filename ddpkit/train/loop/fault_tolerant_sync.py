@@ -2,7 +2,7 @@
 
 No process group spans a fault-tolerant job. Each rank trains its own replica (the module and a torch optimizer)
 and the ranks meet in rounds through the job's store, each round over the members of its quorum only. The
-rounds, their averaging, commits, live state and membership records are `ddpkit.distributed.manager.Manager`'s
+rounds, their averaging, commits, live state and membership records are `ddpkit.fault_tolerance.manager.Manager`'s
 (the same object a user's own loop holds); this callback decides when a round happens and what it averages:
 
 - **per step** (``--strategy ddp``): the quorum of step s+1 is formed when step s ends (round s+1; round 0 when
@@ -12,7 +12,7 @@ rounds, their averaging, commits, live state and membership records are `ddpkit.
   any member (a member died during the all-reduce) is skipped on every member (the gradients are dropped; torch
   optimizers then leave the parameters and their state alone).
 - **per step, sharded** (``--strategy oss`` / ``sharded``: each machine's processes are one replica sharding the
-  optimizer state, `ddpkit.distributed.replica_membership`): as per step, but each process averages only the
+  optimizer state, `ddpkit.fault_tolerance.replica_membership`): as per step, but each process averages only the
   gradients of the shard it owns (`OSS.owned_grads`, after ShardedDataParallel or DDP reduced them within the
   machine) with the same process of the other members, in one flat all-reduce after backward; its live state is
   its own shard of the optimizer state (the local optimizer and the hyper-parameters of the groups).
@@ -69,9 +69,9 @@ from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm_stats
 from ddpkit.distributed.buckets import unflatten_into
-from ddpkit.distributed.manager import Manager
-from ddpkit.distributed.membership import Quorum
 from ddpkit.distributed.rank_guard import say
+from ddpkit.fault_tolerance.manager import Manager
+from ddpkit.fault_tolerance.membership import Quorum
 from ddpkit.optim import OSS
 from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints

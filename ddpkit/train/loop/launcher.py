@@ -6,7 +6,6 @@ import dataclasses
 import os
 import time
 
-from ddpkit.distributed import job_store
 from ddpkit.distributed.launch import (
     LaunchError,
     Placement,
@@ -17,6 +16,7 @@ from ddpkit.distributed.launch import (
     spawn,
 )
 from ddpkit.distributed.rank_guard import say
+from ddpkit.fault_tolerance import job_store
 from ddpkit.train.loop.run import process_main, run_placed
 from ddpkit.train.settings.config import TrainConfig, sharded_replicas, validate
 
@@ -95,7 +95,7 @@ def job_port(cfg: TrainConfig) -> int:
 
 def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     """Starts this machine's ranks of a fault-tolerant job; node 0 also hosts the job's store and keeps it up
-    until the job is over (`ddpkit.distributed.job_store`). A lost local rank leaves the others training; this
+    until the job is over (`ddpkit.fault_tolerance.job_store`). A lost local rank leaves the others training; this
     returns normally if any local rank finished the job, else raises the first failure."""
     port = job_port(cfg)
     hosts_store = cfg.node_rank == 0 and cfg.store is None  # (with etcd nobody hosts the job's coordination)

@@ -133,7 +133,7 @@ def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
 def run_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float | None) -> dict[str, Any] | None:
     """`run_placed` for ``--fault-tolerant``: no job-wide group to join; fewer live ranks than --min-replicas, or
     the job's store gone, end this rank with a message."""
-    from ddpkit.distributed.membership import JobFinished, TooFewReplicas
+    from ddpkit.fault_tolerance.membership import JobFinished, TooFewReplicas
     from ddpkit.train.loop.fault_tolerant_run import train_fault_tolerant
 
     try:

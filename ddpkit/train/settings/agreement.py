@@ -104,5 +104,5 @@ def job_settings(cfg: TrainConfig, backend: str, work: Workload) -> list[tuple[s
 def check_job_agrees(cfg: TrainConfig, backend: str, work: Workload) -> None:
     """Raises `RanksDisagree` on every rank, naming the settings and ranks, unless all ranks agree (a collective:
     call it on every rank, after joining and before building the strategy). A fault-tolerant job compares the
-    same `job_settings` through its store instead (`ddpkit.distributed.manager.Manager`)."""
+    same `job_settings` through its store instead (`ddpkit.fault_tolerance.manager.Manager`)."""
     check_same_across_ranks(job_settings(cfg, backend, work), what="ddpkit train")

@@ -365,7 +365,7 @@ def _validate_combinations(cfg: TrainConfig) -> None:
 
 def sharded_replicas(cfg: TrainConfig) -> bool:
     """Whether a fault-tolerant job's replicas are machines whose processes shard the optimizer state (--strategy
-    oss / sharded: `ddpkit.distributed.replica_membership`) rather than single processes."""
+    oss / sharded: `ddpkit.fault_tolerance.replica_membership`) rather than single processes."""
     return cfg.fault_tolerant and cfg.strategy in ("oss", "sharded")
 
 

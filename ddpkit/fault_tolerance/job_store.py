@@ -9,7 +9,7 @@ no rank is left (each live rank beats a heartbeat into the store every second: `
 launcher (its machine) loses this store, and with it the job (every rank stops with `StoreLost`): a job that must
 outlive any machine keeps the same keys in an etcd cluster instead (`ddpkit.fault_tolerance.etcd_store`), and
 then nobody hosts anything.
-Memory: the keys of the quorums (`ddpkit.distributed.membership`), a few bytes per rank and round.
+Memory: the keys of the quorums (`ddpkit.fault_tolerance.membership`), a few bytes per rank and round.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import DEFAULT_PREFIX, ENDED, FINAL
+from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL
 
 PREFIX = DEFAULT_PREFIX
 FINAL_KEY = PREFIX + FINAL  # the members of the job's last round, as a JSON list (nobody joins after it)

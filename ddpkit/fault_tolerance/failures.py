@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import TooFewReplicas
+from ddpkit.fault_tolerance.membership import TooFewReplicas
 
 
 def is_store_loss(exc: BaseException) -> bool:

@@ -1,7 +1,7 @@
 """A fault-tolerant job's rounds as one library object: `Manager`, which any training loop runs its rounds through.
 
 A fault-tolerant job has no process group spanning it: ranks ``0..max_world-1`` die and come back, and meet in
-rounds through a store every rank reaches (`ddpkit.distributed.membership` forms each round's quorum). The manager
+rounds through a store every rank reaches (`ddpkit.fault_tolerance.membership` forms each round's quorum). The manager
 is what a training loop holds to take part. Per round it owns:
 
 - **the quorum**: who takes part (`quorum_timeout`, `min_replicas`), formed on the training thread or in the
@@ -26,7 +26,7 @@ is what a training loop holds to take part. Per round it owns:
   etcd cluster (`ddpkit.fault_tolerance.etcd_store.EtcdStore`) any one machine may be lost.
 
 A replica of several processes (a machine sharding the optimizer state over its processes: `replica`,
-`ddpkit.distributed.replica_membership`): each process holds a manager with the machine's rank; one of them decides
+`ddpkit.fault_tolerance.replica_membership`): each process holds a manager with the machine's rank; one of them decides
 the machine's rounds and the others follow, each averaging what it owns with the same process of the other members
 (`average_tensors`).
 
@@ -66,10 +66,11 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed import store_agreement
-from ddpkit.distributed.failures import is_peer_failure, is_store_loss
-from ddpkit.distributed.liveness import STALE_AFTER, Heartbeat, Liveness
-from ddpkit.distributed.membership import (
+from ddpkit.distributed.rank_guard import say
+from ddpkit.fault_tolerance import store_agreement
+from ddpkit.fault_tolerance.failures import is_peer_failure, is_store_loss
+from ddpkit.fault_tolerance.liveness import STALE_AFTER, Heartbeat, Liveness
+from ddpkit.fault_tolerance.membership import (
     DEFAULT_PREFIX,
     ENDED,
     KEPT_ROUNDS,
@@ -80,9 +81,8 @@ from ddpkit.distributed.membership import (
     quorum_exchange,
     quorum_mean,
 )
-from ddpkit.distributed.rank_guard import say
-from ddpkit.distributed.replica_membership import Replica, ReplicaMembership
-from ddpkit.distributed.round_buckets import RoundBuckets
+from ddpkit.fault_tolerance.replica_membership import Replica, ReplicaMembership
+from ddpkit.fault_tolerance.round_buckets import RoundBuckets
 
 
 class StoreLost(RuntimeError):
@@ -412,7 +412,7 @@ class Manager:
 
     def collective(self, work: Callable[..., Any], *args: Any) -> Any:
         """Runs ``work(quorum, *args)``, a collective of the open round's members over its group (`quorum.group`;
-        `ddpkit.distributed.round_channel.RoundChannel(quorum)` for a job such as the compressed mean), unless the
+        `ddpkit.fault_tolerance.round_channel.RoundChannel(quorum)` for a job such as the compressed mean), unless the
         round failed already; a RuntimeError (a member died or stalled in it) marks the round failed instead of
         raising. Returns what `work` returned (None where the round failed)."""
         return self._guarded(work, self.current(), *args)
@@ -425,7 +425,7 @@ class Manager:
     def overlap_gradients(self, params: Iterable[torch.nn.Parameter], bucket_mb: float = 25.0) -> None:
         """Makes `average_gradients(params)` start while backward runs: buckets of about `bucket_mb` MB of
         gradients are all-reduced over the round's members as soon as backward has produced them (as DDP
-        does; `ddpkit.distributed.round_buckets`). Every backward then needs an open round: with gradient
+        does; `ddpkit.fault_tolerance.round_buckets`). Every backward then needs an open round: with gradient
         accumulation, call `average_gradients` without it (the hooks would send every micro-batch)."""
         if self._buckets is not None:
             self._buckets.remove()
@@ -528,7 +528,7 @@ class Manager:
             self.report(f"ddpkit: rank {self.rank}: {line}")
 
     def _beat(self) -> None:
-        """(Re)starts this rank's heartbeat on the current store (`ddpkit.distributed.liveness`); a replica's
+        """(Re)starts this rank's heartbeat on the current store (`ddpkit.fault_tolerance.liveness`); a replica's
         leader beats for it."""
         if not self.leads:
             return

@@ -2,7 +2,7 @@
 
 `ddpkit.algorithms.compressed_mean` hands its exchange as a job to a channel: for a group of the whole job that is
 `ddpkit.distributed.background`'s, a group of its own that runs beside training. A round of a fault-tolerant job
-(`ddpkit.distributed.manager.Manager`) has a gloo group made for its members alone, which lives one round:
+(`ddpkit.fault_tolerance.manager.Manager`) has a gloo group made for its members alone, which lives one round:
 `RoundChannel` gives it a channel's shape (`rank`, `size`, `all_to_all`, `submit`) and runs each job at once on
 the caller's thread, so a mean is done when `submit` returns, and an exchange that fails (a member died in it)
 fails inside the caller's `Manager.collective`, which marks the round failed.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.membership import Quorum
+from ddpkit.fault_tolerance.membership import Quorum
 
 
 class RoundChannel:

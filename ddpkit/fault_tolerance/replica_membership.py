@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.membership import Membership, Quorum, broadcast_object_over
+from ddpkit.fault_tolerance.membership import Membership, Quorum, broadcast_object_over
 
 
 @dataclass

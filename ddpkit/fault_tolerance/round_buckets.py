@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ddpkit.distributed.comm import nbytes
-from ddpkit.distributed.failures import is_peer_failure
 from ddpkit.distributed.stats import comm_stats, wire_bytes
+from ddpkit.fault_tolerance.failures import is_peer_failure
 
 
 class RoundBuckets:

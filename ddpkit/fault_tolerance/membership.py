@@ -9,7 +9,7 @@ hosted where no rank's death takes it down, such as the launcher):
    any rank at round 0) then waits until every rank it expects has arrived (the previous round's members and the
    ranks that announced they join), or `quorum_timeout` seconds have passed (`start_timeout` at round 0, when
    ranks are still starting): a rank lost since the last round costs that timeout once, not every round. With
-   heartbeats (`liveness`, `ddpkit.distributed.liveness`), a wait that lasts past `FIRST_WAIT` also ends once
+   heartbeats (`liveness`, `ddpkit.fault_tolerance.liveness`), a wait that lasts past `FIRST_WAIT` also ends once
    every rank still missing has stopped beating.
 2. **Decide**: the first live rank to finish waiting writes the member list with an atomic compare-and-set; every
    rank reads that same list. A rank that is not live (it starts late, restarts, or stalled past a round) never
@@ -134,7 +134,7 @@ class Membership:
         self._forgetting: Any = None  # the store connection `forget` deletes through
         self._latest_written = b""  # the latest round this rank recorded (`advance_latest`)
         self._forgotten_through = -1  # the rounds whose keys this rank deleted (`forget_through`)
-        self.liveness: Any = None  # a `ddpkit.distributed.liveness.Liveness`: stop waiting for ranks that are gone
+        self.liveness: Any = None  # a `ddpkit.fault_tolerance.liveness.Liveness`: stop waiting for ranks that are gone
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
         self.lanes = 1  # the groups each round makes (one per process of a replica: `replica_membership`)
@@ -259,7 +259,7 @@ class Membership:
 
     def _await_arrivals(self, round_: int, expected: set[int], since: float) -> set[int]:
         """The ranks that arrived at `round_` once all of `expected` did, the round's timeout passed, or (after
-        round 0, with `liveness`) every rank still missing stopped beating (`ddpkit.distributed.liveness`)."""
+        round 0, with `liveness`) every rank still missing stopped beating (`ddpkit.fault_tolerance.liveness`)."""
         limit = self.start_timeout if round_ == 0 else self.timeout
         keys = [self._key(round_, "in", r) for r in sorted(expected)]
         first = limit if self.liveness is None or round_ == 0 else min(limit, FIRST_WAIT)
@@ -320,7 +320,7 @@ class Membership:
     def _group_for(self, quorum: Quorum, lane: int = 0) -> Any:
         """The round's process group: the previous round's when it committed with the same members, else a new
         one (None if a member vanished before connecting: the round then fails, see `commit`). `lane`: which of a
-        replica's processes this group joins across the members (`ddpkit.distributed.replica_membership`)."""
+        replica's processes this group joins across the members (`ddpkit.fault_tolerance.replica_membership`)."""
         last = self.last
         same = last is not None and last.round == quorum.round - 1 and last.members == quorum.members
         if same and last.committed and last.group is not None:  # type: ignore[union-attr]
