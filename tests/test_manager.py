@@ -435,6 +435,18 @@ def test_a_replica_whose_optimizer_alone_sets_another_lr_is_refused():
         assert "optimizer 0 group 0 lr: 0.1 on rank 0; 0.3 on rank 1" in str(out[rank]), out[rank]
 
 
+def test_a_rank_given_another_world_size_is_refused_like_the_others_before_any_connection():
+    """Rank 2 believes the job has 4 ranks. Every rank, rank 2 included, is refused naming max_world, as soon as
+    round 0's members are decided (the one that differed got a raw connection error while the others stopped)."""
+    store = dist.HashStore()
+    managers = [Manager(store, r, 4 if r == 2 else 3, start_timeout=3, quorum_timeout=1, report=None) for r in range(3)]
+    out = _in_threads({r: managers[r].start for r in range(3)})
+    for rank in range(3):
+        assert isinstance(out[rank], RanksDisagree), out[rank]
+        assert "max_world: 3 on ranks 0, 1; 4 on rank 2" in str(out[rank]), out[rank]
+        assert managers[rank].quorum is None  # refused before its group was made
+
+
 def test_a_joiner_whose_settings_differ_is_refused_before_it_takes_part():
     store = dist.HashStore()
     good = {"--lr": 0.05, "model parameter 0": "w: shape (4, 2)"}

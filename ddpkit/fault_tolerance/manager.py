@@ -187,12 +187,16 @@ class Manager:
         membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
                                 start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
         membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
+        membership.first_round_check = self._agree
         self.membership: Membership | ReplicaMembership = membership
         if replica is not None:
             self.membership = ReplicaMembership(membership, replica)
         self.leads = replica is None or replica.leads  # this process speaks for its rank in the store
         self.store, self.rank, self.max_world, self.prefix = store, rank, max_world, prefix
-        self.settings = store_agreement.settings_texts(settings)
+        # what the quorum itself depends on agrees too (a rank given another world size waited for ranks that
+        # never come, or was left in a connection the others abandoned)
+        shape = {"max_world": max_world, "min_replicas": min_replicas}
+        self.settings = store_agreement.settings_texts({**shape, **dict(store_agreement.settings_texts(settings))})
         self.report = report if self.leads else None
         self._registry: dict[str, _Entry] = {}
         self.quorum: Quorum | None = None
@@ -275,9 +279,7 @@ class Manager:
         if self.leads:
             store_agreement.offer(self.store, self.prefix, self.rank, self.settings)
         self._beat()
-        quorum = self.round(0)
-        if self.leads:
-            store_agreement.agree(self.store, self.prefix, self.rank, quorum.members, self.prefix + ENDED)
+        quorum = self.round(0)  # (the settings were compared as its members were decided: `_agree`)
         self.never_joined = [r for r in range(self.max_world) if r not in quorum.members]
         if self.never_joined:
             self._say(f"{_ranks(self.never_joined)} never joined: training with {len(quorum.members)} of "
@@ -348,6 +350,12 @@ class Manager:
             self._guarded(heal_object, quorum, self.live_state)  # (the source alone serialises it)
         self._blocked = time.monotonic() - since
         return quorum
+
+    def _agree(self, members: list[int]) -> None:
+        """The first round's settings agreement among its `members` (`store_agreement.agree`), run as soon as they
+        are decided: `RanksDisagree` on every member, the differing one included, before any connection."""
+        if self.leads:
+            store_agreement.agree(self.store, self.prefix, self.rank, members, self.prefix + ENDED)
 
     def _enter(self, quorum: Quorum) -> None:
         self.quorum, self.ok = quorum, quorum.group is not None  # None: a member vanished before it connected

@@ -137,6 +137,10 @@ class Membership:
         self.liveness: Any = None  # a `ddpkit.fault_tolerance.liveness.Liveness`: stop waiting for ranks that are gone
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
+        # called with round 0's members on each of them once decided, before the round's group is made: ranks
+        # that must agree are compared there, so a rank that differs is refused like the others, never left
+        # waiting in a connection they abandoned (`Manager`'s settings agreement)
+        self.first_round_check: Any = None
         self.lanes = 1  # the groups each round makes (one per process of a replica: `replica_membership`)
 
     def _key(self, round_: int, *parts: object) -> str:
@@ -224,6 +228,8 @@ class Membership:
             self.store.compare_set(self.prefix + ENDED, "", message)  # ranks waiting to join stop too
             raise TooFewReplicas(message)
         if self.rank in members:
+            if round_ == 0 and self.first_round_check is not None:  # before any connection is made
+                self.first_round_check(members)
             if members.index(self.rank) == 0:
                 self.advance_latest(round_)
             self._member_of(quorum)
