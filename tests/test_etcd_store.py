@@ -130,3 +130,27 @@ def test_a_malformed_url_is_refused_naming_what_is_wrong(url, message):
 def test_the_url_names_endpoints_and_job():
     assert parse_url("etcd://a:1,b:2/run-7") == ([("a", 1), ("b", 2)], "run-7")
     assert parse_url("etcd://[::1]:2379") == ([("::1", 2379)], "default")
+
+
+def test_a_heartbeat_on_etcd_is_a_lease_that_the_cluster_ends_when_the_rank_stops(etcd):
+    """On etcd a rank's heartbeat key lives on a lease each beat renews: once the rank stops beating, the cluster
+    deletes the key when the lease runs out, so even a reader that never saw it beat counts the rank gone (a
+    counter's staleness needs a reader that watched it for a while)."""
+    from ddpkit.fault_tolerance.liveness import LEASE_SECONDS, Heartbeat, Liveness
+
+    url = etcd.url("leases")
+    beating = Heartbeat(EtcdStore(url), "ddpkit/ft/", 3)
+    reader = EtcdStore(url)
+    deadline = time.monotonic() + 10
+    while not reader.check(["ddpkit/ft/alive/3"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not Liveness("ddpkit/ft/").gone(reader, [3])  # beating: not gone
+    time.sleep(LEASE_SECONDS + 0.5)
+    assert reader.check(["ddpkit/ft/alive/3"])  # renewed past its first lease's end
+    beating.stop(wait=True)
+    deadline = time.monotonic() + LEASE_SECONDS + 5
+    while reader.check(["ddpkit/ft/alive/3"]):
+        assert time.monotonic() < deadline, "the lease never ran out"
+        time.sleep(0.1)
+    assert Liveness("ddpkit/ft/").gone(reader, [3])  # a fresh reader: absent means gone

@@ -276,6 +276,21 @@ class EtcdStore(dist.Store):
         prefix = self.namespace.encode()
         return {"key": _b64(prefix), "range_end": _b64(prefix[:-1] + bytes([prefix[-1] + 1]))}
 
+    # -- leases (a rank's heartbeat: `ddpkit.fault_tolerance.liveness`) -------------------------------------------
+
+    def grant_lease(self, seconds: float) -> str:
+        """A new lease of `seconds` (at least one) to live; returns its ID."""
+        return str(self._post("/v3/lease/grant", {"TTL": max(1, int(-(-seconds // 1)))})["ID"])
+
+    def keep_alive(self, lease: str) -> bool:
+        """Renews `lease` for its whole time to live again; False when it had run out already (its keys are gone)."""
+        answer = self._post("/v3/lease/keepalive", {"ID": lease})
+        return int(answer.get("result", {}).get("TTL", 0)) > 0
+
+    def put_leased(self, key: str, value: str | bytes, lease: str) -> None:
+        """Sets `key` to `value`, attached to `lease`: etcd deletes it when the lease runs out."""
+        self._post("/v3/kv/put", {"key": self._key(key), "value": _b64(_as_bytes(value)), "lease": lease})
+
     def clear(self) -> int:
         """Deletes every key of this job (its name may then be given to another job); returns how many."""
         return int(self._post("/v3/kv/deleterange", self._job_range()).get("deleted", 0))

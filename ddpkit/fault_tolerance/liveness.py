@@ -4,8 +4,15 @@ Each rank's `Heartbeat` thread adds one to its own counter in the job's store ev
 connection of its own. A rank waiting for others' arrival at a round reads the counters of those still missing
 (`Liveness.gone`): a counter that has not moved for `stale_after` seconds of this rank's own clock (no clocks are
 compared across machines) belongs to a rank that is dead, stopped or cut off, and the round goes on without it
-instead of waiting its whole `quorum_timeout`. A rank that never beat (started without a heartbeat) is waited for
-as before. Sends: one store addition per rank every `INTERVAL` seconds; reads only while a quorum waits.
+instead of waiting its whole `quorum_timeout`.
+
+On a store with leases (etcd: `ddpkit.fault_tolerance.etcd_store.EtcdStore`), the counter is a key attached to a
+lease of `LEASE_SECONDS` that each beat renews: when the rank dies, stops or is cut off, the etcd cluster itself
+deletes its key once the lease runs out, whatever the readers' clocks. A reader then counts a rank it expects (a
+member of the previous round, or a joiner: both beat before they take part) whose key is absent as gone.
+
+Sends: per rank every `INTERVAL` seconds one store addition (etcd: a lease renewal and a put); reads only while a
+quorum waits.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch.distributed as dist
 
 INTERVAL = 0.25  # seconds between a rank's beats
 STALE_AFTER = 2.0  # seconds without a beat after which a rank counts as gone (at most the quorum timeout)
+LEASE_SECONDS = 2  # an etcd lease's time to live: a rank's key goes this long after its last renewal
 
 
 def _key(prefix: str, rank: int) -> str:
@@ -39,9 +47,17 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self, store: Any, key: str) -> None:
+        leased = callable(getattr(store, "keep_alive", None))  # a store with leases (etcd)
+        lease, beats = None, 0
         while not self._stop.is_set():
             try:
-                store.add(key, 1)
+                if leased:
+                    if lease is None or not store.keep_alive(lease):  # (a lease that ran out: a new one)
+                        lease = store.grant_lease(LEASE_SECONDS)
+                    beats += 1
+                    store.put_leased(key, str(beats), lease)
+                else:
+                    store.add(key, 1)
             except (RuntimeError, dist.DistError) as exc:
                 if self._on_error is not None and not self._stop.is_set():
                     self._on_error(exc)
@@ -64,14 +80,18 @@ class Liveness:
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (its counter, when this rank saw it change)
 
     def gone(self, store: Any, ranks: list[int]) -> bool:
-        """Whether every one of `ranks` has a counter that did not move for `stale_after` seconds (False while
-        any of them beats, never beat, or was first seen less than `stale_after` ago)."""
+        """Whether every one of `ranks` (ranks this round expects: they beat before taking part) is gone: its key
+        is absent (its lease ran out) or its counter did not move for `stale_after` seconds (False while any of
+        them beats, or was first seen less than `stale_after` ago)."""
         keys = [_key(self.prefix, r) for r in ranks]
-        present = [store.check([k]) for k in keys]
-        if not ranks or not all(present):
+        present = [(r, k) for r, k in zip(ranks, keys, strict=True) if store.check([k])]
+        if not ranks:
             return False
+        if not present:
+            return True
         now, stale = time.monotonic(), True
-        for rank, value in zip(ranks, store.multi_get(keys), strict=True):
+        values = store.multi_get([k for _, k in present])
+        for (rank, _), value in zip(present, values, strict=True):
             old = self._seen.get(rank)
             if old is None or old[0] != value:
                 self._seen[rank] = (value, now)
