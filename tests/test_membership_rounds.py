@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ddpkit.fault_tolerance.manager import Manager
@@ -115,3 +116,58 @@ def test_only_a_peers_failure_fails_a_round_and_every_other_error_is_raised():
         assert manager.ok
         manager.should_commit()
     manager.close()
+
+
+def _loop(manager: Manager, rounds: int, leave_at: int | None, before_commit: bool, log: list) -> None:
+    """`rounds` rounds of an average of ones; with `leave_at`, this rank leaves in that round."""
+    manager.start_round()
+    assert manager.should_commit()
+    for _ in range(rounds):
+        quorum = manager.start_round()
+        value = torch.ones(1)
+        manager.average(value)
+        if quorum.round == leave_at and before_commit:
+            manager.leave()
+        committed = manager.should_commit()
+        log.append((quorum.round, list(quorum.members), committed, manager.events[-1].waited_seconds
+                    if manager.events and manager.events[-1].round == quorum.round else 0.0))  # fmt: skip
+        if quorum.round == leave_at:
+            if not before_commit:
+                manager.leave()
+            manager.close()
+            return
+    manager.close()
+
+
+def _leave(before_commit: bool) -> list:
+    store = dist.HashStore()
+    managers = [Manager(store, r, 3, quorum_timeout=3.0, start_timeout=5.0, report=None) for r in range(3)]
+    logs: list[list] = [[], [], []]
+    threads = [threading.Thread(target=_loop, args=(managers[r], 12, 6 if r == 2 else None, before_commit, logs[r]))
+               for r in range(3)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return logs[0]
+
+
+def test_a_rank_that_leaves_before_its_last_commit_costs_the_others_nothing():
+    """Rank 2 ends after round 6 and says so before that round's commit: every round commits and round 7 goes on
+    with ranks 0 and 1 without waiting (a rank that just stopped used to cost a failed round and a timeout)."""
+    since = time.monotonic()
+    log = _leave(before_commit=True)
+    assert all(committed for _, _, committed, _ in log), log
+    assert [m for r, m, _, _ in log if r == 7] == [[0, 1]], log
+    assert time.monotonic() - since < 3.0 + 2  # no round waited its 3 s timeout
+
+
+def test_a_rank_that_leaves_after_its_last_commit_fails_the_next_round_at_once():
+    """Said after the commit (round 7 was decided ahead with rank 2): rank 2's connections close, round 7 fails at
+    once on the others, and round 8 goes on without it, without waiting the round's timeout."""
+    since = time.monotonic()
+    log = _leave(before_commit=False)
+    failed = [r for r, _, committed, _ in log if not committed]
+    assert failed == [7], log
+    assert [m for r, m, _, _ in log if r == 8] == [[0, 1]], log
+    assert time.monotonic() - since < 3.0 + 2

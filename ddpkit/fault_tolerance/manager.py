@@ -549,6 +549,24 @@ class Manager:
         self._say(f"its heartbeat stopped ({type(error).__name__}: {error}): the others will count this rank "
                   "gone and go on without it; it rejoins when its next round finds the store")  # fmt: skip
 
+    def leave(self) -> None:
+        """This rank takes part in no further round (its loop ends before the others', or it is told to stop): the
+        others' next quorum does not wait for it. Called while a round is open (before its `should_commit`), it
+        costs the others nothing: commit that round as usual, then `close`. Called after the commit, when that
+        commit already decided the next round with this rank in it, it closes this rank's connections, so the
+        others' next round fails at once instead of at its timeout, and the one after goes on without it. A rank
+        that left may join again later (`rejoin`)."""
+        open_round = self.quorum is not None and self.quorum.committed is None
+        if self.leads:
+            self.membership.announce_leave(self.quorum.round + 1 if self.quorum is not None else self.next_round)
+        if open_round:
+            return
+        self.close()
+        if self.quorum is not None:
+            self.quorum.group = None  # (its connections close: a round decided with this rank fails at once)
+        self.membership.last = None
+        self.quorum = None
+
     def close(self) -> None:
         """Stops the background quorum thread (a round being formed is abandoned) and the heartbeat."""
         self._pool.shutdown(wait=False, cancel_futures=True)

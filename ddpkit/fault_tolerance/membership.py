@@ -61,6 +61,7 @@ KEPT_ROUNDS = 8  # a round's keys are deleted once this many later rounds commit
 LATEST = "latest"  # key (under the prefix) of the latest decided round
 ENDED = "ended"  # key of the message that ended the job (too few replicas)
 FINAL = "final"  # key of the members of the job's last round: the job is over, nobody joins it any more
+LEAVERS = "leavers"  # key of "rank@round," entries: the rank takes part in no round from `round` on (-1: back)
 
 
 class TooFewReplicas(RuntimeError):
@@ -152,6 +153,8 @@ class Membership:
         """Says this rank (re)joins without live state, and returns the round to take part in next (after the
         latest decided one); it counts as joined in the first round it is a member of."""
         self.last = None
+        if self.rank in self._left(1 << 62):  # it left before: it is back
+            self.store.append(self.prefix + LEAVERS, f"{self.rank}@-1,")
         latest = self.latest_round()
         for round_ in (latest + 1, latest + 2):  # the next round may be deciding already
             self._expect(round_)
@@ -261,7 +264,26 @@ class Membership:
 
     def _expected(self, round_: int, previous: list[int] | None) -> set[int]:
         base = set(previous) if previous is not None else set(range(self.max_world))
-        return base | self._joiners(round_) | {self.rank}
+        return (base - self._left(round_)) | self._joiners(round_) | {self.rank}
+
+    # -- leaving -------------------------------------------------------------------------------------------------
+
+    def announce_leave(self, round_: int) -> None:
+        """Says this rank takes part in no round from `round_` on (it ends, or is told to stop): no quorum
+        waits for it, and the round before it is not used to decide `round_` ahead (`_success_verdict`)."""
+        self.store.append(self.prefix + LEAVERS, f"{self.rank}@{round_},")
+
+    def _left(self, round_: int) -> set[int]:
+        """The ranks that announced they take part in no round from `round_` or before on, and did not join again
+        since (each rank's latest entry counts)."""
+        key = self.prefix + LEAVERS
+        if not self.store.check([key]):
+            return set()
+        latest: dict[int, int] = {}
+        for entry in filter(None, self.store.get(key).decode().split(",")):
+            rank, at = entry.split("@")
+            latest[int(rank)] = int(at)
+        return {rank for rank, at in latest.items() if 0 <= at <= round_}
 
     def _await_arrivals(self, round_: int, expected: set[int], since: float) -> set[int]:
         """The ranks that arrived at `round_` once all of `expected` did, the round's timeout passed, or (after
@@ -386,7 +408,8 @@ class Membership:
         """The verdict of a round that succeeded on every member, proposed by its last reporter: "1+" when it also
         decides the next round with the same members (nobody asked to join it: the members' next quorum needs no
         store round trip; `_decide_next` writes it once the verdict is won), else "1"."""
-        if not self.predict_next or self._joiners(quorum.round + 1):
+        following = quorum.round + 1
+        if not self.predict_next or self._joiners(following) or set(quorum.members) & self._left(following):
             return "1"
         return "1+"
 
