@@ -39,16 +39,25 @@ class LossyStore(dist.Store):
     """An in-memory store (torch's HashStore behind it) that can be lost: after `lose()` every call raises the
     error a broken connection raises (as the job's TCPStore does when its machine goes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: dist.HashStore | None = None, shared: dict | None = None) -> None:
         super().__init__()
-        self.inner = dist.HashStore()
-        self.lost = False
+        self.inner = inner if inner is not None else dist.HashStore()
+        self.shared = shared if shared is not None else {"lost": False}  # (every connection's view of the store)
+        self.broken = False  # this connection alone broke (the store lives)
+
+    @property
+    def lost(self) -> bool:
+        return self.shared["lost"]
 
     def lose(self) -> None:
-        self.lost = True
+        self.shared["lost"] = True
+
+    def break_connection(self) -> None:
+        """This connection's next call fails as one the store closed; a `clone` connects anew."""
+        self.broken = True
 
     def _live(self) -> dist.HashStore:
-        if self.lost:
+        if self.lost or self.broken:
             raise dist.DistNetworkError("Connection reset by peer (the store's machine is gone)")
         return self.inner
 
@@ -89,7 +98,9 @@ class LossyStore(dist.Store):
         return self._live().num_keys()
 
     def clone(self) -> LossyStore:
-        return self  # (one in-memory store: every "connection" is the same object)
+        if self.lost:
+            raise dist.DistNetworkError("Connection refused (the store's machine is gone)")
+        return LossyStore(self.inner, self.shared)  # a new connection to the same store
 
 
 FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "none"])
@@ -178,3 +189,42 @@ def test_any_schedule_of_faults_keeps_the_rounds_agreed_and_the_finishers_equal_
         for got_param, want in zip(got[rank][1], reference, strict=True):
             torch.testing.assert_close(got_param, want, rtol=1e-5, atol=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(got[rank][1], got[done[0]][1], strict=True)), rank
+
+
+def test_a_rank_whose_store_connection_broke_while_the_store_lives_takes_the_live_state_again():
+    """A paused rank found its connection closed by the store when it woke (the store lived): it stopped with
+    StoreLost. It connects anew: in a commit it reads the round's verdict there and goes on as a member, in any
+    other call it takes the live state again; every rank ends equal to the reference, with the same verdicts."""
+    store = LossyStore()
+
+    def break_at_round_8() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if store.inner.check(["ddpkit/ft/latest"]) and int(store.inner.get("ddpkit/ft/latest")) >= 8:
+                connections[2].break_connection()
+                return
+            time.sleep(0.005)
+
+    made: list[LossyStore] = []
+    connections = {}
+
+    def numbered() -> LossyStore:  # (the harness's first connection reads the job's progress, then ranks 0, 1, 2)
+        made.append(store.clone())
+        if len(made) > 1:
+            connections[len(made) - 2] = made[-1]
+        return made[-1]
+
+    threading.Thread(target=break_at_round_8, daemon=True).start()
+    old_steps = harness.STEPS
+    harness.STEPS = STEPS
+    try:
+        got, managers = harness._run(3, client=numbered)
+    finally:
+        harness.STEPS = old_steps
+    assert {rank: got[rank][0] for rank in range(3)} == {0: "done", 1: "done", 2: "done"}, got
+    assert managers[2].log[-1][0] == STEPS, managers[2].log  # it went on to the end (as a member, or rejoined)
+    reference = harness._reference([managers[r].log for r in range(3)])
+    for rank in range(3):
+        for a, b in zip(got[rank][1], reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[2][1], strict=True))

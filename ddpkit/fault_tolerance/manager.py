@@ -143,8 +143,11 @@ def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
 
 
 def _stops_if_store_lost(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A `Manager` method whose store calls raise `StoreLost` (naming the store and what to do) when the store's
-    connection broke, instead of the transport's own error."""
+    """A `Manager` method for when the store's connection breaks in one of its store calls. If a new connection
+    to the store can be made (the store lives, only this rank's connection broke: a paused rank whose connection
+    the store closed), this rank has lost track of the rounds and takes the live state again: a commit returns
+    False, any other call raises `FellBehind` (its callers rejoin). Otherwise it raises `StoreLost` (naming the
+    store and what to do) instead of the transport's own error: this rank stops, deciding nothing alone."""
 
     @functools.wraps(method)
     def wrapped(self: Manager, *args: Any, **kwargs: Any) -> Any:
@@ -154,7 +157,16 @@ def _stops_if_store_lost(method: Callable[..., Any]) -> Callable[..., Any]:
             lost = _store_lost(self, exc)
             if lost is None:
                 raise
-            raise lost from exc
+            if not self._reconnect():
+                raise lost from exc
+            self._say(f"its connection to the job's store broke ({exc}) and was made again: it takes the live "
+                      "state again")  # fmt: skip
+            self._lost_track = True
+            if method.__name__ == "should_commit":
+                return False
+            raise FellBehind(
+                f"rank {self.rank} lost its connection to the store and takes the live state again"
+            ) from exc
 
     return wrapped
 
@@ -210,6 +222,7 @@ class Manager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-quorum")
         self._pending: Future[Quorum] | None = None  # a quorum being formed in the background
         self._joining: Quorum | None = None  # a round decided with this rank as a joiner, for `rejoin` to enter
+        self._lost_track = False  # its store connection broke and was made anew: it must take the live state again
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
         self._forgetting: Future[None] | None = None  # the deletion running in the background (`_forget`)
         self._heartbeat: Heartbeat | None = None
@@ -337,6 +350,8 @@ class Manager:
         """Forms round `round_` (or enters `formed`, formed in the background) as a rank that holds live state,
         and sends the live state to its joiners. Raises `FellBehind` if this rank is not a member, or is one of
         its joiners (its state is not the others': `rejoin`)."""
+        if self._lost_track:
+            raise FellBehind(f"rank {self.rank} lost track of the rounds and takes the live state again")
         since = time.monotonic()
         quorum = formed if formed is not None else self.membership.quorum(round_)
         self.next_round = quorum.round + 1
@@ -366,6 +381,7 @@ class Manager:
         the next round decided with it in it, receiving the live state there (loaded into the registry). Returns
         that round's quorum: do its work and `should_commit` as every member does (a joiner of a round that
         fails joins again at the next `start_round`)."""
+        self._lost_track, self._joining = False, None if self._lost_track else self._joining
         if self.leads:
             store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings,
                                          self.membership.join_timeout)  # fmt: skip
@@ -490,7 +506,7 @@ class Manager:
         round that failed joins again (its state is not the others')."""
         quorum = self.current()
         since = time.monotonic()
-        committed = quorum.commit(self.ok)
+        committed = self._verdict(quorum)
         if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
             self._forget(quorum.round - KEPT_ROUNDS)
         self._blocked += time.monotonic() - since
@@ -499,6 +515,36 @@ class Manager:
             self.membership.announce_join()
             self.next_round = max(self.next_round, self.membership.latest_round() + 1)
         return committed
+
+    def _verdict(self, quorum: Quorum) -> bool:
+        """`quorum`'s verdict with this rank's report. When the store's connection breaks in it and a new one can
+        be made (the store lives), the verdict is read anew there (`Membership.read_verdict`), so this rank ends
+        the round as every other member does."""
+        try:
+            return quorum.commit(self.ok)
+        except Exception as exc:
+            reader = getattr(self.membership, "read_verdict", None)  # (a replica's processes follow their leader)
+            if _store_lost(self, exc) is None or reader is None or not self._reconnect():
+                raise
+            self._say(f"its connection to the job's store broke in round {quorum.round}'s commit ({exc}) and was "
+                      "made again")  # fmt: skip
+            return reader(quorum)
+
+    def _reconnect(self) -> bool:
+        """A new connection to the job's store in place of one that broke (`store.clone()`); False when none can be
+        made (the store is gone, or cut off)."""
+        if not hasattr(self.store, "clone"):
+            return False
+        try:
+            fresh = self.store.clone()
+            fresh.check([self.prefix + "latest"])
+        except Exception:
+            return False
+        self.store = fresh
+        rounds = getattr(self.membership, "inner", self.membership)  # (a replica's leader: its own membership)
+        rounds.store, rounds._forgetting = fresh, None
+        self._beat()
+        return True
 
     def _forget(self, round_: int) -> None:
         """Deletes the old rounds' keys through `round_` in the background, one deletion at a time (a call while

@@ -404,6 +404,22 @@ class Membership:
             quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
         return quorum.committed
 
+    def read_verdict(self, quorum: Quorum) -> bool:
+        """`quorum`'s verdict as the store holds it, for a member whose own report may or may not have landed (its
+        connection broke in the commit): waits up to the round's timeout for it, then writes "failed" as a member
+        waiting in vain does (the first verdict written stands)."""
+        key = self._key(quorum.round, "verdict")
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout))
+            verdict = self.store.get(key)
+        except dist.DistStoreError:
+            verdict = self.store.compare_set(key, "", "0")
+        quorum.committed = verdict in (b"1", b"1+")
+        quorum.next_decided = verdict == b"1+"
+        if not quorum.committed:
+            quorum.group = None
+        return quorum.committed
+
     def _success_verdict(self, quorum: Quorum) -> str:
         """The verdict of a round that succeeded on every member, proposed by its last reporter: "1+" when it also
         decides the next round with the same members (nobody asked to join it: the members' next quorum needs no
