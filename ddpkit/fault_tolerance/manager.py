@@ -58,6 +58,7 @@ quorum, the events; `average_gradients` a flat copy of the gradients during the 
 from __future__ import annotations
 
 import functools
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +69,7 @@ import torch
 
 from ddpkit.distributed.rank_guard import say
 from ddpkit.fault_tolerance import store_agreement
+from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.failures import is_peer_failure, is_store_loss
 from ddpkit.fault_tolerance.liveness import STALE_AFTER, Heartbeat, Liveness
 from ddpkit.fault_tolerance.membership import (
@@ -83,6 +85,8 @@ from ddpkit.fault_tolerance.membership import (
 )
 from ddpkit.fault_tolerance.replica_membership import Replica, ReplicaMembership
 from ddpkit.fault_tolerance.round_buckets import RoundBuckets
+
+PROBE_SECONDS = 2.0  # how long a rank whose store connection broke waits for the store's port to answer
 
 
 class StoreLost(RuntimeError):
@@ -533,8 +537,13 @@ class Manager:
     def _reconnect(self) -> bool:
         """A new connection to the job's store in place of one that broke (`store.clone()`); False when none can be
         made (the store is gone, or cut off)."""
-        if not hasattr(self.store, "clone"):
-            return False
+        if not hasattr(self.store, "clone") or isinstance(self.store, EtcdStore):
+            return False  # (an etcd client tried every member for its whole timeout already)
+        if hasattr(self.store, "host") and hasattr(self.store, "port"):
+            try:  # a TCPStore's clone would retry a refused connection for its whole timeout: ask first
+                socket.create_connection((self.store.host, self.store.port), timeout=PROBE_SECONDS).close()
+            except OSError:
+                return False
         try:
             fresh = self.store.clone()
             fresh.check([self.prefix + "latest"])
