@@ -423,3 +423,24 @@ def test_fault_tolerant_flags_are_checked_before_any_process_starts(flags, messa
     assert message in str(error.value)
     with pytest.raises(ValueError, match="--min-replicas and --quorum-timeout need --fault-tolerant"):
         validate(TrainConfig(min_replicas=2, nproc_per_node=2))
+
+
+def test_a_plain_rank_that_reaches_a_fault_tolerant_jobs_store_is_told_to_add_the_flag(tmp_path):
+    """Machine 1 started without --fault-tolerant against a fault-tolerant job's store: it waited its whole
+    --timeout for a plain group that never forms; it is told at once what to do. A plain job's store passes."""
+    from test_train_cli import run
+
+    from ddpkit.distributed.launch import LaunchError
+    from ddpkit.fault_tolerance import job_store
+
+    port = free_port()
+    store = job_store.host(port, 30)
+    with pytest.raises(LaunchError, match="is a fault-tolerant job: start this machine with --fault-tolerant"):
+        job_store.refuse_plain_rank("127.0.0.1", port, 5)
+    where = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
+    result = run([*DDPKIT, "train", *where, "--master-port", str(port), "--timeout", "60"], 60, tmp_path, "plain")
+    assert result.returncode == 1 and "start this machine with --fault-tolerant" in result.stderr, result
+    assert result.seconds < 30, result
+    del store
+    plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job_store.refuse_plain_rank("127.0.0.1", plain.port, 5)  # a plain job's store: nothing to say

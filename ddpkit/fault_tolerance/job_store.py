@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.distributed.launch import LaunchError
 from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL
 
 PREFIX = DEFAULT_PREFIX
@@ -31,9 +32,28 @@ HEARTBEAT_SECONDS = 1.0
 SILENCE_SECONDS = 20.0  # no heartbeat for this long: no rank is left, the store's host stops waiting
 
 
+MODE_KEY = "ddpkit/mode"  # "fault-tolerant" in a fault-tolerant job's store: a plain rank that reaches it is told
+FAULT_TOLERANT = "fault-tolerant"
+
+
 def host(port: int, timeout: float) -> dist.TCPStore:
-    """Starts the job's store on `port` of every address of this machine (the launcher of node 0 calls it)."""
-    return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    """Starts the job's store on `port` of every address of this machine (the launcher of node 0 calls it),
+    marked as a fault-tolerant job's (`MODE_KEY`)."""
+    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    store.set(MODE_KEY, FAULT_TOLERANT)
+    return store
+
+
+def refuse_plain_rank(address: str, port: int, timeout: float) -> None:
+    """For a rank of a plain job (no --fault-tolerant) about to join the store at `address`:`port` as a client:
+    raises LaunchError, saying what to do, when that store is a fault-tolerant job's (the rank would wait for its
+    whole --timeout for peers that never join a plain group)."""
+    client = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
+    if client.check([MODE_KEY]) and client.get(MODE_KEY).decode() == FAULT_TOLERANT:
+        raise LaunchError(
+            f"the job at {address}:{port} is a fault-tolerant job: start this machine with --fault-tolerant and the "
+            "same flags as the others (or give this job another --master-port)"
+        )
 
 
 def connect(address: str, port: int, timeout: float) -> dist.TCPStore:

@@ -25,6 +25,7 @@ from ddpkit.distributed.launch import (
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import guard_rank, say
 from ddpkit.distributed.threads import share_cores, share_cores_with_peers
+from ddpkit.fault_tolerance.job_store import refuse_plain_rank
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train.checkpoints import checkpoint_files
 from ddpkit.train.checkpoints.checkpoint import load_checkpoint
@@ -181,6 +182,8 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
     if cfg.fault_tolerant:
         return run_fault_tolerant(cfg, placement, started)
     try:
+        if placement.rank != 0 and cfg.nnodes > 1:  # (a client of another machine's store: is it a plain job's?)
+            refuse_plain_rank(placement.master_addr, placement.master_port, cfg.timeout)
         join(placement, backend, cfg.timeout, multi_node=cfg.nnodes > 1)
         share_cores_with_peers()  # ranks started apart may share this machine's cores
         return train(cfg, placement, backend, started)
