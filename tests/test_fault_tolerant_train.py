@@ -444,3 +444,12 @@ def test_a_plain_rank_that_reaches_a_fault_tolerant_jobs_store_is_told_to_add_th
     del store
     plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     job_store.refuse_plain_rank("127.0.0.1", plain.port, 5)  # a plain job's store: nothing to say
+
+
+def test_a_rank_that_finds_no_store_is_told_why_that_may_be():
+    """A process started again after its job ended (node 0's store gone) got the transport's raw timeout."""
+    from ddpkit.distributed.launch import LaunchError
+    from ddpkit.fault_tolerance import job_store
+
+    with pytest.raises(LaunchError, match=r"no fault-tolerant job's store answered at 127\.0\.0\.1:.* it is over"):
+        job_store.connect("127.0.0.1", free_port(), 1.0)

@@ -57,8 +57,16 @@ def refuse_plain_rank(address: str, port: int, timeout: float) -> None:
 
 
 def connect(address: str, port: int, timeout: float) -> dist.TCPStore:
-    """A client of the job's store at `address`:`port`; waits up to `timeout` seconds for it to be up."""
-    return dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
+    """A client of the job's store at `address`:`port`; waits up to `timeout` seconds for it to be up, else raises
+    LaunchError saying why that may be (node 0 not started yet, or the job over and its store gone)."""
+    try:
+        return dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
+    except dist.DistError as exc:
+        raise LaunchError(
+            f"no fault-tolerant job's store answered at {address}:{port} within --timeout {timeout:g} s: start "
+            "node 0 (whose launcher hosts it) or `ddpkit store --port P` first; if the job was running, it is over "
+            f"and its store is gone ({type(exc).__name__})"
+        ) from exc
 
 
 def finish(store: Any, rank: int, members: list[int], report: dict[str, Any]) -> None:
