@@ -86,7 +86,7 @@ def test_the_strategies_refuse_what_they_cannot_do(tmp_path):
     )
 
     for strategy in (DDPKitFaultTolerantStrategy, DDPKitFabricFaultTolerantStrategy):
-        with pytest.raises(TypeError, match=r"manager must be a ddpkit\.distributed\.Manager"):
+        with pytest.raises(TypeError, match=r"manager must be a ddpkit\.fault_tolerance\.Manager"):
             strategy(object())  # type: ignore[arg-type]
     data = DataLoader(TensorDataset(torch.randn(8, 16), torch.zeros(8, dtype=torch.long)), batch_size=4)
     for options, message in (({"accumulate_grad_batches": 2}, "accumulate_grad_batches must be 1, got 2"),

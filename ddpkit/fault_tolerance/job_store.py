@@ -15,6 +15,7 @@ Memory: the keys of the quorums (`ddpkit.fault_tolerance.membership`), a few byt
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -32,6 +33,7 @@ HEARTBEAT_SECONDS = 1.0
 SILENCE_SECONDS = 20.0  # no heartbeat for this long: no rank is left, the store's host stops waiting
 
 
+PROBE_SECONDS = 5.0  # how long a plain rank looks at the store before its join
 MODE_KEY = "ddpkit/mode"  # "fault-tolerant" in a fault-tolerant job's store: a plain rank that reaches it is told
 FAULT_TOLERANT = "fault-tolerant"
 
@@ -48,8 +50,13 @@ def refuse_plain_rank(address: str, port: int, timeout: float) -> None:
     """For a rank of a plain job (no --fault-tolerant) about to join the store at `address`:`port` as a client:
     raises LaunchError, saying what to do, when that store is a fault-tolerant job's (the rank would wait for its
     whole --timeout for peers that never join a plain group)."""
-    client = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
-    if client.check([MODE_KEY]) and client.get(MODE_KEY).decode() == FAULT_TOLERANT:
+    try:  # best effort: a store not up yet, or not reachable, is the join's to wait for and report
+        socket.create_connection((address, port), timeout=min(timeout, PROBE_SECONDS)).close()
+        client = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=min(timeout, PROBE_SECONDS)))
+        marked = client.check([MODE_KEY]) and client.get(MODE_KEY).decode() == FAULT_TOLERANT
+    except (OSError, dist.DistError):
+        return
+    if marked:
         raise LaunchError(
             f"the job at {address}:{port} is a fault-tolerant job: start this machine with --fault-tolerant and the "
             "same flags as the others (or give this job another --master-port)"
