@@ -393,31 +393,30 @@ class Membership:
             if verdict == b"1+":  # this report's writer won the verdict: it writes the next round it promised
                 self._decide_next(quorum)
         else:
-            try:
-                self.store.wait([verdict_key], timedelta(seconds=self.timeout))
-                verdict = self.store.get(verdict_key)
-            except dist.DistStoreError:
-                verdict = self.store.compare_set(verdict_key, "", "0")
+            verdict = self._await_verdict(quorum)
+        return self._take_verdict(quorum, verdict)
+
+    def read_verdict(self, quorum: Quorum) -> bool:
+        """`quorum`'s verdict as the store holds it, for a member whose own report may or may not have landed (its
+        connection broke in the commit): waited for as a member that reported waits for it."""
+        return self._take_verdict(quorum, self._await_verdict(quorum))
+
+    def _await_verdict(self, quorum: Quorum) -> bytes:
+        """The round's verdict once written, waited for up to the round's timeout; after that this member writes
+        "failed" (a member died or stalled without failing anywhere else; the first verdict written stands)."""
+        key = self._key(quorum.round, "verdict")
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout))
+            return self.store.get(key)
+        except dist.DistStoreError:
+            return self.store.compare_set(key, "", "0")
+
+    @staticmethod
+    def _take_verdict(quorum: Quorum, verdict: bytes) -> bool:
         quorum.committed = verdict in (b"1", b"1+")
         quorum.next_decided = verdict == b"1+"
         if not quorum.committed and quorum.group is not None:
             quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
-        return quorum.committed
-
-    def read_verdict(self, quorum: Quorum) -> bool:
-        """`quorum`'s verdict as the store holds it, for a member whose own report may or may not have landed (its
-        connection broke in the commit): waits up to the round's timeout for it, then writes "failed" as a member
-        waiting in vain does (the first verdict written stands)."""
-        key = self._key(quorum.round, "verdict")
-        try:
-            self.store.wait([key], timedelta(seconds=self.timeout))
-            verdict = self.store.get(key)
-        except dist.DistStoreError:
-            verdict = self.store.compare_set(key, "", "0")
-        quorum.committed = verdict in (b"1", b"1+")
-        quorum.next_decided = verdict == b"1+"
-        if not quorum.committed:
-            quorum.group = None
         return quorum.committed
 
     def _success_verdict(self, quorum: Quorum) -> str:
