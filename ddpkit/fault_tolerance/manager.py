@@ -139,8 +139,9 @@ def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
     else:
         advice = (
             "machine 0, which hosts it, was lost, or the job ended while this rank was stalled (its outputs are "
-            "then written by the others); the embedded store lives on machine 0, so the job cannot outlive that "
-            "machine; keep the job's coordination in an etcd cluster (--store etcd://HOST:PORT,... or "
+            "then written by the others); "
+            "the embedded store lives on machine 0, so the job cannot outlive that machine; "
+            "keep the job's coordination in an etcd cluster (--store etcd://HOST:PORT,... or "
             "Manager(EtcdStore(...))) to survive the loss of any one machine"
         )
     return StoreLost(f"rank {manager.rank}: the fault-tolerant job's store{' at ' + str(where) if where else ''} "
