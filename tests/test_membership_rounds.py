@@ -7,6 +7,7 @@ defines (who is a member, who joined, that nothing waits past its timeout).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from datetime import timedelta
@@ -14,6 +15,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from test_manager import _in_threads
 
 from ddpkit.fault_tolerance.manager import Manager
 from ddpkit.fault_tolerance.membership import Membership, Quorum, TooFewReplicas
@@ -21,19 +23,13 @@ from ddpkit.fault_tolerance.membership import Membership, Quorum, TooFewReplicas
 
 def _form(memberships: list[Membership], round_: int) -> dict[int, object]:
     """Every one of `memberships` forms `round_` in its own thread and commits it as a success."""
-    quorums: dict[int, object] = {}
 
-    def rank(m: Membership) -> None:
-        quorum = m.quorum(round_)
+    def form(membership: Membership) -> Quorum:
+        quorum = membership.quorum(round_)
         quorum.commit(True)
-        quorums[m.rank] = quorum
+        return quorum
 
-    threads = [threading.Thread(target=rank, args=(m,)) for m in memberships]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    return quorums
+    return _in_threads({m.rank: functools.partial(form, m) for m in memberships})
 
 
 def test_a_joiner_reaching_a_round_decided_by_the_previous_commit_is_told_at_once_it_is_not_a_member():

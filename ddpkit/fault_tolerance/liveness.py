@@ -83,10 +83,10 @@ class Liveness:
         """Whether every one of `ranks` (ranks this round expects: they beat before taking part) is gone: its key
         is absent (its lease ran out) or its counter did not move for `stale_after` seconds (False while any of
         them beats, or was first seen less than `stale_after` ago)."""
-        keys = [_key(self.prefix, r) for r in ranks]
-        present = [(r, k) for r, k in zip(ranks, keys, strict=True) if store.check([k])]
         if not ranks:
             return False
+        keys = [_key(self.prefix, r) for r in ranks]
+        present = [(r, k) for r, k in zip(ranks, keys, strict=True) if store.check([k])]
         if not present:
             return True
         now, stale = time.monotonic(), True

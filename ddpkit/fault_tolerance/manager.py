@@ -51,8 +51,8 @@ Your own loop (a complete version runs as a test: tests/test_manager.py)::
 
 What it sends per round: the quorum's store round trips (about ten, no new connection while the members stay the
 same); each `average` an all-reduce of the tensor and a count over the round's group; a heal the registered state,
-serialised once, broadcast from the heal source. What it holds: references to the registered state, the current
-quorum, the events; `average_gradients` a flat copy of the gradients during the call.
+serialised once by the heal source and sent to each joiner alone. What it holds: references to the registered
+state, the current quorum, the events; `average_gradients` a flat copy of the gradients during the call.
 """
 
 from __future__ import annotations
@@ -128,10 +128,11 @@ def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
     store's connection broke; None otherwise."""
     if not is_store_loss(exc):
         return None
-    where = getattr(manager.store, "url", None)
-    if where is None and hasattr(manager.store, "host"):
-        where = f"{manager.store.host}:{manager.store.port}"
-    if where is not None and str(where).startswith("etcd://"):
+    store = manager.store
+    where = store.url if isinstance(store, EtcdStore) else None
+    if where is None and hasattr(store, "host"):
+        where = f"{store.host}:{store.port}"
+    if isinstance(store, EtcdStore):
         advice = (
             "this rank is cut off from the etcd cluster's majority and stops (it takes part in no "
             "decision it cannot reach); start its command again to rejoin once it reaches the cluster"
@@ -214,7 +215,7 @@ class Manager:
         # what the quorum itself depends on agrees too (a rank given another world size waited for ranks that
         # never come, or was left in a connection the others abandoned)
         shape = {"max_world": max_world, "min_replicas": min_replicas}
-        self.settings = store_agreement.settings_texts({**shape, **dict(store_agreement.settings_texts(settings))})
+        self.settings = {**store_agreement.settings_texts(shape), **store_agreement.settings_texts(settings)}
         self.report = report if self.leads else None
         self._registry: dict[str, _Entry] = {}
         self.quorum: Quorum | None = None
