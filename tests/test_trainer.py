@@ -24,7 +24,7 @@ from ddpkit.train import Callback, Trainer, TrainerState
 from ddpkit.train.loop import launcher as launcher_mod
 from ddpkit.train.loop.report import format_summary, parameter_digest, write_metrics
 from ddpkit.train.settings.config import TrainConfig
-from ddpkit.train.workloads.data import MNIST_FILES, digits, mnist, read_idx, synthetic
+from ddpkit.train.workloads.data import MNIST_FILES, digits, digits_arrays, mnist, read_idx, synthetic
 
 # --------------------------------------------------------------------------------------------------- helpers
 
@@ -417,6 +417,12 @@ def test_digits_and_synthetic_are_offline_and_deterministic():
     assert len(a.train) + len(a.test) == 1797 and len(a.test) == 360
     assert torch.equal(a.train.tensors[0], b.train.tensors[0])
     assert a.image_shape == (1, 8, 8) and a.num_features == 64
+    # the very values of scikit-learn's load_digits (read from its file without importing scikit-learn)
+    from sklearn.datasets import load_digits
+
+    reference = load_digits()
+    images, labels = digits_arrays()
+    assert np.array_equal(images, reference.data) and np.array_equal(labels, reference.target)
     s = synthetic(100, 16, 4, seed=3)
     assert len(s.train) == 90 and len(s.test) == 10 and s.image_shape == (1, 4, 4)
     assert int(s.train.tensors[1].max()) < 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import os
 import struct
 from dataclasses import dataclass
@@ -35,13 +36,24 @@ def _standardize(train_x: torch.Tensor, test_x: torch.Tensor) -> tuple[torch.Ten
     return (train_x - mean) / std, (test_x - mean) / std
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1,797 digits as (images of 64 values 0..16, labels), read from the CSV file that the
+    scikit-learn package ships. The file is located without importing scikit-learn, whose import (scipy with it)
+    costs each rank seconds of CPU at start-up; the values are those of ``sklearn.datasets.load_digits``."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the digits data comes with scikit-learn: pip install scikit-learn")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "datasets", "data", "digits.csv.gz")
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float64)
+    return table[:, :-1], table[:, -1].astype(np.int64)
+
+
 def digits(seed: int = 0) -> Data:
     """scikit-learn's 1,797 8x8 handwritten digits, split 80/20 with a fixed permutation."""
-    from sklearn.datasets import load_digits
-
-    raw = load_digits()
-    x = torch.tensor(raw.data, dtype=torch.float32).reshape(-1, 1, 8, 8)
-    y = torch.tensor(raw.target, dtype=torch.long)
+    images, labels = digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    y = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     split = int(0.8 * len(x))
     train_x, test_x = _standardize(x[order[:split]], x[order[split:]])
