@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from test_fault_tolerant_train import JOINING, wait_for_output, wait_until_dropped
 from test_train_cli import DDPKIT, _env, procs  # noqa: F401  (fixture)
 
 HERE = Path(__file__).resolve().parent
@@ -81,11 +82,11 @@ def _latest_round(store: dist.TCPStore) -> int:
     return int(store.get("ddpkit/ft/latest")) if store.check(["ddpkit/ft/latest"]) else -1
 
 
-def _host(procs, hosts, k: int, out: Path, flags: list[str], name: str):  # noqa: F811
+def _host(procs, hosts, k: int, out: Path, flags: list[str], name: str, env: dict):  # noqa: F811
     where = ["--nnodes", "4", "--nproc-per-node", "1", "--node-rank", str(k)]
     where += ["--master-addr", hosts.addresses[0], "--master-port", str(PORT)]
     command = [*hosts.prefix(k), *DDPKIT, "train", "--fault-tolerant", *where, *flags, "--out", out]
-    return procs(command, name, env=ENV)
+    return procs(command, name, env=env)
 
 
 def _pids(namespace: str) -> list[int]:
@@ -104,6 +105,18 @@ def _namespace_pids(hosts) -> list[int]:
     return [pid for namespace in hosts.namespaces for pid in _pids(namespace)]
 
 
+def _left_behind(shm_before: set[str]) -> set[str]:
+    """Files new in /dev/shm since `shm_before` that no live process maps: a process of the run left them (a file
+    another process on the machine still maps, such as a parallel job's semaphore, is not this run's)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped |= {
+                line.rsplit("/dev/shm/", 1)[1].strip() for line in maps.read_text().splitlines() if "/dev/shm/" in line
+            }
+    return set(os.listdir("/dev/shm")) - shm_before - mapped
+
+
 def _summary(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())["summary"]
 
@@ -117,7 +130,9 @@ def _run_all(procs, hosts, out: Path, flags: list[str], *, kill: int | None = No
     """The four hosts' run; with `kill`, that host's processes get SIGKILL once the job is about a quarter
     through, and the host is started again at once. Returns the hosts' last commands (the restarted one's for
     `kill`)."""
-    started = [_host(procs, hosts, k, out / f"h{k}", flags, f"{out.name}-h{k}") for k in range(4)]
+    hold = out / "hold"  # (tests/ft_factories.py: training waits while it exists)
+    env = {**ENV, "DDPKIT_TEST_HOLD_FILE": str(hold)}
+    started = [_host(procs, hosts, k, out / f"h{k}", flags, f"{out.name}-h{k}", env) for k in range(4)]
     if kill is not None:
         store = _in_namespace(hosts.namespaces[0], lambda: dist.TCPStore(
             hosts.addresses[0], PORT, is_master=False, timeout=timedelta(seconds=120)))  # fmt: skip
@@ -127,7 +142,12 @@ def _run_all(procs, hosts, out: Path, flags: list[str], *, kill: int | None = No
             assert time.monotonic() < deadline, f"the job did not reach round {target}"
             time.sleep(0.05)
         _kill_host(hosts, kill)
-        started[kill] = _host(procs, hosts, kill, out / f"h{kill}-again", flags, f"{out.name}-h{kill}-again")
+        wait_until_dropped(store, kill, 60)
+        hold.touch()  # the others cannot finish before the restart (slow on a loaded machine) joins
+        again = _host(procs, hosts, kill, out / f"h{kill}-again", flags, f"{out.name}-h{kill}-again", env)
+        started[kill] = again
+        wait_for_output(again, JOINING, 180)
+        hold.unlink()
     for proc in started:
         result = proc.wait(300)
         assert result.returncode == 0, result
@@ -168,4 +188,4 @@ def test_a_lost_host_of_four_costs_seconds_and_comes_back_bit_identical(tmp_path
     while _namespace_pids(four_hosts) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _namespace_pids(four_hosts) == []
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert _left_behind(shm_before) == set()
