@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit.testing import run_distributed
+from ddpkit.train.loop.bench import BENCH_STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -847,13 +848,41 @@ def test_slow_link_training_on_two_machines(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # as tests/test_train_cli.py's (long tier too)
+@pytest.mark.long
 def test_bench_compares_every_strategy(tmp_path):
+    """The README's `ddpkit bench` line on a small MLP (one hidden layer of 64: its sizes are known here): the
+    table of every strategy against DDP, the JSON rows, the recommendation and the plot."""
     text = command("ddpkit bench --nproc-per-node 2 --json bench.json")
-    out = run_command(argv(text, "bench"), tmp_path)
+    words = [*argv(text, "bench"), "--warmup", "1", "--hidden", "64", "--depth", "1"]
+    out = run_command(words, tmp_path)
+    strategies = list(BENCH_STRATEGIES)
+    assert strategies == ["ddp", "oss", "sharded", "slowmo", "sgp"]
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    assert lines[head].count("x ddp") == 3, out
+    table = {line.split()[0]: line.split() for line in lines[head + 1 : head + 1 + len(strategies)]}
+    assert list(table) == strategies, out
+    assert table["ddp"][2] == table["ddp"][5] == table["ddp"][7] == "1.00"  # ratios of ddp against itself
     rows = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["strategy"] for r in rows] == ["ddp", "oss", "sharded", "slowmo", "sgp"], out
-    assert "recommendation" in out and (tmp_path / "bench.png").exists(), out
+    assert [r["strategy"] for r in rows] == strategies, out
+    parameters = 1024 * 64 + 64 + 64 * 10 + 10  # the bench MLP: 1,024 inputs, 64 hidden, 10 classes
+    keys = {"step_ms", "samples_per_second", "sent_bytes_per_step", "optimizer_state_bytes_per_rank"}
+    for r in rows:
+        assert keys <= set(r) and r["peak_memory_mb"] > 0 and r["parameters"] == parameters
+        assert all(r[k] > 0 for k in keys)
+    by = {r["strategy"]: r for r in rows}
+    # sharded state is partitioned by whole parameters: here one rank owns the 1024 x 64 weight and the other
+    # the rest, so the fullest rank holds a little less than ddp's every-rank copy
+    full = by["ddp"]["optimizer_state_bytes_per_rank"]
+    assert full == by["slowmo"]["optimizer_state_bytes_per_rank"]
+    assert 8 * 1024 * 64 <= by["oss"]["optimizer_state_bytes_per_rank"] < full
+    assert 8 * 1024 * 64 <= by["sharded"]["optimizer_state_bytes_per_rank"] < full
+    # SGP on 2 one-process nodes: each step pushes the parameters and the push-sum weight to one peer, nothing else
+    assert by["sgp"]["sent_bytes_per_step"] == 4 * (parameters + 1)
+    ratio = by["oss"]["sent_bytes_per_step"] / by["ddp"]["sent_bytes_per_step"]
+    assert table["oss"][5] == f"{ratio:.2f}"
+    assert "recommendation" in out and (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG"), out
+    assert f"wrote {tmp_path / 'bench.json'}" in out or "wrote bench.json" in out, out
 
 
 @pytest.mark.slow

@@ -31,7 +31,6 @@ import pytest
 import torch
 
 from ddpkit.distributed.launch import TORCHRUN_VARIABLES, free_port
-from ddpkit.train.loop.bench import BENCH_STRATEGIES
 from ddpkit.train.settings.config import STRATEGIES
 
 pytestmark = pytest.mark.slow
@@ -838,34 +837,4 @@ def text_windows(context):
 # ------------------------------------------------------------------------------------------- bench
 
 
-@LONG  # 45 s; the default tier runs `ddpkit bench` in tests/test_advisor.py
-def test_bench_compares_every_strategy(tmp_path):
-    args = [*DDPKIT, "bench", "--nproc-per-node", "2", "--steps", "3", "--warmup", "1", "--hidden", "64"]
-    args += ["--depth", "1", "--json", tmp_path / "out.json", "--plot", tmp_path / "out.png"]
-    result = run(args, 300, tmp_path, "bench")
-    assert result.returncode == 0, str(result)
-    lines = result.stdout.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
-    assert lines[head].count("x ddp") == 3
-    table = {line.split()[0]: line.split() for line in lines[head + 1 : head + 1 + len(BENCH_STRATEGIES)]}
-    assert list(table) == list(BENCH_STRATEGIES)
-    assert table["ddp"][2] == table["ddp"][5] == table["ddp"][7] == "1.00"  # ratios of ddp against itself
-    results = json.loads((tmp_path / "out.json").read_text())
-    assert [r["strategy"] for r in results] == list(BENCH_STRATEGIES)
-    keys = {"step_ms", "samples_per_second", "sent_bytes_per_step", "optimizer_state_bytes_per_rank"}
-    for r in results:
-        assert keys <= set(r) and r["peak_memory_mb"] > 0 and r["parameters"] == 1024 * 64 + 64 + 64 * 10 + 10
-        assert all(r[k] > 0 for k in keys)
-    by = {r["strategy"]: r for r in results}
-    # sharded state is partitioned by whole parameters: here one rank owns the 1024 x 64 weight and the other
-    # the rest, so the fullest rank holds a little less than ddp's every-rank copy
-    full = by["ddp"]["optimizer_state_bytes_per_rank"]
-    assert full == by["slowmo"]["optimizer_state_bytes_per_rank"]
-    assert 8 * 1024 * 64 <= by["oss"]["optimizer_state_bytes_per_rank"] < full
-    assert 8 * 1024 * 64 <= by["sharded"]["optimizer_state_bytes_per_rank"] < full
-    # SGP on 2 one-process nodes: each step pushes the parameters and the push-sum weight to one peer, nothing else
-    assert by["sgp"]["sent_bytes_per_step"] == 4 * (1024 * 64 + 64 + 64 * 10 + 10 + 1)
-    ratio = by["oss"]["sent_bytes_per_step"] / by["ddp"]["sent_bytes_per_step"]
-    assert table["oss"][5] == f"{ratio:.2f}"
-    assert (tmp_path / "out.png").read_bytes().startswith(PNG)
-    assert f"wrote {tmp_path / 'out.png'}" in result.stdout and f"wrote {tmp_path / 'out.json'}" in result.stdout
+# (`ddpkit bench` on every strategy: tests/test_readme.py runs the README's line and checks its table and rows)
