@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 
+import pooled_train
 import pytest
 import torch
 from test_train_cli import DDPKIT, TRAIN, Proc, latest_checkpoint, run, wait_for
@@ -172,13 +173,12 @@ def steps_of(out):
         return [int(r["step"]) for r in csv.DictReader(f)]
 
 
-def test_keep_checkpoint_every_and_resume_at_another_world_size_strategy_and_lr(tmp_path, procs):
+def test_keep_checkpoint_every_and_resume_at_another_world_size_strategy_and_lr(tmp_path):
     """oss on 2 ranks, a checkpoint every 10 steps, the last 2 kept; resumed from step 40 (mid-epoch) on 1 rank
     as sharded with another lr: the lr takes effect, the epoch's remaining samples are trained once, steps.csv
     holds every step once, and the result equals a plain torch Adam (ddp) resumed the same way."""
     first = tmp_path / "first"
-    result = run([*DDPKIT, "train", *TRAIN, "--strategy", "oss", "--checkpoint-every", "10", "--out", first], 240,
-                 tmp_path, "first")  # fmt: skip
+    result = pooled_train.train([*TRAIN, "--strategy", "oss", "--checkpoint-every", "10", "--out", first], tmp_path)
     assert result.returncode == 0, str(result)
     kept = [f.name for f in sorted((first / "checkpoint").iterdir())]
     assert kept == ["step-00000040", "step-00000045"], kept  # 10, 20, 30 pruned; the epoch's end is 45
@@ -190,8 +190,8 @@ def test_keep_checkpoint_every_and_resume_at_another_world_size_strategy_and_lr(
         out = tmp_path / strategy
         shutil.copytree(first / "checkpoint" / "step-00000040", out / "checkpoint" / "step-00000040")
         flags = [*TRAIN, "--strategy", strategy, "--nproc-per-node", "1", "--lr", "0.02", "--resume", "--out", out]
-        jobs[strategy] = procs([*DDPKIT, "train", *flags], strategy)
-    results = {s: job.wait(300) for s, job in jobs.items()}
+        jobs[strategy] = pooled_train.train(flags, tmp_path)
+    results = jobs
     remaining = 1437 - 40 * 16 * 2  # 157 samples on 1 rank: 10 steps
     for strategy, result in results.items():
         out = tmp_path / strategy
@@ -284,7 +284,6 @@ def test_an_unreadable_checkpoint_does_not_start_processes(tmp_path):
     assert result.returncode == 1 and f"checkpoint marker {folder / files.MARKER} is corrupt" in result.stderr
 
 
-@pytest.mark.long  # CI time (19 s)
 def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replicas(tmp_path):
     """SlowMo's replicas differ between ranks at the checkpoint (45 steps, averaging every 4); resumed on 1 rank
     without training further, the model is exactly the mean of the 2 saved replicas and the slow buffers are kept."""
@@ -294,12 +293,12 @@ def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replic
 
     out = tmp_path / "out"
     flags = [*TRAIN, "--strategy", "slowmo", "--slowmo-frequency", "8", "--localsgd-frequency", "4", "--out", out]
-    result = run([*DDPKIT, "train", *flags], 240, tmp_path, "two")
+    result = pooled_train.train(flags, tmp_path)
     assert result.returncode == 0, str(result)
     folder = latest_checkpoint(out)
     saved = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert any(not torch.equal(saved[0]["model"][k], saved[1]["model"][k]) for k in saved[0]["model"])
-    result = run([*DDPKIT, "train", *flags, "--nproc-per-node", "1", "--resume"], 240, tmp_path, "one")
+    result = pooled_train.train([*flags, "--nproc-per-node", "1", "--resume"], tmp_path)
     assert result.returncode == 0, str(result)
     assert "every rank starts from the mean of the 2 saved SlowMo replicas" in result.stderr, str(result)
     model = mlp(64, 10, 256, 2)
@@ -316,13 +315,13 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tm
     (it used to be refused with no way forward named; issue 23 defect 9)."""
     out = tmp_path / "out"
     flags = [*TRAIN, "--max-steps", "10", "--checkpoint-every", "5", "--keep", "2", "--out", out]
-    first = run([*DDPKIT, "train", *flags], 240, tmp_path, "first")
+    first = pooled_train.train(flags, tmp_path)
     assert first.returncode == 0, str(first)
     steps = [step for step, _ in files.committed(str(out))]
     assert steps == [5, 10], steps
     newest = out / "checkpoint" / "step-00000010" / "shared.pt"
     newest.write_bytes(b"\0" * 16)
-    again = run([*DDPKIT, "train", *TRAIN, "--max-steps", "12", "--resume", "--out", out], 240, tmp_path, "again")
+    again = pooled_train.train([*TRAIN, "--max-steps", "12", "--resume", "--out", out], tmp_path)
     assert again.returncode == 0, str(again)
     assert f"skipped the checkpoint of step 10: checkpoint file {newest} is corrupt" in again.stderr, str(again)
     assert "resuming from step 5" in again.stderr, str(again)

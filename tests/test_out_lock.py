@@ -24,3 +24,28 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_runs(tmp_path, 
     first.wait(60)
     again = procs([*DDPKIT, "train", *LONG_RUN, "--epochs", "1", "--timeout", "20", "--out", out], "again").wait(180)
     assert "is in use" not in again.stderr, str(again)  # the locks went with the first job's processes
+
+
+def test_the_lock_is_held_for_the_run_and_released_when_it_ends(tmp_path):
+    """In one process: a second claim while a run holds the folder is refused naming the holder (this pid); once
+    the run's block has ended, by return or by error, the same process may claim it again (a notebook running
+    `train` twice on one --out was refused by its own first run)."""
+    import os
+
+    from ddpkit.distributed.launch import LaunchError
+    from ddpkit.train.checkpoints.out_lock import holding_out
+
+    out = str(tmp_path / "out")
+    with holding_out(out, 0):
+        with pytest.raises(LaunchError, match=f"in use by another ddpkit job \\(rank 0, pid {os.getpid()} on"):
+            with holding_out(out, 0):
+                pass
+        with holding_out(out, 1):  # another rank's file: the ranks of one job never collide
+            pass
+    with pytest.raises(RuntimeError, match="the run failed"):
+        with holding_out(out, 0):
+            raise RuntimeError("the run failed")
+    with holding_out(out, 0):  # released after the error too
+        pass
+    with holding_out(None, 0):  # no --out: nothing to hold
+        pass

@@ -44,9 +44,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pooled_train
 import pytest
 import test_fault_tolerant_etcd as _etcd_docs  # (its commands of docs/fault-tolerance.md)
 import torch
+from pooled_train import working_directory
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -365,16 +367,6 @@ def on_ranks(fn: Any, *args: Any) -> list[Any]:
 
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-@contextlib.contextmanager
-def working_directory(folder: str) -> Iterator[None]:
-    old = os.getcwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(old)
 
 
 @contextlib.contextmanager
@@ -724,29 +716,9 @@ def expand_alternatives(text: str) -> list[str]:
 
 def train_config(text: str, **values: str) -> Any:
     """The TrainConfig `ddpkit train` makes of a README line (its parser, the TOML file, its checks)."""
-    from ddpkit.cli import build_parser, make_config
-
     words = argv(text, "train", **values)
     assert words[:2] == ["ddpkit", "train"], words
-    return make_config(build_parser().parse_args(words[1:]))
-
-
-def _train(rank: int, world_size: int, configs: list[Any], folder: str) -> dict[str, Any]:
-    """One rank of `ddpkit train` with configs[rank], on the pooled rank (its group stands in for the launch)."""
-    from ddpkit.distributed.launch import Placement
-    from ddpkit.train.loop.run import train
-
-    placement = Placement(rank, world_size, rank, "127.0.0.1", 0)
-    printed = io.StringIO()
-    sys.path.insert(0, folder)  # mypkg, as PYTHONPATH gives the command
-    try:
-        with working_directory(folder), contextlib.redirect_stdout(printed):
-            summary = train(configs[rank], placement, "gloo")
-    finally:
-        sys.path.remove(folder)
-        for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
-            del sys.modules[name]
-    return {"summary": summary, "printed": printed.getvalue()}
+    return pooled_train.train_config(words[1:])
 
 
 # Lines of two machines: rank 0's line and rank 1's. The README writes out only rank 1's line of the torchrun-style
@@ -791,7 +763,7 @@ def test_train_line(tmp_path, monkeypatch, ranks):
     write_run_toml(tmp_path)
     values = {"port": str(free_port()), "mnist": str(tmp_path / "mnist")}
     configs = [train_config(text, **values) for text in ranks]
-    results = on_ranks(_train, configs, str(tmp_path))
+    results = on_ranks(pooled_train.train_rank, configs, str(tmp_path))
     summary = results[0]["summary"]
     assert summary["replicas_equal"] and summary["steps"] == 2, summary
     assert torch.isfinite(torch.tensor(summary["train_loss"])), summary

@@ -23,12 +23,13 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pooled_train
 import pytest
 import torch
+from pooled_train import Result
 
 from ddpkit.distributed.launch import TORCHRUN_VARIABLES, free_port
 from ddpkit.train.settings.config import STRATEGIES
@@ -64,18 +65,6 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(PYTHONUNBUFFERED="1", **extra)
     return env
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    def __str__(self):
-        head = f"exit {self.returncode} after {self.seconds:.1f} s"
-        return f"{head}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
 
 
 class Proc:
@@ -311,25 +300,21 @@ def variant_flags(name):
 
 @pytest.fixture(scope="module")
 def one_epoch(tmp_path_factory):
-    """`ddpkit train` for 1 epoch of digits at 2 processes, once per variant per session: (result, --out)."""
+    """`ddpkit train` for 1 epoch of digits at 2 processes, once per variant per module: (result, --out). The
+    line runs on the pooled ranks (tests/pooled_train.py): these tests check training, not the launch."""
     runs = {}
 
     def get(name):
         if name not in runs:
             folder = tmp_path_factory.mktemp(f"one-epoch-{name}")
-            result = train(folder, *TRAIN, *variant_flags(name), "--out", folder / "out", name=name)
+            result = pooled_train.train([*TRAIN, *variant_flags(name), "--out", folder / "out"], folder)
             runs[name] = (result, folder / "out")
         return runs[name]
 
     return get
 
 
-# (CI time: adascale's run is in the long tier; tests/test_adascale.py checks it against its definition)
-@pytest.mark.parametrize(  # (CI time: oss and slowmo's runs in the long tier; tests/test_readme.py trains them too)
-    "name",
-    [pytest.param(n, marks=pytest.mark.long) if n in ("oss", "slowmo") else n for n in STRATEGIES]
-    + [pytest.param("adascale", marks=pytest.mark.long)],
-)
+@pytest.mark.parametrize("name", [*STRATEGIES, "adascale"])
 def test_every_strategy_trains_one_epoch_at_two_processes(one_epoch, name):
     result, out = one_epoch(name)
     strategy, _, steps = VARIANTS[name]
@@ -356,7 +341,6 @@ def test_strategies_send_what_they_should(one_epoch):
     assert sent["slowmo"] < 0.5 * sent["ddp"]
 
 
-@pytest.mark.long  # (CI time: tests/test_readme.py trains the slow-link lines on two machines in the default tier)
 def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
     """--slowmo-compression int8, 2 fragments, a delay of 2, error feedback, outer Nesterov: trains like SlowMo,
     sends less, records its settings, and each rank's checkpoint carries its residual and the sync in flight."""
@@ -379,14 +363,8 @@ def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
     assert torch.equal(states[0]["outer_synced"], states[1]["outer_synced"])
 
 
-LONG = pytest.mark.long
-
-
-# CI time: all in the long tier (37 s for sharded alone); tests/test_checkpoints.py resumes in the default tier
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=LONG) for n in ("sharded", "slowmo", "sgp", "diloco", "adascale")]
-)
-def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
+@pytest.mark.parametrize("name", ["sharded", "slowmo", "sgp", "diloco", "adascale"])
+def test_resume_equals_uninterrupted(one_epoch, tmp_path, name):
     """1 epoch, then --resume to 2, ends bit-identical to 2 epochs straight (optimizer, SlowMo and AdaScale
     state restored; for SlowMo the replicas differ between ranks at the checkpoint: 45 steps, averaging every 4)."""
     first, first_out = one_epoch(name)
@@ -400,11 +378,8 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, procs, name):
     resumed = tmp_path / "resumed"
     shutil.copytree(first_out / "checkpoint", resumed / "checkpoint")
     flags = [*TRAIN, *variant_flags(name), "--epochs", "2"]
-    jobs = [  # side by side: the machine has spare time while each job starts; ports from one process differ
-        procs([*DDPKIT, "train", *flags, "--master-port", free_port(), "--resume", "--out", resumed], "resumed"),
-        procs([*DDPKIT, "train", *flags, "--master-port", free_port(), "--out", tmp_path / "straight"], "straight"),
-    ]
-    again, straight = (job.wait(300) for job in jobs)
+    again = pooled_train.train([*flags, "--resume", "--out", resumed], tmp_path)
+    straight = pooled_train.train([*flags, "--out", tmp_path / "straight"], tmp_path)
     check_run(straight, tmp_path / "straight", strategy, epochs=2, steps=per_epoch)
     assert again.returncode == 0, str(again)
     a = json.loads((resumed / "metrics.json").read_text())

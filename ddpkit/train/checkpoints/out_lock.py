@@ -5,15 +5,19 @@ while both exited 0. Rank r of a job locks ``OUT/.ddpkit-rank<r>.lock`` (``fcntl
 however the process ends, SIGKILL included), so the ranks of one job, on one machine or several sharing the
 folder, never collide with each other, and a second job finds its rank 0's file taken and stops at once, naming
 the process that holds it. The lock is taken once the ranks agree, before anything is written (a job refused at
-start-up leaves no folder behind). An elastic restart's new processes find the old ones' locks released.
+start-up leaves no folder behind), and released when the run ends (`holding_out`), so one process may run one
+job after another on the same folder (a notebook resuming its own run). An elastic restart's new processes find
+the old ones' locks released.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import IO
 
 from ddpkit.distributed.launch import LaunchError
@@ -44,3 +48,24 @@ def claim_out(out: str, rank: int) -> None:
     handle.write(f"rank {rank}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}")
     handle.flush()
     _held.append(handle)
+
+
+def release_out(out: str, rank: int) -> None:
+    """Releases this process's lock on `out` for `rank` (taken by `claim_out`); nothing if it holds none."""
+    path = os.path.abspath(lock_path(out, rank))
+    for handle in [h for h in _held if os.path.abspath(h.name) == path]:
+        _held.remove(handle)
+        handle.close()  # closing the file releases its flock
+
+
+@contextlib.contextmanager
+def holding_out(out: str | None, rank: int) -> Iterator[None]:
+    """`claim_out` for the duration of the block (nothing without an `out`), released however the block ends."""
+    if out is None:
+        yield
+        return
+    claim_out(out, rank)
+    try:
+        yield
+    finally:
+        release_out(out, rank)

@@ -30,7 +30,7 @@ from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train.checkpoints import checkpoint_files
 from ddpkit.train.checkpoints.checkpoint import load_checkpoint
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
-from ddpkit.train.checkpoints.out_lock import claim_out
+from ddpkit.train.checkpoints.out_lock import holding_out
 from ddpkit.train.loop.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
 from ddpkit.train.loop.loaders import rank_data
 from ddpkit.train.loop.report import (
@@ -71,52 +71,51 @@ def train(cfg: TrainConfig, placement: Placement, backend: str, started: float |
     device = rank_device(cfg, placement, backend)
     work = build_workload(cfg, device)
     check_job_agrees(cfg, backend, work)  # every rank, before the wrappers' first collective
-    if cfg.out:
-        claim_out(cfg.out, placement.rank)  # before anything is written: a second job on this --out stops here
-    strategy = build_strategy(cfg, work.module, device)
-    data = rank_data(cfg, work, placement.rank, placement.world_size)
-    loader, total_steps = data.loader, data.total_steps
-    every = cfg.eval_every if cfg.eval_every is not None else default_eval_every(total_steps)
-    recorder = MetricsRecorder(data.heldout, eval_every=every)
-    label = f"{cfg.strategy} x{placement.world_size}"
-    callbacks = [
-        ProgressBar(total_steps, placement.rank, placement.world_size, label, cfg.progress),
-        recorder,
-        RunEvents(strategy.scaler, strategy.optimizer if cfg.adascale else None),  # after recorder: adds to epochs
-    ]
-    settings = resume_settings(cfg)
-    if cfg.out and cfg.checkpoints:
-        every, size = cfg.checkpoint_every, len(work.train)
-        callbacks.append(
-            Checkpointer(cfg.out, strategy, recorder, settings, keep=cfg.keep, every=every, epoch_size=size)
+    with holding_out(cfg.out or None, placement.rank):  # before anything is written: a second job stops here
+        strategy = build_strategy(cfg, work.module, device)
+        data = rank_data(cfg, work, placement.rank, placement.world_size)
+        loader, total_steps = data.loader, data.total_steps
+        every = cfg.eval_every if cfg.eval_every is not None else default_eval_every(total_steps)
+        recorder = MetricsRecorder(data.heldout, eval_every=every)
+        label = f"{cfg.strategy} x{placement.world_size}"
+        callbacks = [
+            ProgressBar(total_steps, placement.rank, placement.world_size, label, cfg.progress),
+            recorder,
+            RunEvents(strategy.scaler, strategy.optimizer if cfg.adascale else None),  # after recorder: adds to epochs
+        ]
+        settings = resume_settings(cfg)
+        if cfg.out and cfg.checkpoints:
+            every, size = cfg.checkpoint_every, len(work.train)
+            callbacks.append(
+                Checkpointer(cfg.out, strategy, recorder, settings, keep=cfg.keep, every=every, epoch_size=size)
+            )
+        trainer = Trainer(
+            strategy.model,
+            strategy.optimizer,
+            loader,
+            work.loss_fn,
+            grad_accum=cfg.grad_accum,
+            amp_dtype=strategy.amp_dtype,
+            scaler=strategy.scaler,
+            callbacks=callbacks,
         )
-    trainer = Trainer(
-        strategy.model,
-        strategy.optimizer,
-        loader,
-        work.loss_fn,
-        grad_accum=cfg.grad_accum,
-        amp_dtype=strategy.amp_dtype,
-        scaler=strategy.scaler,
-        callbacks=callbacks,
-    )
-    note = rejoin_blocked_note()
-    if note and placement.rank == 0:
-        say(f"ddpkit: note: {note}")
-    if cfg.resume or resume_elastic(cfg, placement):
-        assert cfg.out is not None
-        trainer.state = load_checkpoint(cfg.out, strategy, settings)
-    trainer.fit(cfg.epochs, cfg.max_steps)
-    if isinstance(strategy.model, SlowMoDistributedDataParallel):
-        strategy.model.average_parameters()  # one model at the end, whatever step the run stopped at
-    summary = summarize(cfg, placement, backend, trainer, recorder, started)
-    if placement.rank == 0:
-        print(format_summary(summary), flush=True)
-        if cfg.out:
-            history, steps = trainer.state.history, recorder.step_rows()
-            for path in write_metrics(cfg.out, summary, history, steps, recorder.heldout_rows()):
-                print(f"wrote {path}")
-    return summary
+        note = rejoin_blocked_note()
+        if note and placement.rank == 0:
+            say(f"ddpkit: note: {note}")
+        if cfg.resume or resume_elastic(cfg, placement):
+            assert cfg.out is not None
+            trainer.state = load_checkpoint(cfg.out, strategy, settings)
+        trainer.fit(cfg.epochs, cfg.max_steps)
+        if isinstance(strategy.model, SlowMoDistributedDataParallel):
+            strategy.model.average_parameters()  # one model at the end, whatever step the run stopped at
+        summary = summarize(cfg, placement, backend, trainer, recorder, started)
+        if placement.rank == 0:
+            print(format_summary(summary), flush=True)
+            if cfg.out:
+                history, steps = trainer.state.history, recorder.step_rows()
+                for path in write_metrics(cfg.out, summary, history, steps, recorder.heldout_rows()):
+                    print(f"wrote {path}")
+        return summary
 
 
 def resume_elastic(cfg: TrainConfig, placement: Placement) -> bool:
