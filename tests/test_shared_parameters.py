@@ -78,20 +78,20 @@ def test_shared_parameters_train_bit_identically_to_a_replica_per_rank(slow, ada
         assert got["plain"] and not any(got["plain"]), (rank, got)
 
 
-@pytest.mark.long  # (CI time: the option's bit-identity and memory are checked above in the default tier)
 def test_ddpkit_train_shared_parameters_gives_the_same_steps_and_is_refused_where_it_cannot_act(tmp_path):
+    """`ddpkit train --shared-parameters` trains bit for bit as without it (the training on the pooled ranks,
+    tests/pooled_train.py), and the command refuses the flag, naming it, where no OSS shares parameters."""
     import csv
     import subprocess
 
+    import pooled_train
     from test_train_cli import DDPKIT, _env
 
     flags = ["--strategy", "sharded", "--nproc-per-node", "2", "--max-steps", "8", "--epochs", "1", "--no-progress"]
     rows = []
     for extra in ([], ["--shared-parameters"]):
         out = tmp_path / ("shared" if extra else "plain")
-        done = subprocess.run([*DDPKIT, "train", *flags, *extra, "--out", str(out)], env=_env(), capture_output=True,
-                              text=True, timeout=180)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
+        pooled_train.train([*flags, *extra, "--out", out], tmp_path)
         with open(out / "steps.csv") as f:
             rows.append([r["loss"] for r in csv.DictReader(f)])
     assert rows[0] == rows[1] and len(rows[0]) == 8  # bit for bit
