@@ -2,7 +2,8 @@
 ``python -m benchmarks all --quick`` runs every one at smoke size, each in its own process, with a progress bar.
 
 Every ``benchmarks/bench_<name>.py`` that defines ``QUESTION`` is a benchmark called ``<name>``: adding a file is
-all it takes to register one (see `benchmarks.lib.cli` for what the module defines).
+all it takes to register one (see `benchmarks.lib.cli` for what the module defines). A run imports its own module
+only, and ``all`` none (importing one costs seconds: torch), so there every ``bench_*.py`` counts as a benchmark.
 """
 
 from __future__ import annotations
@@ -20,14 +21,22 @@ from benchmarks.lib.cli import progress
 HERE = Path(__file__).resolve().parent
 
 
+def names() -> list[str]:
+    """The name of every ``bench_<name>.py``, in file-name order."""
+    return [path.stem.removeprefix("bench_") for path in sorted(HERE.glob("bench_*.py"))]
+
+
+def load(name: str) -> ModuleType | None:
+    """Benchmark `name`'s module, or None where there is none (no such file, or no ``QUESTION`` in it)."""
+    if not (HERE / f"bench_{name}.py").is_file():
+        return None
+    module = importlib.import_module(f"benchmarks.bench_{name}")
+    return module if hasattr(module, "QUESTION") else None
+
+
 def registry() -> dict[str, ModuleType]:
     """Every benchmark module by name, in file-name order."""
-    found = {}
-    for path in sorted(HERE.glob("bench_*.py")):
-        module = importlib.import_module(f"benchmarks.{path.stem}")
-        if hasattr(module, "QUESTION"):
-            found[path.stem.removeprefix("bench_")] = module
-    return found
+    return {name: module for name in names() if (module := load(name)) is not None}
 
 
 def listing(benchmarks: dict[str, ModuleType]) -> str:
@@ -54,17 +63,17 @@ def run_all(names: list[str], options: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    benchmarks = registry()
     if not argv or argv[0] in ("-h", "--help", "list"):
-        print(listing(benchmarks))
+        print(listing(registry()))
         return 0
     name, options = argv[0], argv[1:]
     if name == "all":
-        return run_all(list(benchmarks), options)
-    if name not in benchmarks:
-        print(f"unknown benchmark {name!r}\n\n{listing(benchmarks)}", file=sys.stderr)
+        return run_all(names(), options)
+    module = load(name)
+    if module is None:
+        print(f"unknown benchmark {name!r}\n\n{listing(registry())}", file=sys.stderr)
         return 2
-    return run_one(name, benchmarks[name], options)
+    return run_one(name, module, options)
 
 
 if __name__ == "__main__":

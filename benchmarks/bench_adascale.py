@@ -59,11 +59,11 @@ class Data:
 
 def load_digits_data() -> Data:
     """The 1,797 digits, standardised with the training split's statistics, split 80/20 with a fixed seed."""
-    from sklearn.datasets import load_digits
+    from ddpkit.train.workloads.data import digits_arrays  # load_digits' values, without importing scikit-learn
 
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.long)
+    images, labels = digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32)
+    y = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     split = int(0.8 * len(x))
     train, test = order[:split], order[split:]

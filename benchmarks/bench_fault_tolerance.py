@@ -71,9 +71,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist  # here: imported in the lost-rank thread, it started that section seconds late
+
 from benchmarks.lib import plotting
 from benchmarks.lib.cli import UsageError, progress
 from benchmarks.lib.tables import markdown, num
+from ddpkit.distributed.launch import free_port
 
 QUESTION = "fault_tolerance: what does --fault-tolerant cost per step when nothing fails, and per lost rank?"
 QUICK = {"workloads": "digits", "modes": "ddp", "rounds": 1, "steps": 40, "kill_steps": 100, "kill_after": 30,
@@ -301,10 +304,6 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 def _two_nodes(flags: list[str], work: Path, name: str, kill_after: int | None, restart: bool) -> dict[str, Any]:
     """A 2-rank fault-tolerant job, one launcher per rank; with `kill_after`, the second is killed after that many
     rounds (and with `restart`, started again at once). The survivor's summary (it writes the outputs)."""
-    import torch.distributed as dist
-
-    from ddpkit.distributed.launch import free_port
-
     port = free_port()
     where = ["--fault-tolerant", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
              "--master-port", str(port)]  # fmt: skip

@@ -28,10 +28,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from benchmarks.lib import netns, plotting, tables, workloads
+from benchmarks.lib import netns, plotting, tables
 from benchmarks.lib.cli import Skip, progress
+
+if TYPE_CHECKING:
+    from benchmarks.lib.workloads import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "hosts: ZeRO-1/2 on 2 namespace hosts x 2 ranks, step time and bytes leaving each host vs DDP (root)"
@@ -54,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     netns.add_link_arguments(parser, 1500.0, "rate")
 
 
-def _workload(name: str) -> workloads.Workload:
+def _workload(name: str) -> Workload:
+    from benchmarks.lib import workloads  # here: each host's launcher, which only spawns its ranks, needs no torch
+
     if name == "gpt-advisor":  # the advisor benchmark's GPT: 4 layers x 256, 3.3M parameters
         return workloads.GPTText(4, 256, 4, 128)
     if name == "gpt-quick":

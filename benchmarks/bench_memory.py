@@ -41,6 +41,7 @@ QUICK = {
     "strategies": "ddp,oss_sdp",
     "steps": 2,
     "allocators": "default",
+    "cold": True,
 }
 TINY = {"mlp": {"depth": 1, "width": 64}, "gpt": {"layers": 1, "width": 64}}
 MAX_PROBES = 6  # depths tried per strategy in the search
@@ -97,7 +98,8 @@ def _checked(outcome: cgroup.Outcome, reports: dict[str, Any] | None, what: str)
 def measure(args: argparse.Namespace, workload: str, world_size: int, strategy: str) -> dict[str, Any]:
     """Part (a) for one strategy: the big job's peak above the tiny one's, per rank, in units of P, for each
     allocator setting of ``--allocators``."""
-    _job(_spec(args, workload, world_size, strategy, **TINY[workload]))  # warm-up: files read for the first time
+    if not args.cold:
+        _job(_spec(args, workload, world_size, strategy, **TINY[workload]))  # warm-up: files read for the first time
     row: dict[str, Any] = {"key": strategy, "label": STRATEGIES[strategy][0], "world_size": world_size}
     for allocator in args.allocators.split(","):
         tiny = _spec(args, workload, world_size, strategy, allocator=allocator, **TINY[workload])
@@ -178,7 +180,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--workloads: expected mlp, gpt or both separated by a comma; got {args.workloads!r}")
     skipped = {k: why for k in keys if k in PEERS and (why := peers.unavailable(*PEERS[k]))}
     keys = [k for k in keys if k not in skipped]
-    _job(_spec(args, "mlp", 2, "ddp", **TINY["mlp"]))  # warm-up: torch's files into the page cache
+    if not args.cold:
+        _job(_spec(args, "mlp", 2, "ddp", **TINY["mlp"]))  # warm-up: torch's files into the page cache
     rows: list[dict[str, Any]] = []
     for workload, size, key in progress([(w, s, k) for w in chosen for s in sizes for k in keys], desc="memory"):
         try:
@@ -298,6 +301,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-gb", type=float, default=8.0, help="the search's memory limit for the whole job")
     parser.add_argument("--search-world-size", type=int, default=2, help="ranks in the search")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per job")
+    parser.add_argument("--cold", action="store_true",
+                        help="no warm-up jobs first (files read for the first time are then charged to the job that "
+                             "reads them: a smoke test, not a measurement)")  # fmt: skip
     parser.add_argument("--allocators", default="default,mmap", help="allocator settings to measure: default, mmap")
     parser.add_argument("--search-allocator", default="mmap", help="the allocator setting of the search")
     parser.add_argument("--hosts", type=int, default=1,

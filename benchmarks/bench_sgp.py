@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,11 +38,13 @@ from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed.launch import exit_without_teardown, leave
 
 QUESTION = "sgp: SGP and overlap SGP against DDP, local SGD and SlowMo on 4 hosts at 100 Mbit/s, and a straggler (root)"
-QUICK = {"steps": 12, "warmup": 3, "configs": "ddp,overlap_sgp3", "settings": "uniform,straggler"}
+QUICK = {"steps": 12, "warmup": 3, "configs": "ddp,overlap_sgp3", "settings": "uniform,straggler",
+         "reuse_processes": True}  # fmt: skip
 PORT = 29500
 WORLD = 4
 SETTINGS = ("uniform", "straggler")
 GOAL_SGP_VS_DDP, GOAL_LOSS, GOAL_OVERLAP_VS_LOCALSGD = 2.0, 0.03, 1.5
+Run = tuple[int, str, str]  # (round, setting, configuration)
 
 # -- the configurations: SlowMoDistributedDataParallel's settings (beta 0 and lr 1 turn slow momentum off) -------
 
@@ -133,8 +136,19 @@ def replica_spread(model: nn.Module) -> float:
     return (stacked - stacked.mean(0)).abs().max().item()
 
 
-def worker(job: dict[str, Any]) -> dict[str, Any]:
-    """Trains configuration ``job["config"]`` on rank ``job["rank"]``; returns its measurements."""
+def shape_links(commands: list[list[str]], rank: int) -> None:
+    """Shapes the links for the next runs: rank 0 runs the driver's commands (`netns.Hosts.rate_commands`) while
+    every rank waits, so that no run's traffic crosses the change."""
+    dist.barrier()
+    if rank == 0:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, timeout=30)
+    dist.barrier()
+
+
+def worker(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Trains each run of ``job["runs"]`` (round, setting, configuration) in turn on rank ``job["rank"]``, each from
+    the same initial weights on the same batches, the links shaped for its setting; returns their measurements."""
     torch.set_num_threads(1)
     timeout = timedelta(seconds=job["pg_timeout"])
     init = f"tcp://{job['master']}:{PORT}"
@@ -142,38 +156,47 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     workload = workloads.workload("gpt", job["quick"])
     if not job["quick"]:
         workload = workloads.GPTText(job["layers"], job["width"], job["heads"], job["context"])
-    model = workload.model(job["seed"])
-    built = build(job["config"], model, job["lr"], job["slowmo_frequency"])
-    done = train(job, workload, built)
-    done["replica_spread"] = replica_spread(model)
     held_out = workload.held_out(job["seed"], workloads.HELD_OUT_WINDOWS)
-    done["replica_held_out"] = held_out_loss(model, workload, held_out)  # this rank's own replica
-    if hasattr(built[0], "average_parameters"):
-        built[0].average_parameters()
-    done["held_out"] = held_out_loss(model, workload, held_out)
-    done.update(parameters=sum(p.numel() for p in model.parameters()), workload=workload.describe())
+    runs, shaped = [], None
+    for _, setting, name in job["runs"]:
+        if setting != shaped:
+            shape_links(job["shaping"][setting], job["rank"])
+            shaped = setting
+        model = workload.model(job["seed"])
+        built = build(name, model, job["lr"], job["slowmo_frequency"])
+        done = train(job, workload, built)
+        done["replica_spread"] = replica_spread(model)
+        done["replica_held_out"] = held_out_loss(model, workload, held_out)  # this rank's own replica
+        if hasattr(built[0], "average_parameters"):
+            built[0].average_parameters()
+        done["held_out"] = held_out_loss(model, workload, held_out)
+        done.update(parameters=sum(p.numel() for p in model.parameters()), workload=workload.describe())
+        runs.append(done)
     leave()  # collects what still references the group (a DDP reducer) first
-    return done
+    return runs
 
 
 # -- the driver: every configuration on the four hosts, in each setting --------------------------------------------
 
 
-def run_config(name: str, args: argparse.Namespace, hosts: netns.Hosts, workdir: str) -> list[dict]:
-    """Runs configuration `name` as a 4-process job, one process per host (all killed if one fails)."""
+def run_job(runs: list[Run], args: argparse.Namespace, hosts: netns.Hosts, shaping: dict, workdir: str) -> list[list]:
+    """Runs `runs` one after the other as one 4-process job, one process per host (all killed if one fails), the
+    links shaped by `shaping`'s commands for each setting; per run, its ranks' measurements."""
     keys = ("steps", "warmup", "batch", "lr", "seed", "pg_timeout", "slowmo_frequency")
     keys += ("layers", "width", "heads", "context", "quick")
     commands, envs, outs = [], [], []
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    first = "-".join(map(str, runs[0]))
     for rank in range(WORLD):
-        out = os.path.join(workdir, f"{name}.{rank}.json")
-        job = {k: getattr(args, k) for k in keys} | {"config": name, "rank": rank, "out": out}
+        out = os.path.join(workdir, f"{first}.{rank}.json")
+        job = {k: getattr(args, k) for k in keys} | {"runs": runs, "shaping": shaping, "rank": rank, "out": out}
         job["master"] = hosts.addresses[0]
         commands.append([*hosts.prefix(rank), sys.executable, "-m", "benchmarks.bench_sgp", json.dumps(job)])
         envs.append(dict(os.environ, GLOO_SOCKET_IFNAME=hosts.ifnames[rank], PYTHONPATH=path))
         outs.append(out)
-    netns.run_job(commands, envs, args.run_timeout, name)
-    return [json.loads(Path(out).read_text()) for out in outs]
+    netns.run_job(commands, envs, args.run_timeout * len(runs), f"sgp from {first}")
+    ranks = [json.loads(Path(out).read_text()) for out in outs]
+    return [list(done) for done in zip(*ranks, strict=True)]
 
 
 def summarise(name: str, setting: str, round_: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -212,16 +235,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--straggler-host must be in [0, {WORLD}) and --rounds >= 1")
     if why := netns.unavailable():
         raise Skip(why)
-    rows, links = [], {}
+    slow = {s: {args.straggler_host: args.straggler_rate if s == "straggler" else args.rate} for s in settings}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="ddpkit-sgp-") as workdir, netns.Hosts(WORLD, args.rate) as hosts:
+        shaping = {s: hosts.rate_commands(*host_rate) for s, rates in slow.items() for host_rate in rates.items()}
+        links = {s: hosts.describe(rates) for s, rates in slow.items()}
         work = [(r, s, n) for r in range(args.rounds) for s in settings for n in names]
-        for round_, setting, name in progress(work, desc="sgp"):
-            slow = args.straggler_rate if setting == "straggler" else args.rate
-            if hosts.rates[args.straggler_host] != slow:
-                hosts.set_rate(args.straggler_host, slow)
-            links[setting] = hosts.describe()
-            rows.append(summarise(name, setting, round_, run_config(name, args, hosts, workdir)))
-            print(f"{setting} {name} round {round_}: {rows[-1]['samples_per_s']:.2f} samples/s", flush=True)
+        for job in progress([work] if args.reuse_processes else [[run] for run in work], desc="sgp"):
+            for (round_, setting, name), ranks in zip(job, run_job(job, args, hosts, shaping, workdir), strict=True):
+                rows.append(summarise(name, setting, round_, ranks))
+                print(f"{setting} {name} round {round_}: {rows[-1]['samples_per_s']:.2f} samples/s", flush=True)
     return {"workload": rows[0]["workload"], "links": links, "rows": rows, "load_average": list(os.getloadavg())}
 
 
@@ -369,6 +392,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--straggler-rate", default="20mbit", help="the straggler's link rate, both ways")
     parser.add_argument("--straggler-host", type=int, default=3, help="which host straggles")
     netns.add_link_arguments(parser, 900.0, "configuration", tbf=False)
+    parser.add_argument("--reuse-processes", action="store_true",
+                        help="one job runs every configuration in every setting and round, in turn (quicker; each "
+                             "run then starts in processes that have run others)")  # fmt: skip
     parser.add_argument("--variant", default="", help="writes results/sgp_<variant>.json instead of sgp.json")
 
 

@@ -35,7 +35,7 @@ from benchmarks.lib.results import ROOT
 from ddpkit.distributed.launch import exit_without_teardown, leave
 
 QUESTION = "slowmo_link: SlowMo against DDP and torch PostLocalSGD on two hosts joined by a 100 Mbit/s link (root)"
-QUICK = {"steps": 24, "warmup": 4, "eval_every": 8, "configs": "ddp,postlocalsgd3,slowmo3"}
+QUICK = {"steps": 24, "warmup": 4, "eval_every": 8, "configs": "ddp,postlocalsgd3,slowmo3", "reuse_processes": True}
 PORT = 29500
 HELD_OUT = 2048
 HeldOutWorkload = workloads.Teacher | workloads.GPTText  # workloads with a held-out set
@@ -138,50 +138,60 @@ def train(job: dict[str, Any], workload: HeldOutWorkload, model: nn.Module, buil
     }
 
 
-def worker(job: dict[str, Any]) -> dict[str, Any]:
-    """Trains configuration ``job["config"]`` on rank ``job["rank"]``; returns its measurements."""
+def worker(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Trains each configuration of ``job["configs"]`` in turn on rank ``job["rank"]``, from the same initial
+    weights and batches; returns their measurements."""
     torch.set_num_threads(1)
     init = f"tcp://{job['master']}:{PORT}"
     timeout = timedelta(seconds=job["pg_timeout"])
     dist.init_process_group("gloo", init_method=init, rank=job["rank"], world_size=2, timeout=timeout)
     workload = workloads.workload(job["workload"], job["quick"])
-    model = workload.model(job["seed"])
-    done = train(job, workload, model, build(job["config"], model, job["lr"]))
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    replicas = [torch.zeros_like(flat) for _ in range(2)]
-    dist.all_gather(replicas, flat)
-    leave()  # collects what still references the group (a DDP reducer) first
     timed = job["steps"] - job["warmup"]
-    return {
-        "samples_per_s": 2 * job["batch"] * timed / done["elapsed"],
-        "modelled_bytes_per_step": done["sent"] / timed,
-        "measured_bytes_per_step": None if done["tx"] is None else done["tx"] / timed,
-        "losses": done["losses"],
-        "evals": done["evals"],
-        "replica_max_diff": (replicas[1] - replicas[0]).abs().max().item(),
-        "parameters": flat.numel(),
-    }
+    runs = []
+    for name in job["configs"]:
+        model = workload.model(job["seed"])
+        done = train(job, workload, model, build(name, model, job["lr"]))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        replicas = [torch.zeros_like(flat) for _ in range(2)]
+        dist.all_gather(replicas, flat)
+        runs.append(
+            {
+                "samples_per_s": 2 * job["batch"] * timed / done["elapsed"],
+                "modelled_bytes_per_step": done["sent"] / timed,
+                "measured_bytes_per_step": None if done["tx"] is None else done["tx"] / timed,
+                "losses": done["losses"],
+                "evals": done["evals"],
+                "replica_max_diff": (replicas[1] - replicas[0]).abs().max().item(),
+                "parameters": flat.numel(),
+            }
+        )
+    leave()  # collects what still references the group (a DDP reducer) first
+    return runs
 
 
 # -- the driver: every configuration on the two hosts -------------------------------------------------------------
 
 
-def run_config(name: str, args: argparse.Namespace, hosts: netns.Hosts | None, workdir: str) -> list[dict]:
-    """Runs configuration `name` as a 2-process job (killed if one fails or the timeout passes)."""
+def run_configs(
+    names: list[str], args: argparse.Namespace, hosts: netns.Hosts | None, workdir: str
+) -> list[list[dict]]:
+    """Runs configurations `names`, one after the other, as one 2-process job (killed if one fails or the timeout
+    passes); per configuration, its ranks' measurements."""
     commands, envs, outs = [], [], []
     for rank in range(2):
-        out = os.path.join(workdir, f"{name}.{rank}.json")
+        out = os.path.join(workdir, f"{'+'.join(names)}.{rank}.json")
         keys = ("steps", "warmup", "eval_every", "batch", "lr", "seed", "pg_timeout", "workload")
         job = {k: getattr(args, k) for k in keys}
-        job.update(config=name, rank=rank, quick=args.quick, out=out)
+        job.update(configs=names, rank=rank, quick=args.quick, out=out)
         job["master"] = hosts.addresses[0] if hosts else "127.0.0.1"
         prefix = hosts.prefix(rank) if hosts else []
         commands.append([*prefix, sys.executable, "-m", "benchmarks.bench_slowmo_link", json.dumps(job)])
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         envs.append(dict(os.environ, GLOO_SOCKET_IFNAME=hosts.ifnames[rank] if hosts else "lo", PYTHONPATH=path))
         outs.append(out)
-    netns.run_job(commands, envs, args.run_timeout, name)
-    return [json.loads(Path(out).read_text()) for out in outs]
+    netns.run_job(commands, envs, args.run_timeout * len(names), "+".join(names))
+    ranks = [json.loads(Path(out).read_text()) for out in outs]
+    return [list(runs) for runs in zip(*ranks, strict=True)]
 
 
 def summarise(name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -213,8 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hosts = None if args.loopback else netns.Hosts(2, args.rate, args.burst, args.latency)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ddpkit-slowmo-link-") as workdir, hosts or contextlib.nullcontext():
-        for name in progress(names, desc="slowmo_link"):
-            rows.append(summarise(name, run_config(name, args, hosts, workdir)))
+        for job in progress([names] if args.reuse_processes else [[n] for n in names], desc="slowmo_link"):
+            for name, ranks in zip(job, run_configs(job, args, hosts, workdir), strict=True):
+                rows.append(summarise(name, ranks))
     link = "loopback, no shaping" if args.loopback else hosts.describe()  # type: ignore[union-attr]
     return {"workload": workloads.workload(args.workload, args.quick).describe(), "link": link, "rows": rows}
 
@@ -293,6 +304,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", default="100mbit", help="tbf rate of each link, both ways")
     parser.add_argument("--loopback", action="store_true", help="no namespaces or shaping (losses only)")
     netns.add_link_arguments(parser, 900.0, "configuration")
+    parser.add_argument("--reuse-processes", action="store_true",
+                        help="one job runs every configuration in turn (quicker; each configuration then starts in "
+                             "processes that have run others)")  # fmt: skip
 
 
 if __name__ == "__main__":  # a rank: python -m benchmarks.bench_slowmo_link '<job as JSON>'

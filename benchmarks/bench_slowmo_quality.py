@@ -36,7 +36,7 @@ from benchmarks.lib.workloads import digits_split, mlp
 from ddpkit.testing import run_distributed
 
 QUESTION = "slowmo_quality: does SlowMo end as low as synchronous SGD on 4 workers where local SGD does not?"
-QUICK = {"lrs": "0.03", "seeds": "0", "steps": 24, "configs": "sync,slowmo,localsgd"}
+QUICK = {"lrs": "0.03", "seeds": "0", "steps": 12, "configs": "sync,slowmo,localsgd"}
 WORLD_SIZE = 4
 FREQUENCY = 12
 DIMS = (64, 128, 128, 10)

@@ -109,7 +109,7 @@ def test_only_a_run_at_the_defaults_or_with_record_changes_the_record(tmp_path, 
     assert runs == [1, 3, 10, 3, 1]
 
 
-QUICK_ALL_SECONDS = 1500  # every benchmark at smoke size: 3-5 minutes idle, far longer under a load of 10
+QUICK_ALL_SECONDS = 1500  # every benchmark at smoke size: ~3 minutes on 2 idle cores, far longer under a load of 10
 
 
 @pytest.mark.slow

@@ -89,7 +89,6 @@ class Hosts:
             raise ValueError(f"Hosts: count must be an int in 2..200; got {count!r}")
         tag = f"{PREFIX}{os.getpid()}"
         self.count, self.rate, self.burst, self.latency = count, rate, burst, latency
-        self.rates = [rate] * count  # each host's link; `set_rate` changes one
         self.switch = f"{tag}sw"
         self.namespaces = [f"{tag}h{k}" for k in range(count)]
         self.ifnames = [f"dk{os.getpid()}h{k}"[-15:] for k in range(count)]
@@ -115,19 +114,22 @@ class Hosts:
         sh("ip", "netns", "add", name)
         self._created.append(name)
 
-    def _shape(self, namespace: str, ifname: str, rate: str, verb: str = "add") -> None:
-        if verb == "add":
-            sh("ip", "-n", namespace, "link", "set", ifname, "up")
+    def _tbf(self, namespace: str, ifname: str, rate: str, verb: str) -> list[str]:
+        """The command that shapes `ifname` in `namespace` to `rate` (`verb`: tc's add or change)."""
         tbf = ["rate", rate, "burst", self.burst, "latency", self.latency]
-        sh("ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", ifname, "root", "tbf", *tbf)
+        return ["ip", "netns", "exec", namespace, "tc", "qdisc", verb, "dev", ifname, "root", "tbf", *tbf]
 
-    def set_rate(self, k: int, rate: str) -> None:
-        """Reshapes host `k`'s link, both ways, to `rate` (e.g. a straggler: one host on a slower link)."""
+    def _shape(self, namespace: str, ifname: str, rate: str) -> None:
+        sh("ip", "-n", namespace, "link", "set", ifname, "up")
+        sh(*self._tbf(namespace, ifname, rate, "add"))
+
+    def rate_commands(self, k: int, rate: str) -> list[list[str]]:
+        """The commands that reshape host `k`'s link, both ways, to `rate` (e.g. a straggler: one host on a slower
+        link), for a job to run between its runs: a process on any of the hosts may run them (as root)."""
         if not 0 <= k < self.count:
-            raise ValueError(f"Hosts.set_rate: k must be in [0, {self.count}), got {k!r}")
-        self._shape(self.namespaces[k], self.ifnames[k], rate, "change")
-        self._shape(self.switch, f"port{k}", rate, "change")
-        self.rates[k] = rate
+            raise ValueError(f"Hosts.rate_commands: k must be in [0, {self.count}), got {k!r}")
+        return [self._tbf(self.namespaces[k], self.ifnames[k], rate, "change"),
+                self._tbf(self.switch, f"port{k}", rate, "change")]  # fmt: skip
 
     def _open(self) -> None:
         self._namespace(self.switch)
@@ -140,8 +142,8 @@ class Hosts:
             sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
             sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", ifname)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-            self._shape(ns, ifname, self.rates[k])  # what the host sends
-            self._shape(self.switch, port, self.rates[k])  # what the host receives
+            self._shape(ns, ifname, self.rate)  # what the host sends
+            self._shape(self.switch, port, self.rate)  # what the host receives
 
     def close(self) -> None:
         """Deletes every namespace this object created; never raises; restores the signal handlers."""
@@ -160,9 +162,10 @@ class Hosts:
         """The command prefix that runs a program on host `k`."""
         return ["ip", "netns", "exec", self.namespaces[k]]
 
-    def describe(self) -> str:
+    def describe(self, rates: dict[int, str] | None = None) -> str:
+        """The hosts and their links as made, or with host k's link at ``rates[k]`` (`rate_commands`)."""
         text = f"{self.count} hosts, each link tbf {self.rate} (burst {self.burst}, latency {self.latency}) both ways"
-        others = [f"host {k} at {rate}" for k, rate in enumerate(self.rates) if rate != self.rate]
+        others = [f"host {k} at {rate}" for k, rate in sorted((rates or {}).items()) if rate != self.rate]
         return text + (f" except {', '.join(others)}" if others else "")
 
 

@@ -3,7 +3,8 @@
 The file holds ``benchmark``, ``command`` (the exact command line, to copy), ``date`` (UTC), ``commit`` (with
 ``dirty`` when the worktree had changes), ``torch``, ``machine`` (cores, memory, GPU name or None, load average at
 the start and the end), ``config`` (every option the run used) and ``figures`` (what the benchmark measured).
-Plots are drawn from this file, so ``--plot-only`` redraws them without running anything.
+Plots are drawn from this file, so ``--plot-only`` redraws them without running anything. torch is imported where
+it is used: ``python -m benchmarks all`` and the hosts' launchers import this module and need no torch (seconds).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from benchmarks.lib.memory import total_memory_gb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +30,8 @@ REQUIRED = ("benchmark", "command", "date", "commit", "torch", "machine", "confi
 
 def gpu_name() -> str | None:
     """The first CUDA device's name, or None without one."""
+    import torch
+
     try:
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except Exception:  # a broken driver is "no GPU" for the record
@@ -96,6 +97,8 @@ class Recorder:
         return self.out_dir / f"{self.name}.json"
 
     def write(self, figures: dict[str, Any], command: str | None = None) -> Path:
+        import torch
+
         report = {
             "benchmark": self.name,
             "command": command or command_line(),
@@ -114,6 +117,8 @@ class Recorder:
 
 
 def _plain(value: Any) -> Any:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, (set, tuple)):
