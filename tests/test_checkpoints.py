@@ -185,13 +185,12 @@ def test_keep_checkpoint_every_and_resume_at_another_world_size_strategy_and_lr(
     marker = json.loads((first / "checkpoint" / "step-00000040" / "COMMIT.json").read_text())
     assert marker["step"] == 40 and marker["epoch"] == 0 and marker["epoch_samples"] == 40 * 16 * 2
     assert set(marker["files"]) == {"shared.pt"} and len(marker["files"]["shared.pt"]) == 64
-    jobs = {}
+    results = {}
     for strategy in ("sharded", "ddp"):
         out = tmp_path / strategy
         shutil.copytree(first / "checkpoint" / "step-00000040", out / "checkpoint" / "step-00000040")
         flags = [*TRAIN, "--strategy", strategy, "--nproc-per-node", "1", "--lr", "0.02", "--resume", "--out", out]
-        jobs[strategy] = pooled_train.train(flags, tmp_path)
-    results = jobs
+        results[strategy] = pooled_train.train(flags, tmp_path)
     remaining = 1437 - 40 * 16 * 2  # 157 samples on 1 rank: 10 steps
     for strategy, result in results.items():
         out = tmp_path / strategy
@@ -213,7 +212,7 @@ def test_keep_checkpoint_every_and_resume_at_another_world_size_strategy_and_lr(
     training = totals["wall_seconds"] - totals["eval_seconds"]  # the first run's, without its evaluations
     assert summary["sent_bytes_total"] == totals["sent_bytes"] and summary["training_seconds"] > training
     assert summary["samples_per_second"] == pytest.approx((totals["samples"] + remaining) / summary["training_seconds"])
-    a, b = (torch.load(latest_checkpoint(tmp_path / s) / "shared.pt", weights_only=False)["model"] for s in jobs)
+    a, b = (torch.load(latest_checkpoint(tmp_path / s) / "shared.pt", weights_only=False)["model"] for s in results)
     for name in a:  # OSS's fused Adam against torch's foreach Adam: the same update up to rounding
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
 

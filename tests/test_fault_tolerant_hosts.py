@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_fault_tolerant_train import JOINING, wait_for_output, wait_until_dropped
+from test_fault_tolerant_train import JOINING, _wait_for_round, wait_for_output, wait_until_dropped
 from test_train_cli import DDPKIT, _env, procs  # noqa: F401  (fixture)
 
 HERE = Path(__file__).resolve().parent
@@ -76,10 +76,6 @@ def _in_namespace(namespace: str, make):
     if "value" not in made:
         pytest.fail(f"could not reach the job's store from namespace {namespace}")
     return made["value"]
-
-
-def _latest_round(store: dist.TCPStore) -> int:
-    return int(store.get("ddpkit/ft/latest")) if store.check(["ddpkit/ft/latest"]) else -1
 
 
 def _host(procs, hosts, k: int, out: Path, flags: list[str], name: str, env: dict):  # noqa: F811
@@ -137,10 +133,7 @@ def _run_all(procs, hosts, out: Path, flags: list[str], *, kill: int | None = No
         store = _in_namespace(hosts.namespaces[0], lambda: dist.TCPStore(
             hosts.addresses[0], PORT, is_master=False, timeout=timedelta(seconds=120)))  # fmt: skip
         target = STEPS // 4 if flags[1] == "ddp" else STEPS // 40  # rounds: per step, or per outer sync of 10
-        deadline = time.monotonic() + 180
-        while _latest_round(store) < target:
-            assert time.monotonic() < deadline, f"the job did not reach round {target}"
-            time.sleep(0.05)
+        _wait_for_round(store, target, 180)
         _kill_host(hosts, kill)
         wait_until_dropped(store, kill, 60)
         hold.touch()  # the others cannot finish before the restart (slow on a loaded machine) joins
