@@ -84,7 +84,8 @@ def _rank(store: Any, rank: int, fail_round: int, out: dict) -> None:
 
     def collective(work: Any, flat: torch.Tensor, *args: Any) -> Any:  # the round's work, before its commit
         result = real_collective(work, flat, *args)
-        rounds[manager.current().round]["worked"] = _held(sync, flat)
+        if manager.current().round in rounds:  # (not the last round's exact average)
+            rounds[manager.current().round]["worked"] = _held(sync, flat)
         if rank == 1 and manager.current().round == fail_round:
             manager.fail()  # this rank's round fails after its work: every member must drop it
         return result

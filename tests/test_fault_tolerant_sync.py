@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddpkit.algorithms.slow_momentum import SlowMoRule
 from ddpkit.fault_tolerance.manager import Manager
-from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, OuterSchedule
+from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, GossipSchedule, OuterSchedule
 from ddpkit.train.loop.trainer import Trainer
 
 LR, MOMENTUM, STEPS, BATCH = 0.1, 0.9, 8, 6
@@ -59,15 +61,16 @@ def _scaler() -> torch.amp.GradScaler:
 
 
 def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, out: dict, overlap: bool,
-          scaled: bool = False) -> None:  # fmt: skip
+          scaled: bool = False, gossip: GossipSchedule | None = None) -> None:  # fmt: skip
     model = _model(rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     manager = Manager(store, rank, 2, quorum_timeout=1.0, start_timeout=20, report=None)
     if rank == 1:  # this rank fails in `fail_round` after its average (both ranks hold the average then)
-        for name in ("average", "average_gradients"):
+        for name in ("collective", "average_gradients"):
             _fail_after(manager, name, fail_round)
     scaler = _scaler() if scaled else None
-    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer, overlap=overlap, scaler=scaler)  # type: ignore[arg-type]
+    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer, gossip, overlap=overlap,  # type: ignore[arg-type]
+                             scaler=scaler)  # fmt: skip
     loader = DataLoader(TensorDataset(*_data(rank, scaled)), batch_size=BATCH, shuffle=False)
     trainer = Trainer(model, optimizer, loader, scaler=scaler, callbacks=[sync])
     trainer.fit(epochs=1)
@@ -88,10 +91,11 @@ def _fail_after(manager: Manager, name: str, fail_round: int) -> None:
     setattr(manager, name, failing)
 
 
-def _train(outer: OuterSchedule | None, fail_round: int, overlap: bool = True, scaled: bool = False) -> dict:
+def _train(outer: OuterSchedule | None, fail_round: int, overlap: bool = True, scaled: bool = False,
+           gossip: GossipSchedule | None = None) -> dict:  # fmt: skip
     store, out = dist.HashStore(), {}
-    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out, overlap, scaled), daemon=True)
-               for r in (0, 1)]  # fmt: skip
+    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out, overlap, scaled, gossip),
+                                daemon=True) for r in (0, 1)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
@@ -151,24 +155,55 @@ def test_ddp_rounds_with_a_loss_scaler_skip_an_overflow_everywhere_and_equal_tor
     assert _close(out[0][0], want) and _close(out[1][0], want)
 
 
-def test_local_sgd_rounds_equal_the_definition_and_a_failed_sync_averages_nothing():
-    outer = OuterSchedule(every=2, slow_every=4, rule=None)  # a sync every 2 steps (rounds 1..4), no slow momentum
-    out = _train(outer, fail_round=2)  # the sync after step 4 is dropped: both keep their local parameters
-    assert out[0][1] == out[1][1] == [(2, False)]
+def _synced_reference(synced: Callable[[int], bool], beta: float, alpha: float) -> list[list[torch.Tensor]]:
+    """Each rank's parameters by the definition: two models (rank 0's at the start), each torch SGD with momentum on
+    its own batches; after each step s (1-based) where `synced(s)`, both take their mean, and on every 4th step
+    SlowMo's rule moves it: u = beta u + (x0 - mean) / lr; x0 -= alpha lr u; x = x0."""
     models = [_model(0), _model(0)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in models]
-    for step in range(STEPS):
+    x0 = [p.detach().clone() for p in models[0].parameters()]
+    u = [torch.zeros_like(p) for p in x0]
+    for step in range(1, STEPS + 1):
         for rank, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             optimizer.zero_grad()
-            nn.functional.cross_entropy(model(_batch(rank, step)[0]), _batch(rank, step)[1]).backward()
+            x, y = _batch(rank, step - 1)
+            nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
-        if (step + 1) % 2 == 0 and step + 1 != 4:
-            with torch.no_grad():
-                for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
-                    a.copy_((a + b) / 2)
-                    b.copy_(a)
+        if not synced(step):
+            continue
+        with torch.no_grad():
+            for i, (a, b) in enumerate(zip(models[0].parameters(), models[1].parameters(), strict=True)):
+                mean = (a + b) / 2
+                if step % 4 == 0:
+                    u[i] = beta * u[i] + (x0[i] - mean) / LR
+                    x0[i] = x0[i] - alpha * LR * u[i]
+                    mean = x0[i].clone()
+                a.copy_(mean)
+                b.copy_(mean)
+    return [[p.detach() for p in model.parameters()] for model in models]
+
+
+def test_local_sgd_rounds_with_slow_momentum_equal_the_definition_and_a_failed_sync_changes_nothing():
+    """A sync every 2 steps (rounds 1..4), slow momentum every 4; the sync after step 4 (round 2, a slow step) fails
+    on rank 1 after its average: both keep their local parameters and the slow buffers stay as they were, so the
+    slow step after step 8 starts from the untouched x0 and u."""
+    out = _train(OuterSchedule(every=2, slow_every=4, rule=SlowMoRule(0.5, 2.0)), fail_round=2)
+    assert out[0][1] == out[1][1] == [(2, False)]
+    want = _synced_reference(lambda step: step % 2 == 0 and step != 4, 0.5, 2.0)
     for rank in (0, 1):
-        assert _close(out[rank][0], [p.detach() for p in models[rank].parameters()]), rank
+        assert _close(out[rank][0], want[rank]), rank
+
+
+def test_sgp_rounds_with_slow_momentum_equal_the_definition_and_a_failed_round_changes_nothing():
+    """SGP's push-sum among 2 members: each keeps half of [x, w] and sends half to the other, so every committed
+    round (gossip or exact) leaves both on the mean of their models, with w = 1; every 4th step's round is exact
+    and slow momentum moves the mean; round 3 fails on rank 1 after its exchange, so both keep their own models
+    there."""
+    gossip = GossipSchedule("npeer-exponential", 1, slow_every=4, rule=SlowMoRule(0.5, 2.0))
+    out = _train(None, fail_round=3, gossip=gossip)
+    assert out[0][1] == out[1][1] == [(3, False)]
+    want = _synced_reference(lambda step: step != 3, 0.5, 2.0)
+    assert _close(out[0][0], want[0]) and _close(out[1][0], want[0])
 
 
 def test_a_checkpoint_is_written_beside_training_and_a_failed_write_is_raised(tmp_path, monkeypatch):

@@ -84,7 +84,7 @@ def _worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
             flat += _progress(rank, r)
             time.sleep(settings.get("sleep", 0.1))
             if settings.get("fail_at") == r:
-                _inject(manager, "average")
+                _inject(manager, "collective")
             q = ft.sync(flat)
             log.append((q.round, q.members, q.joined, q.is_member, q.committed, flat.tolist()))
         out.put((rank, rejoin, log, "done"))
@@ -240,7 +240,7 @@ def _gossip_worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
         flat += torch.tensor([_progress(rank, r), 1.0])
         time.sleep(settings.get("sleep", 0.1))
         if settings.get("fail_at") == r:
-            _inject(manager, "exchange")
+            _inject(manager, "collective")
         q = ft.sync(flat, exact=lambda round_: round_ % EXACT_EVERY == EXACT_EVERY - 1)
         log.append((q.round, q.members, q.joined, q.is_member, q.committed, flat.tolist()))
     out.put((rank, rejoin, log, "done"))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ddpkit.algorithms.averager import AveragingContext, AveragingOptions, register_averager
 from ddpkit.algorithms.gossip_checks import warn_sgp_only
+from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm
 from ddpkit.distributed.groups import NodeGroups
 
@@ -32,10 +34,24 @@ def average_and_slow_step(flat: torch.Tensor, ctx: AveragingContext, slow_step: 
     if slow_step and buffers is not None and buffers.num_shards is not None:
         buffers.sharded_step(flat, lr, ctx.slow.rule, ctx.world, ctx.options.world_size)
         return
-    average_between_nodes(flat, ctx.groups)
-    if slow_step:
-        assert buffers is not None
-        buffers.local_step(flat, lr, ctx.slow.rule)
+    slow = (buffers, ctx.slow.rule) if slow_step and buffers is not None else None
+    mean_then_slow_step(flat, lambda t: average_between_nodes(t, ctx.groups), slow, lr)
+
+
+def mean_then_slow_step(
+    flat: torch.Tensor,
+    mean: Callable[[torch.Tensor], None],
+    slow: tuple[SlowBuffers, SlowMoRule] | None,
+    lr: float,
+) -> None:
+    """Local SGD's sync on the flat fp32 parameters `flat`, in place: `mean(flat)` makes them the exact mean over
+    the replicas (a plain job's nodes: `average_between_nodes`; a fault-tolerant round's members:
+    `ddpkit.algorithms.fault_tolerant.RoundLink.mean`), then with `slow` (the buffers x0, u whole on this rank, and
+    the rule) slow momentum moves the mean at base learning rate `lr`. Sends what `mean` sends."""
+    mean(flat)
+    if slow is not None:
+        buffers, rule = slow
+        buffers.local_step(flat, lr, rule)
 
 
 @register_averager("exact")

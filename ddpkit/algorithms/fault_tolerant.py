@@ -1,17 +1,23 @@
-"""Local SGD and SGP whose nodes may come and go: each round is over the ranks that reached its quorum.
+"""Local SGD, DiLoCo's outer sync and SGP whose nodes may come and go: each round is over the ranks that reached
+its quorum.
 
-Both take the round from a `ddpkit.fault_tolerance.manager.Manager` (quorum, group, live state, commit) and hold no
-group of their own; `ddpkit train --fault-tolerant` and your own loop run the same classes.
+The averaging itself is the plain job's (`ddpkit.algorithms`): local SGD's mean and slow step
+(`ddpkit.algorithms.exact.mean_then_slow_step`), DiLoCo's `OuterSync`, SGP's `PushSum` rounds. What changes under
+fault tolerance is whom they average with: not the job's fixed node groups but each round's members, given per call
+as a `RoundLink` (the round's group, and which members count). Every class here takes its rounds from a
+`ddpkit.fault_tolerance.manager.Manager` (quorum, group, live state, commit) and holds no group of its own;
+`ddpkit train --fault-tolerant` and your own loop run the same classes.
+
+**Commit or roll back** (`run_committed`, one implementation for every mode): a round's work runs on its members;
+if it failed on any member (a member died mid-round, a collective timed out), every member puts back what the
+round changed (the parameters, the slow buffers, the push-sum buffer, the pseudo-gradient sync's state), so
+replicas never diverge. A rank left out of a round (late, stalled) rejoins at its next round (its steps since the
+last round are lost). Nothing waits on a dead rank for longer than `quorum_timeout`.
 
 **Local SGD** (`FaultTolerantLocalSGD`): each round replaces the parameters by their mean over the members that
-were already in step (joiners count zero: they take the mean, they do not move it) and commits: if the round
-failed on any member (a member died mid-round, a collective timed out), every member restores its parameters as
-they were before the round, so replicas never diverge. A rank left out of a round (late, stalled) rejoins at its
-next round (its steps since the last round are lost). Nothing waits on a dead rank for longer than
-`quorum_timeout`.
-
-Communication per round: the quorum's store round trips, an all-reduce of the P parameters and a count among the
-members (plus the live state to joiners). Memory: one copy of the parameters during a round.
+were already in step (joiners count zero: they take the mean, they do not move it), then slow momentum when due.
+Per round: the quorum's store round trips, an all-reduce of the P parameters and a count among the members (plus
+the live state to joiners). Memory: one copy of the parameters (and slow buffers) during a round.
 
 **DiLoCo's pseudo-gradients** (`FaultTolerantOuterSync`): the plain job's `OuterSync` (compressed with error
 feedback, in fragments), each sync over a round's members (its class doc).
@@ -29,53 +35,61 @@ from typing import Any
 import torch
 
 from ddpkit.algorithms.compressed_mean import MeanWay, PendingMean, start_mean_on
+from ddpkit.algorithms.exact import mean_then_slow_step
 from ddpkit.algorithms.gossip_graphs import GRAPHS, GraphManager, NPeerDynamicDirectedExponentialGraph
-from ddpkit.algorithms.gossip_mixing import UniformMixing
 from ddpkit.algorithms.pseudo_gradient import OuterSync
 from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
+from ddpkit.algorithms.push_sum import Messages, PushSum
 from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.fault_tolerance.manager import Manager
-from ddpkit.fault_tolerance.membership import Quorum, heal_source
+from ddpkit.fault_tolerance.membership import Quorum, heal_source, quorum_exchange, quorum_mean
 from ddpkit.fault_tolerance.round_channel import RoundChannel
 
+Slow = tuple[SlowBuffers, SlowMoRule]
+"""Slow momentum's buffers (x0, u: whole on this rank) and its rule."""
 
-class FaultTolerantLocalSGD:
-    """Exact averaging of a flat parameter vector among the live ranks of a fault-tolerant job (module doc).
-    Register the state a joiner needs beside the parameters (optimizer, data position) with the manager."""
 
-    def __init__(self, manager: Manager) -> None:
-        self.manager = manager
+def run_committed(manager: Manager, held: list[torch.Tensor], work: Callable[..., Any], *args: Any) -> bool:
+    """The open round's `work(quorum, *args)` on every member (`Manager.collective`), then its commit: where the
+    round failed on any member, every tensor of `held` (what `work` may change) is put back as it was before.
+    Returns the verdict, the same on every member. Holds a copy of `held` during the round."""
+    before = [t.clone() for t in held]
+    manager.collective(work, *args)
+    committed = manager.should_commit()
+    if not committed:
+        for now, then in zip(held, before, strict=True):
+            now.copy_(then)
+    return committed
 
-    def sync(self, flat: torch.Tensor) -> Quorum:
-        """One round on the flat fp32 parameters `flat` (in place): `Manager.start_round` (a rank that joins
-        takes the live state there), then `average`. Returns the round's quorum; raises `TooFewReplicas` on every
-        rank when fewer than `min_replicas` made it."""
-        quorum = self.manager.start_round()
-        assert quorum is not None
-        self.average(flat, counts=self.manager.rank not in quorum.joined)
-        return quorum
 
-    def average(self, flat: torch.Tensor, counts: bool = True) -> bool:
-        """The open round's work: `flat` replaced by the mean over the counted members, committed (restored if
-        the round failed anywhere). Returns the verdict."""
-        before = flat.clone()
-        self.manager.average(flat, counts)
-        committed = self.manager.should_commit()
-        if not committed:
-            flat.copy_(before)
-        return committed
+def slow_held(slow: Slow | None) -> list[torch.Tensor]:
+    """The slow buffers a round may move (none without slow momentum)."""
+    if slow is None:
+        return []
+    return [t for t in (slow[0].x0, slow[0].u) if t is not None]
 
 
 class RoundLink:
-    """A fault-tolerant round as `OuterSync`'s `OuterLink`: each member is a replica; the members that joined in
-    this round do not count (they hold nothing of their own to add); the mean goes over the round's group."""
+    """Whom one round of a fault-tolerant job averages with: its members over the round's gloo group (indices in
+    the round, not ranks). The members that joined in this round hold nothing of their own: they do not count in a
+    mean (they take it), unless `joiners_count` (SGP's push-sum buffer, which a joiner shares with its healer).
+    Serves as `OuterSync`'s `OuterLink` (each member is a replica), as local SGD's mean and as SGP's transport."""
 
-    def __init__(self, quorum: Quorum) -> None:
+    def __init__(self, quorum: Quorum, joiners_count: bool = False) -> None:
         assert quorum.index is not None
         self.quorum = quorum
         self.replicas = len(quorum.members)
-        self.counted = [m not in quorum.joined for m in quorum.members]
+        self.counted = [joiners_count or m not in quorum.joined for m in quorum.members]
         self.counts = self.counted[quorum.index]
+
+    def mean(self, flat: torch.Tensor) -> None:
+        """`flat` replaced in place by its mean over the counted members (`quorum_mean`)."""
+        quorum_mean(self.quorum, flat, self.counts)
+
+    def exchange(self, sends: Messages, recvs: Messages) -> _Done:
+        """Point-to-point messages between the members, done when it returns (`quorum_exchange`)."""
+        quorum_exchange(self.quorum, sends, recvs)
+        return _Done()
 
     def start(self, d: torch.Tensor, settings: OuterSyncSettings) -> PendingMean:
         quorum, index = self.quorum, self.quorum.index
@@ -86,6 +100,47 @@ class RoundLink:
     def share(self, mean: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
         assert mean is not None  # every member is its own replica: it has the mean already
         return mean
+
+
+class _Done:
+    """An exchange that completed already."""
+
+    def wait(self) -> None:
+        return None
+
+
+class FaultTolerantLocalSGD:
+    """Local SGD (and SlowMo's slow momentum on it) among the live ranks of a fault-tolerant job (module doc):
+    `ddpkit.algorithms.exact.mean_then_slow_step` over each round's members, committed. Register the state a
+    joiner needs beside the parameters (optimizer, data position, slow buffers) with the manager.
+
+    Args:
+        manager: the job's `Manager` (its rounds).
+        slow: slow momentum's buffers and rule (None: plain local SGD).
+    """
+
+    def __init__(self, manager: Manager, slow: Slow | None = None) -> None:
+        self.manager, self.slow = manager, slow
+
+    def sync(self, flat: torch.Tensor) -> Quorum:
+        """One round on the flat fp32 parameters `flat` (in place): `Manager.start_round` (a rank that joins
+        takes the live state there), then `step`. Returns the round's quorum; raises `TooFewReplicas` on every
+        rank when fewer than `min_replicas` made it."""
+        quorum = self.manager.start_round()
+        assert quorum is not None
+        self.step(flat)
+        return quorum
+
+    def step(self, flat: torch.Tensor, slow_step: bool = False, lr: float = 0.0) -> bool:
+        """The open round's work: `flat` replaced by the mean over the members in step (a joiner takes it), then
+        on a `slow_step` slow momentum at base learning rate `lr`; committed (on a failed round `flat` and the
+        slow buffers are as they were). Returns the verdict."""
+        slow = self.slow if slow_step else None
+        return run_committed(self.manager, [flat, *slow_held(slow)], self._round, flat, slow, lr)
+
+    @staticmethod
+    def _round(quorum: Quorum, flat: torch.Tensor, slow: Slow | None, lr: float) -> None:
+        mean_then_slow_step(flat, RoundLink(quorum).mean, slow, lr)
 
 
 class FaultTolerantOuterSync:
@@ -118,7 +173,7 @@ class FaultTolerantOuterSync:
         flat: torch.Tensor,
         sizes: list[int],
         settings: OuterSyncSettings,
-        slow: tuple[SlowBuffers, SlowMoRule] | None,
+        slow: Slow | None,
         frequencies: tuple[int, int | None],
     ) -> None:
         if settings.sync_delay:
@@ -134,12 +189,8 @@ class FaultTolerantOuterSync:
     def run(self, flat: torch.Tensor, step: int, lr: float) -> bool:
         """The open round's work (class doc) for the syncs due after step `step` (base learning rate `lr`), in place
         on `flat`, committed; returns the verdict (on False everything is as it was before)."""
-        before = [t.clone() for t in self._held(flat)]
-        self.manager.collective(self._sync, flat, step, lr)
-        committed = self.manager.should_commit()
+        committed = run_committed(self.manager, self._held(flat), self._sync, flat, step, lr)
         if not committed:
-            for now, then in zip(self._held(flat), before, strict=True):
-                now.copy_(then)
             self.outer.in_flight.clear()  # (none stays in flight with sync_delay 0; a failed one may have)
         return committed
 
@@ -150,10 +201,7 @@ class FaultTolerantOuterSync:
         """What a round changes: the parameters, g, the residual, the slow buffers."""
         held = [flat, self.outer.synced]
         held += [self.outer.residual] if self.outer.residual is not None else []
-        if self.outer.slow is not None:
-            buffers = self.outer.slow[0]
-            held += [t for t in (buffers.x0, buffers.u) if t is not None]
-        return held
+        return held + slow_held(self.outer.slow)
 
     def state_dict(self) -> dict[str, Any]:
         """What a joiner receives: g and the fragments' bounds (the residual stays this rank's)."""
@@ -189,18 +237,30 @@ class FaultTolerantGossip:
 
     - **joiners**: the member that heals them (the lowest one holding live state) sends them its buffer; it and
       its k joiners then each keep 1/(k+1) of it, so the total mass is unchanged by a join;
-    - **gossip** (most rounds): each member keeps ``1/(d+1)`` of ``[x, w]`` and sends ``1/(d+1)`` to each of its
-      d out-peers of graph `graph` rebuilt over the members (`members_graph`) at the current phase, then adds
-      what its in-peers sent (in increasing order); the phase advances;
+    - **gossip** (most rounds): the plain job's `PushSum` round (`ddpkit.algorithms.push_sum`) on graph `graph`
+      rebuilt over the members (`members_graph`) at the current phase, its messages sent over the round's group
+      (`RoundLink.exchange`): each member keeps ``1/(d+1)`` of ``[x, w]``, sends ``1/(d+1)`` to each of its d
+      out-peers and adds what its in-peers sent (in increasing order); the phase advances;
     - **exact** rounds (slow-momentum steps, or every few steps on request): ``x = sum x / sum w`` over the
-      members (one all-reduce of ``[x, w]`` and a count), ``w = 1``.
+      members (one all-reduce of ``[x, w]`` and a count), ``w = 1``; on a slow step slow momentum then moves x.
 
     A member that is lost takes its mass with it: the others' ``x / w`` is then a weighted average of the
-    survivors' contributions. Every round is committed (`Quorum.commit`): if it failed on any member, each
-    restores its buffer as it was before the round (a joiner of a failed round must join again).
+    survivors' contributions. Every round is committed (`run_committed`): if it failed on any member, each
+    restores its buffer and slow buffers as they were before the round (a joiner of a failed round must join
+    again).
 
     Communication per gossip round: d messages of P + 1 floats sent and as many received per member; per exact
     round an all-reduce of P + 2 floats. Memory: the buffer (P + 1), a copy during a round, one message per peer.
+
+    Args:
+        flat: the flat parameters the buffer starts from.
+        graph: the gossip graph's name (`ddpkit.algorithms.gossip_graphs.GRAPHS`).
+        peers_per_itr: out-peers per gossip round (at most the round's members - 1).
+        manager: the job's `Manager` (its rounds; None: only the buffer's arithmetic, `absorb` and `model`).
+        slow: slow momentum's buffers and rule (None: no slow step).
+
+    Raises:
+        ValueError: an unknown `graph`, or `peers_per_itr` below 1.
     """
 
     def __init__(
@@ -209,6 +269,7 @@ class FaultTolerantGossip:
         graph: str = "npeer-exponential",
         peers_per_itr: int = 1,
         manager: Manager | None = None,
+        slow: Slow | None = None,
     ) -> None:
         if graph not in GRAPHS:
             raise ValueError(f"FaultTolerantGossip: graph must be one of {sorted(GRAPHS)}, got {graph!r}")
@@ -217,22 +278,32 @@ class FaultTolerantGossip:
         self.graph, self.peers_per_itr = graph, peers_per_itr
         self.buffer = torch.cat([flat.detach().reshape(-1).float(), torch.ones(1)])
         self.phase = 0
-        self.manager = manager
+        self.manager, self.slow = manager, slow
         if manager is not None:
             manager.register("push_sum", self)
 
     def sync(self, flat: torch.Tensor, exact: bool | Callable[[int], bool]) -> Quorum:
         """One round of the job as a library call: `absorb` of `flat` (the model after this rank's local steps),
-        `Manager.start_round` (a joiner receives the buffer there), `run`; `flat` then holds ``x / w``. `exact`:
-        whether the round is an exact average, or a function of the round's number that says so (every member
-        must decide alike, a joiner too). A joiner of a round that failed joins again at its next round."""
+        `Manager.start_round` (a joiner receives the buffer there), `finish_round`. `exact`: whether the round is
+        an exact average, or a function of the round's number that says so (every member must decide alike, a
+        joiner too)."""
         assert self.manager is not None, "FaultTolerantGossip.sync needs the manager"
         self.absorb(flat)  # before the live state goes to a joiner (a joiner's own buffer is replaced there)
         quorum = self.manager.start_round()
         assert quorum is not None
-        if self.run(exact(quorum.round) if callable(exact) else exact) or self.manager.rank not in quorum.joined:
-            flat.copy_(self.model().reshape(flat.shape))
+        self.finish_round(flat, exact(quorum.round) if callable(exact) else exact)
         return quorum
+
+    def finish_round(self, flat: torch.Tensor, exact: bool, slow_step: bool = False, lr: float = 0.0) -> bool:
+        """The open round (`run`), then the model ``x / w`` into `flat`, except on a joiner whose round failed (the
+        state it took is not the others': it joins again at its next round and keeps what it had). Returns the
+        verdict."""
+        assert self.manager is not None
+        joined = self.manager.rank in self.manager.current().joined
+        committed = self.run(exact, slow_step, lr)
+        if committed or not joined:
+            flat.copy_(self.model().reshape(flat.shape))
+        return committed
 
     def model(self) -> torch.Tensor:
         """The de-biased model ``x / w`` (a new tensor)."""
@@ -243,49 +314,34 @@ class FaultTolerantGossip:
         x = self.buffer[:-1]
         x.add_(flat.reshape(-1).float() - x / self.buffer[-1])
 
-    def run(self, exact: bool) -> bool:
-        """The manager's open round on the buffer (class doc), committed; returns the verdict."""
+    def run(self, exact: bool, slow_step: bool = False, lr: float = 0.0) -> bool:
+        """The manager's open round on the buffer (class doc), committed (`run_committed`: a failed round leaves
+        the buffer and the slow buffers as they were); on an exact round with `slow_step`, slow momentum then moves
+        the average at base learning rate `lr`. Returns the verdict."""
         assert self.manager is not None
-        quorum, before = self.manager.current(), self.buffer.clone()
-        if self.manager.ok:
-            self._share_with_joiners(quorum)
-            self._exact() if exact else self._gossip(quorum)
+        slow = self.slow if exact and slow_step else None
+        committed = run_committed(self.manager, [self.buffer, *slow_held(slow)], self._round, exact, slow, lr)
         if not exact:
             self.phase += 1
-        committed = self.manager.should_commit()
-        if not committed:
-            self.buffer.copy_(before)
         return committed
+
+    def _round(self, quorum: Quorum, exact: bool, slow: Slow | None, lr: float) -> None:
+        link = RoundLink(quorum, joiners_count=True)  # a joiner holds its share of its healer's mass
+        self._share_with_joiners(quorum)
+        if exact:
+            link.mean(self.buffer)  # (sum x, sum w) / members: their ratio is unchanged
+            self.buffer[:-1].div_(self.buffer[-1])
+            self.buffer[-1] = 1.0
+            if slow is not None:
+                slow[0].local_step(self.buffer[:-1], lr, slow[1])
+        elif link.replicas > 1:
+            graph = members_graph(self.graph, link.quorum.index or 0, link.replicas, self.peers_per_itr)
+            PushSum(graph, transport=link.exchange).mix(self.buffer, self.phase)
 
     def _share_with_joiners(self, quorum: Quorum) -> None:
         source, me = heal_source(quorum), quorum.members[quorum.index or 0]
         if source is not None and (me == source or me in quorum.joined):
             self.buffer.div_(len(quorum.joined) + 1)
-
-    def _exact(self) -> None:
-        assert self.manager is not None
-        self.manager.average(self.buffer)  # (sum x, sum w) / members: their ratio is unchanged
-        self.buffer[:-1].div_(self.buffer[-1])
-        self.buffer[-1] = 1.0
-
-    def _gossip(self, quorum: Quorum) -> None:
-        n = len(quorum.members)
-        if n == 1:
-            return
-        assert quorum.index is not None
-        graph = members_graph(self.graph, quorum.index, n, self.peers_per_itr)
-        out_peers, in_peers = graph.out_peers(self.phase), graph.in_peers(self.phase)
-        kept, shares = UniformMixing(graph).shares(out_peers)
-        messages = [self.buffer * share for share in shares]
-        received = [torch.empty_like(self.buffer) for _ in in_peers]
-        self.buffer.mul_(kept)
-        assert self.manager is not None
-        self.manager.exchange(list(zip(messages, out_peers, strict=True)), list(zip(received, in_peers, strict=True)))
-        if received:
-            total = received[0]
-            for message in received[1:]:
-                total.add_(message)
-            self.buffer.add_(total)
 
     def state_dict(self) -> dict[str, Any]:
         """What a joiner needs: the buffer and the phase."""

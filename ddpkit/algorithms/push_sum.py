@@ -22,6 +22,9 @@ the next round.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 
 from ddpkit.algorithms.gossip_graphs import GraphManager
@@ -31,10 +34,21 @@ from ddpkit.distributed.env import ProcessGroup
 from ddpkit.distributed.p2p import Exchange, exchange
 
 
+class Pending(Protocol):
+    """Posted sends and receives; `wait()` completes them (the receive tensors hold the messages after it)."""
+
+    def wait(self) -> None: ...
+
+
+Messages = list[tuple[torch.Tensor, int]]
+Transport = Callable[[Messages, Messages], Pending]
+"""Posts one round's ``(tensor, peer)`` sends and receives (peers as indices among the gossiping nodes)."""
+
+
 class GossipRound:
     """One round's receives: `received()` waits for them (once) and returns their sum; `finish` adds it."""
 
-    def __init__(self, pending: Exchange | None, buffers: list[torch.Tensor], size: int, sends_weight: bool) -> None:
+    def __init__(self, pending: Pending | None, buffers: list[torch.Tensor], size: int, sends_weight: bool) -> None:
         self._pending, self._buffers, self.size, self.sends_weight = pending, buffers, size, sends_weight
         self._sum: torch.Tensor | None = None
 
@@ -73,13 +87,19 @@ class Gossiper:
     """Runs gossip rounds of a flat ``[x, w]`` buffer on the node-master group (see the module doc).
 
     `graph` is this node's view of the graph (its `rank` is this node's index in `group`); `mixing` defaults
-    to `UniformMixing`. One round may be in flight at a time.
+    to `UniformMixing`. The messages travel on `group` (`ddpkit.distributed.p2p.exchange`), or by `transport`
+    where given (a fault-tolerant round's members: `ddpkit.algorithms.fault_tolerant.RoundLink.exchange`). One
+    round may be in flight at a time.
     """
 
     sends_weight = True
 
     def __init__(
-        self, graph: GraphManager, mixing: MixingManager | None = None, group: ProcessGroup | None = None
+        self,
+        graph: GraphManager,
+        mixing: MixingManager | None = None,
+        group: ProcessGroup | None = None,
+        transport: Transport | None = None,
     ) -> None:
         if not isinstance(graph, GraphManager):
             raise TypeError(f"{type(self).__name__}: graph must be a ddpkit GraphManager, got {type(graph).__name__}")
@@ -88,6 +108,7 @@ class Gossiper:
         if not isinstance(self.mixing, MixingManager):
             raise TypeError(f"{type(self).__name__}: mixing must be a MixingManager, got {type(mixing).__name__}")
         self.group = group
+        self.transport = transport if transport is not None else self._on_group
         self._messages: list[torch.Tensor] = []
         self._receives: list[torch.Tensor] = []
         self._round: GossipRound | None = None
@@ -106,11 +127,14 @@ class Gossiper:
         buffer.mul_(kept)
         receives = self._take(self._receives, len(in_peers), size, buffer)
         sends = [(messages[distinct.index(share)], peer) for peer, share in zip(out_peers, shares, strict=True)]
-        pending = exchange(sends, list(zip(receives, in_peers, strict=True)), self.group, next_p2p_tag(self.group))
+        pending = self.transport(sends, list(zip(receives, in_peers, strict=True)))
         if not in_peers:  # nobody sends to this node in this round (possible on irregular graphs)
             receives = [torch.zeros(size, dtype=buffer.dtype, device=buffer.device)]
         self._round = GossipRound(pending, receives, size, self.sends_weight)
         return self._round
+
+    def _on_group(self, sends: Messages, recvs: Messages) -> Exchange:
+        return exchange(sends, recvs, self.group, next_p2p_tag(self.group))
 
     def mix(self, buffer: torch.Tensor, phase: int) -> None:
         """A whole round, waited for: `buffer` holds this node's mixed [x, w] afterwards."""
@@ -138,9 +162,13 @@ class PushPull(Gossiper):
     sends_weight = False
 
     def __init__(
-        self, graph: GraphManager, mixing: MixingManager | None = None, group: ProcessGroup | None = None
+        self,
+        graph: GraphManager,
+        mixing: MixingManager | None = None,
+        group: ProcessGroup | None = None,
+        transport: Transport | None = None,
     ) -> None:
-        super().__init__(graph, mixing, group)
+        super().__init__(graph, mixing, group, transport)
         check_push_pull(self.graph, self.mixing)
 
 

@@ -153,10 +153,10 @@ class FaultTolerantSync(Callback):
             flat = self._flat_params()
         rule = outer.rule if outer is not None else gossip.rule if gossip is not None else None
         self.slow = SlowBuffers(flat, 0, None) if rule is not None else None
-        self.local_sgd = FaultTolerantLocalSGD(manager) if outer is not None else None
+        slow = (self.slow, rule) if self.slow is not None and rule is not None else None
+        self.local_sgd = FaultTolerantLocalSGD(manager, slow) if outer is not None else None
         self.pseudo = None  # DiLoCo's compressed / fragmented sync (the exact average stays for the last round)
         if outer is not None and outer.sync is not None and outer.sync.active:
-            slow = (self.slow, outer.rule) if self.slow is not None and outer.rule is not None else None
             sizes, frequencies = [p.numel() for p in self.params], (outer.every, outer.slow_every)
             self.pseudo = FaultTolerantOuterSync(manager, flat, sizes, outer.sync, slow, frequencies)
         self.checkpoints = checkpoints
@@ -170,7 +170,7 @@ class FaultTolerantSync(Callback):
             manager.overlap_gradients(self.params)  # DDP's average starts while backward runs
         self.push_sum = None
         if gossip is not None:
-            self.push_sum = FaultTolerantGossip(flat, gossip.graph, gossip.peers_per_itr, manager)
+            self.push_sum = FaultTolerantGossip(flat, gossip.graph, gossip.peers_per_itr, manager, slow)
 
     # -- the live state ------------------------------------------------------------------------------------------
 
@@ -282,12 +282,12 @@ class FaultTolerantSync(Callback):
             self.manager.rejoin()
             self.manager.step = trainer.state.step
             if self.gossip is not None:
-                if not self._gossip_work(trainer, joined=True, final=self.final):
+                if not self._gossip_work(trainer, final=self.final):
                     continue  # the round failed: the state taken is not the others'
                 if not self.final and trainer.state.step < self.total_steps:
                     self._form_next(trainer)
             elif self.outer is not None:
-                self._outer_work(trainer, counts=False, slow=not self.final)
+                self._outer_work(trainer, slow=not self.final)
             elif self.final:
                 self.manager.should_commit()
             return  # (DDP: the joined round's gradients are averaged at the end of the next backward)
@@ -325,7 +325,7 @@ class FaultTolerantSync(Callback):
                     self._form_next(trainer)
             elif self.outer.due(step):
                 self.manager.round(self.outer.rounds_until(step))
-                self._outer_work(trainer, counts=True)
+                self._outer_work(trainer)
         self._annotate(trainer, self.manager.quorum, sent.sent_bytes())
         self._checkpoint(trainer)
 
@@ -358,39 +358,35 @@ class FaultTolerantSync(Callback):
 
     # -- per step, gossiping ------------------------------------------------------------------------------------
 
-    def _gossip_work(self, trainer: Trainer, joined: bool = False, final: bool = False) -> bool:
-        """The open round's push-sum work on the buffer the optimizer's step was absorbed into (or, for a rank that
-        `joined`, the one it received), committed; then slow momentum on an exact round when due, and the model
-        ``x / w`` into the parameters. Returns the verdict. The `final` round (the job's last) is an exact
-        average without a slow step (the last step's round made it already when due)."""
+    def _gossip_work(self, trainer: Trainer, final: bool = False) -> bool:
+        """The open round's push-sum work on the buffer the optimizer's step was absorbed into (or, on a joiner, the
+        one it received), with slow momentum on an exact round when due (`FaultTolerantGossip.finish_round`), and
+        its model into the parameters. Returns the verdict. The `final` round (the job's last) is an exact average
+        without a slow step (the last step's round made it already when due)."""
         gossip, push_sum, step = self.gossip, self.push_sum, trainer.state.step
         assert gossip is not None and push_sum is not None
-        committed = push_sum.run(final or gossip.exact(step))
-        slow_due = not final and step % gossip.slow_every == 0
-        if committed and slow_due and self.slow is not None and gossip.rule is not None:
-            x = push_sum.buffer[:-1]  # w is one after an exact round
-            self.slow.local_step(x, float(self.optimizer.param_groups[0]["lr"]), gossip.rule)
-        if committed or not joined:
-            self._set_params(push_sum.model())
+        flat = self._flat_params()
+        slow_step = not final and step % gossip.slow_every == 0
+        committed = push_sum.finish_round(flat, final or gossip.exact(step), slow_step, self._lr())
+        self._set_params(flat)
         return committed
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
     # -- per outer sync ------------------------------------------------------------------------------------------
 
-    def _outer_work(self, trainer: Trainer, counts: bool, slow: bool = True) -> None:
+    def _outer_work(self, trainer: Trainer, slow: bool = True) -> None:
         """The parameters' mean over the members (`FaultTolerantLocalSGD`), committed; then slow momentum when
         due (and `slow`). With the pseudo-gradient sync, its round instead (a joiner counts zero there too), but
         for the last round (not `slow`): an exact average, as SlowMo's `average_parameters` ends a plain job."""
         assert self.local_sgd is not None and self.outer is not None
-        flat = self._flat_params()
+        flat, step = self._flat_params(), trainer.state.step
         if self.pseudo is not None and slow:
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            if self.pseudo.run(flat, trainer.state.step, lr):
-                self._set_params(flat)
-            return
-        if self.local_sgd.average(flat, counts):
-            rule, step = self.outer.rule, trainer.state.step
-            if slow and self.slow is not None and rule is not None and step % self.outer.slow_every == 0:
-                self.slow.local_step(flat, float(self.optimizer.param_groups[0]["lr"]), rule)
+            committed = self.pseudo.run(flat, step, self._lr())
+        else:
+            committed = self.local_sgd.step(flat, slow and step % self.outer.slow_every == 0, self._lr())
+        if committed:
             self._set_params(flat)
 
     # -- the end -------------------------------------------------------------------------------------------------
@@ -411,7 +407,7 @@ class FaultTolerantSync(Callback):
         elif self.outer is None:
             self.manager.should_commit()
         else:
-            self._outer_work(trainer, counts=True, slow=False)
+            self._outer_work(trainer, slow=False)
         self.final = True
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last checkpoint is written before the job ends
