@@ -94,8 +94,8 @@ def _note_finish(args: tuple, start: float, took: float) -> None:
 
 def instrument() -> None:
     """Wraps the library's per-step work with timers (once per process)."""
-    from ddpkit.distributed import comm, mailboxes
-    from ddpkit.nn import grad_buckets, sharded_ddp
+    from ddpkit.distributed import comm, grad_buckets, mailboxes
+    from ddpkit.nn import sharded_ddp
     from ddpkit.optim import oss, param_messages
 
     _wrap(sharded_ddp.ShardedDataParallel, "_on_grad_ready", "sdp.grad_hook")

@@ -26,9 +26,9 @@ from ddpkit.distributed import comm, hosts, ledger, shared_memory
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
+from ddpkit.distributed.grad_buckets import GradBucket, build_buckets
 from ddpkit.distributed.hierarchical_reduce import HierarchicalReduce
 from ddpkit.distributed.mailboxes import MailboxReduce
-from ddpkit.nn.grad_buckets import GradBucket, build_buckets
 from ddpkit.nn.wrapper import ModuleWrapper
 from ddpkit.optim.adascale import AdaScale
 from ddpkit.optim.oss import OSS

@@ -1,4 +1,8 @@
-"""Gradient buckets for ShardedDataParallel: which gradients travel together to which owner, in which order."""
+"""Gradient buckets: which gradients travel together to which owner, in which order, while backward runs.
+
+ShardedDataParallel reduces each bucket to its owner (`ddpkit.nn.sharded_ddp`); a fault-tolerant round all-reduces
+each one over the round's members, every member its owner (`ddpkit.fault_tolerance.round_buckets`).
+"""
 
 from __future__ import annotations
 
