@@ -18,18 +18,20 @@ quorum waits.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+from ddpkit.fault_tolerance.clock import Clock, SystemClock
 
 INTERVAL = 0.25  # seconds between a rank's beats
 STALE_AFTER = 2.0  # seconds without a beat after which a rank counts as gone (at most the quorum timeout)
 LEASE_SECONDS = 2  # an etcd lease's time to live: a rank's key goes this long after its last renewal
 
 
-def _key(prefix: str, rank: int) -> str:
+def alive_key(prefix: str, rank: int) -> str:
+    """The store key of rank `rank`'s beat counter under the job's `prefix`."""
     return f"{prefix}alive/{rank}"
 
 
@@ -42,7 +44,7 @@ class Heartbeat:
     ) -> None:
         self._stop = threading.Event()
         self._on_error = on_error
-        self._thread = threading.Thread(target=self._beat, args=(store, _key(prefix, rank)), daemon=True,
+        self._thread = threading.Thread(target=self._beat, args=(store, alive_key(prefix, rank)), daemon=True,
                                         name="ddpkit-alive")  # fmt: skip
         self._thread.start()
 
@@ -73,10 +75,17 @@ class Heartbeat:
 
 
 class Liveness:
-    """What this rank has seen of the others' beats (module doc)."""
+    """What this rank has seen of the others' beats (module doc).
 
-    def __init__(self, prefix: str, stale_after: float = STALE_AFTER) -> None:
+    Args:
+        prefix: the job's key prefix in the store.
+        stale_after: seconds of this rank's clock without a change of a counter after which its rank is gone.
+        clock: the clock those seconds are read from (default: the machine's; `ddpkit.fault_tolerance.clock`).
+    """
+
+    def __init__(self, prefix: str, stale_after: float = STALE_AFTER, clock: Clock | None = None) -> None:
         self.prefix, self.stale_after = prefix, stale_after
+        self.clock: Clock = clock if clock is not None else SystemClock()
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (its counter, when this rank saw it change)
 
     def gone(self, store: Any, ranks: list[int]) -> bool:
@@ -85,11 +94,11 @@ class Liveness:
         them beats, or was first seen less than `stale_after` ago)."""
         if not ranks:
             return False
-        keys = [_key(self.prefix, r) for r in ranks]
+        keys = [alive_key(self.prefix, r) for r in ranks]
         present = [(r, k) for r, k in zip(ranks, keys, strict=True) if store.check([k])]
         if not present:
             return True
-        now, stale = time.monotonic(), True
+        now, stale = self.clock.monotonic(), True
         values = store.multi_get([k for _, k in present])
         for (rank, _), value in zip(present, values, strict=True):
             old = self._seen.get(rank)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -53,6 +52,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
+from ddpkit.fault_tolerance.clock import Clock, SystemClock
 
 DEFAULT_PREFIX = "ddpkit/ft/"
 FIRST_WAIT = 1.0  # seconds a quorum waits for everyone before it asks whether those missing still beat
@@ -120,6 +120,7 @@ class Membership:
         start_timeout: float | None = None,
         join_timeout: float = 300.0,
         predict_next: bool = True,
+        clock: Clock | None = None,
     ) -> None:
         if not 0 <= rank < max_world:
             raise ValueError(f"Membership: rank must be in [0, max_world={max_world}), got {rank}")
@@ -132,6 +133,7 @@ class Membership:
         self.start_timeout = max(quorum_timeout, start_timeout or 0.0)
         self.join_timeout = join_timeout
         self.predict_next = predict_next
+        self.clock: Clock = clock if clock is not None else SystemClock()
         self._forgetting: Any = None  # the store connection `forget` deletes through
         self._latest_written = b""  # the latest round this rank recorded (`advance_latest`)
         self._forgotten_through = -1  # the rounds whose keys this rank deleted (`forget_through`)
@@ -199,7 +201,8 @@ class Membership:
         last = self.last
         if last is not None and last.round == round_ - 1 and last.next_decided:  # decided by the last commit
             return self._member_of(Quorum(round_, last.members, [], [], last.members, _membership=self))
-        arrival = time.monotonic()
+        now = self.clock.monotonic
+        arrival = now()
         live = self._live(round_)
         self.store.set(self._key(round_, "in", self.rank), "live" if live else "joining")
         self.store.append(self._key(round_, "arrived"), f"{self.rank},")  # who arrived, for O(members) reads
@@ -209,17 +212,17 @@ class Membership:
             if self._forgotten(round_):  # this rank was stopped while the job went on: it joins a later round
                 self._expect(self.latest_round() + 1)
                 self.joining, self.last = True, None
-                return Quorum(round_, [], [], [], previous, waited=time.monotonic() - arrival, _membership=self)
+                return Quorum(round_, [], [], [], previous, waited=now() - arrival, _membership=self)
             members = self._decide(round_, sorted(arrived))
         else:
             decided = self._await_decision(round_)
             if decided is None:  # long past: not a member; the next round to be decided expects this rank
                 self._expect(self.latest_round() + 1)
-                return Quorum(round_, [], [], [], previous, waited=time.monotonic() - arrival, _membership=self)
+                return Quorum(round_, [], [], [], previous, waited=now() - arrival, _membership=self)
             members = decided
         joined = self._joined(round_, members) if previous is not None else []
         left = sorted(set(previous) - set(members)) if previous is not None else []
-        quorum = Quorum(round_, members, joined, left, previous, waited=time.monotonic() - arrival, _membership=self)
+        quorum = Quorum(round_, members, joined, left, previous, waited=now() - arrival, _membership=self)
         if self.rank not in members:
             self._expect(round_ + 1)  # late: the next round waits for this rank
             self.joining = True
@@ -292,15 +295,15 @@ class Membership:
         keys = [self._key(round_, "in", r) for r in sorted(expected)]
         first = limit if self.liveness is None or round_ == 0 else min(limit, FIRST_WAIT)
         try:
-            self.store.wait(keys, timedelta(seconds=max(1e-3, since + first - time.monotonic())))
+            self.store.wait(keys, timedelta(seconds=max(1e-3, since + first - self.clock.monotonic())))
             return expected  # (a rank that was not expected announced itself too late: it is expected next round)
         except dist.DistStoreError:
             pass  # someone is missing: wait on while it beats, quietly (a timed-out wait logs a warning)
-        while time.monotonic() < since + limit:
+        while self.clock.monotonic() < since + limit:
             missing = [r for r, key in zip(sorted(expected), keys, strict=True) if not self.store.check([key])]
             if not missing or (self.liveness is not None and self.liveness.gone(self.store, missing)):
                 break
-            time.sleep(POLL_SECONDS)
+            self.clock.sleep(POLL_SECONDS)
         return self._arrived(round_)
 
     def _arrived(self, round_: int) -> set[int]:
@@ -314,10 +317,10 @@ class Membership:
         """The members of `round_` as the live ranks decide them (None: the round is long past and its keys were
         deleted); TooFewReplicas if none is decided in `join_timeout`."""
         key, ended = self._key(round_, "members"), self.prefix + ENDED
-        deadline = time.monotonic() + self.join_timeout
+        deadline = self.clock.monotonic() + self.join_timeout
         while True:
             try:
-                self.store.wait([key], timedelta(seconds=min(1.0, max(1e-3, deadline - time.monotonic()))))
+                self.store.wait([key], timedelta(seconds=min(1.0, max(1e-3, deadline - self.clock.monotonic()))))
                 return json.loads(self.store.get(key))
             except dist.DistStoreError:
                 if self.latest_round() >= round_ + KEPT_ROUNDS // 2:
@@ -325,7 +328,7 @@ class Membership:
                 if self.store.check([ended]):
                     raise TooFewReplicas(f"the job ended: {self.store.get(ended).decode()}") from None
                 self.raise_if_finished()
-                if time.monotonic() > deadline:
+                if self.clock.monotonic() > deadline:
                     raise TooFewReplicas(
                         f"round {round_}: no live rank decided its quorum within {self.join_timeout:g} s (is any "
                         "rank of the job still training?)"
@@ -353,11 +356,17 @@ class Membership:
         same = last is not None and last.round == quorum.round - 1 and last.members == quorum.members
         if same and last.committed and last.group is not None:  # type: ignore[union-attr]
             return last.group  # type: ignore[union-attr]
-        store = dist.PrefixStore(self._group_key(quorum.round, lane) + "/", self.store)
         try:
-            return dist.ProcessGroupGloo(store, quorum.index, len(quorum.members), timedelta(seconds=self.timeout))
+            return self.connect(self._group_key(quorum.round, lane), quorum)
         except RuntimeError:
             return None
+
+    def connect(self, key: str, quorum: Quorum) -> Any:
+        """A new process group of `quorum`'s members (this rank at `quorum.index`), meeting in the store under
+        `key`: gloo, whose calls fail after the round's timeout when a member is gone. Raises a RuntimeError when
+        a member never connects. (The seam where a simulated transport goes: tests/test_protocol_fake_clock.py.)"""
+        store = dist.PrefixStore(key + "/", self.store)
+        return dist.ProcessGroupGloo(store, quorum.index, len(quorum.members), timedelta(seconds=self.timeout))
 
     def _group_key(self, round_: int, lane: int) -> str:
         return self._key(round_, "pg") if lane == 0 else self._key(round_, "pg", f"lane{lane}")

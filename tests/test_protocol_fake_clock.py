@@ -1,0 +1,370 @@
+"""The fault-tolerant protocol (`Membership`: quorums, joins, verdicts, the store's record) under random schedules
+of faults, on simulated time (hypothesis; `tests/sim_time.py`).
+
+Each example is a job of 3-6 ranks as threads on one simulated store, their clocks, waits and heartbeats all on
+one simulated time, so timeouts of seconds cost nothing and the same schedule always runs the same way. Each rank
+runs the protocol as `Manager` drives it: it adds its own progress to a value while it is in step, arrives at each
+round, does the round's work over the round's group (the mean of the values of the members in step; a member that
+joins takes it) and commits; a failed round changes nothing, and a joiner whose round failed joins again. The
+schedule gives ranks faults at rounds of their own: vanish (a killed process, before or inside a round), pause
+(stopped for 1-12 s, its heartbeat too: shorter and longer than the round's timeout), fail (its work fails), late
+(it starts while the job runs) or cut (its machine loses the store for good); and maybe the store's own loss.
+
+Invariants, whatever the schedule:
+
+- every member that logged a round logged the same members and the same verdict (no split);
+- after a committed round every member holds the same value, the definition's: the value of a one-process
+  simulation of the decided rounds (members in step add their progress; a committed round replaces each member's
+  value by the mean over the members that were in step, round 0 by the first member's; a failed round changes
+  nothing);
+- a rank cut off from the store never commits a round after the cut, and none trains on alone: it stops;
+- a rank that paused comes back and finishes with the others; a rank that vanished does not hold the job up;
+- no call waits past its bound: a quorum its timeout plus a connection's, a commit one timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sim_time import SimGroup, SimStore, VirtualTime
+
+from ddpkit.fault_tolerance.liveness import INTERVAL, STALE_AFTER, Liveness, alive_key
+from ddpkit.fault_tolerance.membership import (
+    DEFAULT_PREFIX,
+    FINAL,
+    KEPT_ROUNDS,
+    JobFinished,
+    Membership,
+    Quorum,
+    TooFewReplicas,
+)
+
+ROUNDS = 14
+STEP_SECONDS = 0.5  # a rank's local work between two rounds
+TIMEOUT = 3.0  # quorum_timeout, simulated seconds
+START_TIMEOUT = 10.0
+JOIN_TIMEOUT = 60.0
+
+
+class SimMembership(Membership):
+    """`Membership` whose rounds' groups are `SimGroup`s (its `connect` seam) instead of gloo groups."""
+
+    def __init__(self, hub: dict, time: VirtualTime, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, clock=time, **kwargs)
+        self.hub, self.time = hub, time
+
+    def connect(self, key: str, quorum: Quorum) -> SimGroup:
+        assert quorum.index is not None
+        return SimGroup(self.hub, key, quorum.index, len(quorum.members), self.time, self.timeout)
+
+
+@dataclass
+class Rank:
+    """One rank's schedule and what it did: `log` holds (round, members, joined, verdict, value after) for each
+    round it was a member of; `end` how it ended; `waits` the longest quorum and commit calls (simulated s)."""
+
+    rank: int
+    fault: tuple[str, int, str, float] | None  # (kind, round, where: WHERE, pause seconds)
+    log: list[tuple[int, list[int], list[int], bool, float]] = field(default_factory=list)
+    logged_at: list[float] = field(default_factory=list)  # when each entry of `log` was made
+    end: str = "running"
+    waits: dict[str, float] = field(default_factory=lambda: {"quorum": 0.0, "join": 0.0, "commit": 0.0})
+    paused_until: float = 0.0
+    stopped: bool = False
+    cut_at: float | None = None  # when its machine lost the store
+
+
+WHERE = ["before", "inside", "commit"]  # a fault before a rank arrives at its round, before its work, before its commit
+
+
+def progress(rank: int, round_: int) -> float:
+    return float((rank + 1) * (round_ + 1))
+
+
+def _beat(time: VirtualTime, store: SimStore, me: Rank) -> None:
+    """The rank's heartbeat (as `liveness.Heartbeat`): a counter in the store every INTERVAL, paused with it."""
+    beats = 0
+    while not me.stopped:
+        if time.now < me.paused_until:
+            time.sleep(me.paused_until - time.now)
+            continue
+        beats += 1
+        try:
+            store.set(alive_key(DEFAULT_PREFIX, me.rank), str(beats))
+        except dist.DistNetworkError:
+            return
+        time.sleep(INTERVAL)
+
+
+def _fault_here(me: Rank, round_: int, where: str) -> str | None:
+    if me.fault is not None and me.fault[1] == round_ and me.fault[2] == where:
+        return me.fault[0]
+    return None
+
+
+def _timed(time: VirtualTime, me: Rank, what: str, call: Any, *args: Any) -> Any:
+    since = time.now
+    try:
+        return call(*args)
+    finally:
+        me.waits[what] = max(me.waits[what], time.now - since)
+
+
+def _run_rank(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int) -> None:
+    try:
+        _rounds(time, hub, store, me, world)
+        me.end = "done"
+    except Vanished:
+        me.end = "vanished"
+    except dist.DistNetworkError:
+        me.end = "lost"  # the store is gone for it: it stops (the Manager raises StoreLost here)
+    except JobFinished:
+        me.end = "finished"  # it came back after the job's end: nothing to join
+    except TooFewReplicas:
+        me.end = "too few"
+    finally:
+        me.stopped = True
+
+
+def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int) -> None:
+    membership = SimMembership(hub, time, store, me.rank, world, 1, TIMEOUT, start_timeout=START_TIMEOUT,
+                               join_timeout=JOIN_TIMEOUT)  # fmt: skip
+    membership.liveness = Liveness(DEFAULT_PREFIX, min(TIMEOUT, STALE_AFTER), clock=time)
+    time.start(_beat, time, store.clone(), me)
+    round_, value, in_step = 0, 0.0, True
+    if me.fault is not None and me.fault[0] == "late":
+        time.sleep(me.fault[3])
+        membership.raise_if_finished()
+        if membership.latest_round() >= 0:  # the job is under way: it joins (`Manager.start_round`)
+            round_, in_step = membership.announce_join(), False
+    while round_ <= ROUNDS:
+        if _fault_here(me, round_, "before") == "vanish":
+            raise Vanished
+        _maybe_pause_or_cut(time, me, store, round_, "before")
+        if in_step:  # its local step
+            time.sleep(STEP_SECONDS)
+            value += progress(me.rank, round_)
+        quorum = _timed(time, me, "quorum" if in_step else "join", membership.quorum, round_)
+        round_ = quorum.round + 1
+        if not quorum.is_member:  # left out (late, stalled): it takes the live state again (`Manager.rejoin`)
+            if in_step:
+                round_, in_step = membership.announce_join(), False
+            continue
+        kind = _fault_here(me, quorum.round, "inside")
+        if kind == "vanish":
+            raise Vanished
+        _maybe_pause_or_cut(time, me, store, quorum.round, "inside")
+        value, in_step = _work_and_commit(time, membership, quorum, me, value, in_step)
+        if quorum.index == 0 and quorum.round > KEPT_ROUNDS:
+            membership.forget_through(quorum.round - KEPT_ROUNDS)
+    if me.log and me.log[-1][0] == ROUNDS:
+        store.compare_set(DEFAULT_PREFIX + FINAL, "", "done")  # the job's last round: nobody joins it any more
+
+
+class Vanished(Exception):
+    """The rank's process is gone (killed)."""
+
+
+def _maybe_pause_or_cut(time: VirtualTime, me: Rank, store: SimStore, round_: int, where: str) -> None:
+    kind = _fault_here(me, round_, where)
+    if kind == "pause":
+        assert me.fault is not None
+        me.paused_until = time.now + me.fault[3]
+        time.sleep(me.fault[3])
+    elif kind == "cut":
+        me.cut_at = time.now
+        store.cut()
+
+
+def _work_and_commit(
+    time: VirtualTime, membership: SimMembership, quorum: Quorum, me: Rank, value: float, in_step: bool
+) -> tuple[float, bool]:
+    """The round's work and its commit, as `Manager` does them: round 0 gives every member the first member's value
+    (`Manager.start`), a later round the mean of the values of the members in step."""
+    joined = me.rank in quorum.joined
+    result, ok = value, quorum.group is not None
+    if ok:
+        try:
+            first = quorum.round == 0
+            result = quorum.group.broadcast(value) if first else quorum.group.mean(None if joined else value)
+        except RuntimeError:
+            ok = False  # a member is gone: the round fails (`Manager._guarded`)
+    if any(_fault_here(me, quorum.round, where) == "fail" for where in WHERE):
+        ok = False
+    if _fault_here(me, quorum.round, "commit") == "vanish":
+        raise Vanished
+    _maybe_pause_or_cut(time, me, membership.store, quorum.round, "commit")
+    committed = _timed(time, me, "commit", quorum.commit, ok)
+    if committed:
+        value, in_step = result, True
+    elif joined:
+        membership.announce_join()  # its state is not the others': it joins again (`Manager.should_commit`)
+        in_step = False
+    me.log.append((quorum.round, quorum.members, quorum.joined, committed, value))
+    me.logged_at.append(time.now)
+    return value, in_step
+
+
+FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "cut", "none", "none"])
+
+
+@st.composite
+def schedules(draw: Any) -> dict[str, Any]:
+    """A job's size, a fault (or none) for each rank but rank 0, each at a round of its own, and maybe the
+    store's loss at some round."""
+    world = draw(st.integers(3, 6))
+    faults = {}
+    for rank in range(1, world):
+        kind = draw(FAULTS)
+        if kind != "none":
+            round_ = draw(st.integers(1, ROUNDS - 2))
+            where = draw(st.sampled_from(WHERE))
+            seconds = draw(st.floats(1.0, 12.0)) if kind in ("pause", "late") else 0.0
+            faults[rank] = (kind, round_, where, seconds)
+    lost_at = draw(st.one_of(st.none(), st.integers(2, ROUNDS - 2)))
+    return {"world": world, "faults": faults, "lost_at": lost_at}
+
+
+def run_job(schedule: dict[str, Any]) -> tuple[list[Rank], float, float | None]:
+    """Runs the schedule; returns the ranks, the job's simulated duration and when the store was lost (if)."""
+    time, hub = VirtualTime(), {}
+    store = SimStore(time)
+    ranks = [Rank(r, schedule["faults"].get(r)) for r in range(schedule["world"])]
+    lost: dict[str, float] = {}
+    threads = [time.start(_run_rank, time, hub, store.on_another_machine(), me, schedule["world"]) for me in ranks]
+    if schedule["lost_at"] is not None:
+        threads.append(time.start(_lose_store_at, time, store, schedule["lost_at"], ranks, lost))
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a rank still runs after 60 real seconds"
+    assert time.errors == [], time.errors
+    return ranks, time.now, lost.get("at")
+
+
+def _lose_store_at(time: VirtualTime, store: SimStore, round_: int, ranks: list[Rank], lost: dict) -> None:
+    """The store's machine goes once round `round_` is decided (or when every rank ended)."""
+    key = DEFAULT_PREFIX + "latest"
+
+    def reached() -> bool:
+        return all(me.stopped for me in ranks) or (key in store.data and int(store.data[key]) >= round_)
+
+    time.wait_until(reached, float("inf"))
+    if not all(me.stopped for me in ranks):
+        store.shared["lost"] = True
+        lost["at"] = time.now
+
+
+def simulate(ranks: list[Rank]) -> dict[tuple[int, int], float]:
+    """Each member's value after each round it logged, from the decided rounds alone (module doc)."""
+    decided = {entry[0]: entry[1:4] for me in ranks for entry in me.log}
+    value: dict[int, float] = {me.rank: 0.0 for me in ranks}
+    expected = {}
+    for round_ in sorted(decided):
+        members, joined, committed = decided[round_]
+        counted = [m for m in members if m not in joined]
+        for m in counted:
+            value[m] += progress(m, round_)
+        if committed:
+            mean = sum(value[m] for m in counted) / len(counted) if round_ > 0 else value[members[0]]
+            for m in members:
+                value[m] = mean
+        for m in members:
+            expected[(m, round_)] = value[m]
+    return expected
+
+
+def check_invariants(schedule: dict[str, Any], ranks: list[Rank], seconds: float, lost_at: float | None) -> None:
+    verdicts: dict[int, tuple] = {}
+    for me in ranks:
+        for round_, members, joined, committed, _ in me.log:
+            assert verdicts.setdefault(round_, (members, joined, committed)) == (members, joined, committed), (
+                f"round {round_} logged differently by rank {me.rank}: {verdicts[round_]} against "
+                f"{(members, joined, committed)}"
+            )
+    expected = simulate(ranks)
+    for me in ranks:
+        for round_, _, _, committed, value in me.log:
+            if committed or me.rank not in verdicts[round_][1]:
+                assert value == pytest.approx(expected[(me.rank, round_)], rel=1e-12), (me.rank, round_, me.log)
+    for round_, (_, _, committed) in verdicts.items():
+        if committed:
+            values = {v for me in ranks for r, _, _, _, v in me.log if r == round_}
+            assert len(values) == 1, (round_, values)
+    for me in ranks:
+        assert me.waits["quorum"] <= START_TIMEOUT + TIMEOUT + 1.0, (me.rank, me.waits)
+        assert me.waits["join"] <= 4 * TIMEOUT + 12.0 + 2.0, (me.rank, me.waits)
+        assert me.waits["commit"] <= TIMEOUT + 1.0, (me.rank, me.waits)
+        if me.cut_at is not None:
+            assert me.end == "lost", (me.rank, me.end)
+    for me in ranks:
+        kind = me.fault[0] if me.fault is not None else "none"
+        if lost_at is not None:
+            assert me.end in ("lost", "done", "vanished", "finished"), (me.rank, me.end)
+            continue
+        if kind in ("vanish", "cut"):
+            continue
+        assert me.end in ("done", "finished"), (me.rank, me.end, schedule)
+        if kind == "none" or me.rank == 0:
+            assert me.end == "done", (me.rank, me.end, schedule)
+    _no_commit_after_a_loss(ranks, lost_at)
+    assert seconds <= 400.0, seconds
+
+
+def _no_commit_after_a_loss(ranks: list[Rank], lost_at: float | None) -> None:
+    """A rank cut off from the store (its machine's cut, or the store's loss) logs no round after the cut: it never
+    goes on alone; it stops."""
+    for me in ranks:
+        cut = min(t for t in (me.cut_at, lost_at) if t is not None) if me.cut_at or lost_at else None
+        if cut is not None:
+            assert all(at <= cut for at in me.logged_at), (me.rank, cut, me.logged_at)
+
+
+EXAMPLES = int(os.environ.get("DDPKIT_PROPERTY_EXAMPLES", "150"))  # about 0.1 s each
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize="DDPKIT_PROPERTY_EXAMPLES" not in os.environ,  # CI: the same schedules on every run
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(schedules())
+def test_any_schedule_of_faults_on_simulated_time_keeps_every_invariant(schedule):
+    ranks, seconds, lost_at = run_job(schedule)
+    check_invariants(schedule, ranks, seconds, lost_at)
+
+
+def test_a_paused_rank_past_the_timeout_is_left_out_and_comes_back():
+    """One schedule spelled out: rank 2 of 3 stops inside round 4 for 8 s (more than twice the timeout)."""
+    schedule = {"world": 3, "faults": {2: ("pause", 4, "inside", 8.0)}, "lost_at": None}
+    ranks, seconds, lost_at = run_job(schedule)
+    check_invariants(schedule, ranks, seconds, lost_at)
+    rounds = {r: (members, committed) for r, members, _, committed, _ in ranks[0].log}
+    assert rounds[4] == ([0, 1, 2], False)  # its round failed everywhere
+    assert any(members == [0, 1] for members, _ in rounds.values())  # the others went on without it
+    assert ranks[2].log[-1][0] == ROUNDS and ranks[2].log[-1][1] == [0, 1, 2]  # and it came back
+
+
+def test_a_rank_cut_off_from_the_store_stops_and_the_others_train_on():
+    schedule = {"world": 3, "faults": {1: ("cut", 5, "inside", 0.0)}, "lost_at": None}
+    ranks, seconds, lost_at = run_job(schedule)
+    check_invariants(schedule, ranks, seconds, lost_at)
+    assert ranks[1].end == "lost" and ranks[0].end == ranks[2].end == "done"
+    assert ranks[0].log[-1][1] == [0, 2]
+
+
+def test_a_member_stalled_before_its_commit_is_not_committed_alone():
+    """Rank 2 stops after the round's work, before its commit, for longer than the timeout: the others give up
+    waiting and write the round failed; when rank 2 reports success later, the verdict written stands for it too
+    (a member that waits in vain must write its verdict, not only take it)."""
+    schedule = {"world": 3, "faults": {2: ("pause", 4, "commit", 8.0)}, "lost_at": None}
+    ranks, seconds, lost_at = run_job(schedule)
+    check_invariants(schedule, ranks, seconds, lost_at)
+    assert [entry[3] for entry in ranks[2].log if entry[0] == 4] == [False]
