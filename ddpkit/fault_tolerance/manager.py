@@ -389,6 +389,8 @@ class Manager:
         that round's quorum: do its work and `should_commit` as every member does (a joiner of a round that
         fails joins again at the next `start_round`)."""
         self._lost_track, self._joining = False, None if self._lost_track else self._joining
+        if self._buckets is not None:
+            self._buckets.reset()  # a backward that raised FellBehind half-way is abandoned
         if self.leads:
             store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings,
                                          self.membership.join_timeout)  # fmt: skip

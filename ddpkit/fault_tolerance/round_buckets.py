@@ -47,10 +47,12 @@ class RoundBuckets:
         for bucket in self.buckets:
             bucket.shared = True  # always a copy: a failed all-reduce leaves the gradients as they were
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
-        self._reset()
+        self.reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Forgets the backward under way (a rank that falls behind in one takes the live state and starts anew):
+        the next backward starts from the first bucket."""
         for bucket in self.buckets:
             bucket.reset()
         self.launched = 0  # buckets launched so far, in order
@@ -62,9 +64,9 @@ class RoundBuckets:
             self._launch_next()
 
     def _launch_next(self) -> None:
+        group = None if self.failed else self.group_of()  # (may raise FellBehind: nothing here moved yet)
         bucket = self.buckets[self.launched]
         self.launched += 1
-        group = None if self.failed else self.group_of()
         if group is None:
             self.failed = True
             return
@@ -99,7 +101,7 @@ class RoundBuckets:
                 bucket.finish(True, self.members(), False)
         else:
             self.on_error()
-        self._reset()
+        self.reset()
         return ok
 
     def remove(self) -> None:
