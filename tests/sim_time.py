@@ -14,9 +14,10 @@ timeout passed without them, as gloo's collectives do when a member is gone.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +47,19 @@ class VirtualTime:
 
     def sleep(self, seconds: float) -> None:
         self.wait_until(lambda: False, self.monotonic() + seconds)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Time stands still inside (the caller counts as a thread at work): start every thread of a scene in it,
+        so that none runs ahead before the others exist."""
+        with self.lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._active -= 1
+                self.changed()
 
     def start(self, target: Callable[..., Any], *args: Any) -> threading.Thread:
         """Runs `target(*args)` in a new thread taking part in this time."""

@@ -237,9 +237,10 @@ def run_job(schedule: dict[str, Any]) -> tuple[list[Rank], float, float | None]:
     store = SimStore(time)
     ranks = [Rank(r, schedule["faults"].get(r)) for r in range(schedule["world"])]
     lost: dict[str, float] = {}
-    threads = [time.start(_run_rank, time, hub, store.on_another_machine(), me, schedule["world"]) for me in ranks]
-    if schedule["lost_at"] is not None:
-        threads.append(time.start(_lose_store_at, time, store, schedule["lost_at"], ranks, lost))
+    with time.held():
+        threads = [time.start(_run_rank, time, hub, store.on_another_machine(), me, schedule["world"]) for me in ranks]
+        if schedule["lost_at"] is not None:
+            threads.append(time.start(_lose_store_at, time, store, schedule["lost_at"], ranks, lost))
     for thread in threads:
         thread.join(60)
         assert not thread.is_alive(), "a rank still runs after 60 real seconds"

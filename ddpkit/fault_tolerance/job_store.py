@@ -5,7 +5,8 @@ meet through a TCPStore that node 0's launcher hosts (`host`; `ddpkit store` hos
 runs its own torchrun) and every rank reaches as a client (`connect`): a
 rank's death does not take it down, and a rank started again finds the job where it is. The launcher keeps it up
 until the job is over: every rank of the final quorum has said it finished (`finish`, `wait_until_finished`), or
-no rank is left (each live rank beats a heartbeat into the store every second: `heartbeat`). Losing node 0's
+no rank is left (the heartbeats the quorums read, `ddpkit.fault_tolerance.liveness`, stopped for every member of
+the latest round). Losing node 0's
 launcher (its machine) loses this store, and with it the job (every rank stops with `StoreLost`): a job that must
 outlive any machine keeps the same keys in an etcd cluster instead (`ddpkit.fault_tolerance.etcd_store`), and
 then nobody hosts anything.
@@ -16,20 +17,18 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from ddpkit.distributed.launch import LaunchError
-from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL
+from ddpkit.fault_tolerance.clock import Clock, SystemClock
+from ddpkit.fault_tolerance.liveness import Liveness
+from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL, latest_members
 
 PREFIX = DEFAULT_PREFIX
 FINAL_KEY = PREFIX + FINAL  # the members of the job's last round, as a JSON list (nobody joins after it)
-HEARTBEAT_KEY = PREFIX + "heartbeats"  # a counter every live rank adds to every HEARTBEAT_SECONDS
-HEARTBEAT_SECONDS = 1.0
 SILENCE_SECONDS = 20.0  # no heartbeat for this long: no rank is left, the store's host stops waiting
 
 
@@ -92,45 +91,28 @@ def reports(store: Any, members: list[int], timeout: float) -> dict[int, dict[st
     return {r: json.loads(store.get(k)) for r, k in zip(members, keys, strict=True) if store.check([k])}
 
 
-def wait_until_finished(store: Any, start_timeout: float, silence: float = SILENCE_SECONDS) -> str:
+def wait_until_finished(
+    store: Any, start_timeout: float, silence: float = SILENCE_SECONDS, clock: Clock | None = None
+) -> str:
     """Blocks while the job runs (node 0's launcher calls it once its own ranks ended; `ddpkit store` at once) and
     says why it returned: every member of the final quorum finished ("finished"), the job ended with fewer ranks
-    than its minimum ("ended"), no rank's heartbeat came for `silence` seconds (every rank is gone: "silent"),
-    or none came at all within `start_timeout` seconds ("never started")."""
-    started, beats, last_beat = time.monotonic(), None, None
+    than its minimum ("ended"), the heartbeat of every member of the latest round stopped for `silence` seconds
+    (every rank is gone: "silent"), or no round was decided within `start_timeout` seconds ("never started").
+    `clock`: the time it reads (the machine's by default)."""
+    clock = clock if clock is not None else SystemClock()
+    liveness, started = Liveness(PREFIX, silence, clock), clock.monotonic()
     while not store.check([PREFIX + ENDED]):  # too few ranks were left: every rank stops
         if store.check([FINAL_KEY]):
             members = json.loads(store.get(FINAL_KEY))
             if store.check([f"{PREFIX}done/{r}" for r in members]):
                 return "finished"
-        now_beats = store.get(HEARTBEAT_KEY) if store.check([HEARTBEAT_KEY]) else None
-        if now_beats != beats:
-            beats, last_beat = now_beats, time.monotonic()
-        elif last_beat is not None and time.monotonic() - last_beat > silence:
-            return "silent"
-        elif last_beat is None and time.monotonic() - started > start_timeout:
+        members = latest_members(store, PREFIX)
+        if members is None and clock.monotonic() - started > start_timeout:
             return "never started"
-        time.sleep(0.2)
+        if members is not None and liveness.gone(store, members):
+            return "silent"
+        clock.sleep(0.2)
     return "ended"
-
-
-def heartbeat(address: str, port: int, timeout: float) -> threading.Event:
-    """Starts a daemon thread that tells the store every `HEARTBEAT_SECONDS` that this rank lives, on its own
-    connection (the rounds' long waits would hold up a shared one); set the returned event to stop it. The store's
-    host ends the job once no rank has beaten for `SILENCE_SECONDS` (`wait_until_finished`)."""
-    stop = threading.Event()
-    client = connect(address, port, timeout)
-
-    def beat() -> None:
-        while not stop.is_set():
-            try:
-                client.add(HEARTBEAT_KEY, 1)
-            except (RuntimeError, dist.DistError):
-                return  # the store is gone: the rank learns it from its next round
-            stop.wait(HEARTBEAT_SECONDS)
-
-    threading.Thread(target=beat, name="ddpkit-heartbeat", daemon=True).start()
-    return stop
 
 
 def choose_writer(store: Any, candidate: int) -> int:

@@ -64,6 +64,20 @@ FINAL = "final"  # key of the members of the job's last round: the job is over, 
 LEAVERS = "leavers"  # key of "rank@round," entries: the rank takes part in no round from `round` on (-1: back)
 
 
+def round_key(prefix: str, round_: int, *parts: object) -> str:
+    """The store key of round `round_`'s entry `parts` (its members: ``round_key(prefix, r, "members")``)."""
+    return f"{prefix}r{round_}/" + "/".join(map(str, parts))
+
+
+def latest_members(store: Any, prefix: str = DEFAULT_PREFIX) -> list[int] | None:
+    """The members of the latest round decided in the job's `store` (None before the first is decided): what a
+    process that watches the job from outside (node 0's launcher) reads."""
+    if not store.check([prefix + LATEST]):
+        return None
+    key = round_key(prefix, int(store.get(prefix + LATEST)), "members")
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
 class TooFewReplicas(RuntimeError):
     """Fewer ranks than `min_replicas` reached a quorum in time."""
 
@@ -147,7 +161,7 @@ class Membership:
         self.lanes = 1  # the groups each round makes (one per process of a replica: `replica_membership`)
 
     def _key(self, round_: int, *parts: object) -> str:
-        return f"{self.prefix}r{round_}/" + "/".join(map(str, parts))
+        return round_key(self.prefix, round_, *parts)
 
     # -- joining -------------------------------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
 from typing import Any
 
 import torch
@@ -85,12 +84,7 @@ def local_group() -> None:
 
 def train_fault_tolerant(cfg: TrainConfig, placement: Placement, started: float) -> dict[str, Any] | None:
     """Trains this rank of a fault-tolerant job; returns the summary on the rank that wrote it, else None."""
-    store, beating = open_job_store(cfg, placement)
-    try:
-        return _train(cfg, placement, started, store)
-    finally:
-        if beating is not None:
-            beating.set()  # (the launcher learns this rank ended from its own process table)
+    return _train(cfg, placement, started, open_job_store(cfg, placement))
 
 
 def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -> dict[str, Any] | None:
@@ -154,10 +148,9 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
     return summary
 
 
-def open_job_store(cfg: TrainConfig, placement: Placement) -> tuple[Any, threading.Event | None]:
-    """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port, with a
-    heartbeat that tells node 0's launcher this rank lives (set the returned event to stop it). Across machines,
-    the rounds' gloo groups advertise the address that routes towards the store (the other machines')."""
+def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
+    """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port. Across
+    machines, the rounds' gloo groups advertise the address that routes towards the store (the other machines')."""
     if cfg.store is not None:
         store = EtcdStore(cfg.store, cfg.timeout)
         host, port = store.endpoints[0]
@@ -166,9 +159,8 @@ def open_job_store(cfg: TrainConfig, placement: Placement) -> tuple[Any, threadi
     if cfg.nnodes > 1:
         choose_gloo_interface(host, port)
     if cfg.store is not None:
-        return store, None
-    beating = job_store.heartbeat(host, port, cfg.timeout)
-    return job_store.connect(host, port, cfg.timeout), beating
+        return store
+    return job_store.connect(host, port, cfg.timeout)
 
 
 def report(

@@ -1,0 +1,88 @@
+"""How long node 0's launcher keeps a fault-tolerant job's store up (`job_store.wait_until_finished`), on simulated
+time (`tests/sim_time.py`): it watches the heartbeats the quorums read (`liveness`), no second heartbeat."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sim_time import SimStore, VirtualTime
+
+from ddpkit.fault_tolerance import job_store
+from ddpkit.fault_tolerance.liveness import INTERVAL, alive_key
+from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, round_key
+
+SILENCE = 20.0
+
+
+def _launcher(time: VirtualTime, store: SimStore, out: dict) -> None:
+    out["why"] = job_store.wait_until_finished(store, 300.0, SILENCE, clock=time)
+    out["at"] = time.now
+
+
+def _decide(store: SimStore, round_: int, members: list[int]) -> None:
+    store.set(round_key(DEFAULT_PREFIX, round_, "members"), json.dumps(members))
+    store.set(DEFAULT_PREFIX + "latest", str(round_))
+
+
+def _beat_until(time: VirtualTime, store: SimStore, rank: int, until: float) -> None:
+    beats = 0
+    while time.now < until:
+        beats += 1
+        store.set(alive_key(DEFAULT_PREFIX, rank), str(beats))
+        time.sleep(INTERVAL)
+
+
+def _run(*jobs) -> dict:
+    time, out = VirtualTime(), {}
+    store = SimStore(time)
+    with time.held():
+        threads = [time.start(_launcher, time, store.clone(), out)]
+        threads += [time.start(job, time, store.clone()) for job in jobs]
+    for thread in threads:
+        thread.join(30)
+    assert time.errors == []
+    return out
+
+
+def test_no_round_within_the_start_timeout_is_never_started():
+    out = _run()
+    assert out["why"] == "never started" and 300.0 < out["at"] <= 300.5
+
+
+def test_every_member_silent_for_the_silence_ends_it_and_one_beating_member_keeps_it_up():
+    def job(time: VirtualTime, store: SimStore) -> None:
+        _decide(store, 0, [0, 1, 2])
+        time.start(_beat_until, time, store.clone(), 0, 30.0)
+        time.start(_beat_until, time, store.clone(), 1, 50.0)  # rank 1 beats longest: silent from t = 50
+        _beat_until(time, store, 2, 10.0)
+        _decide(store, 7, [0, 1])  # rank 2 left the job's rounds; the launcher watches the latest round's members
+
+    out = _run(job)
+    assert out["why"] == "silent"
+    assert 50.0 + SILENCE - INTERVAL <= out["at"] <= 50.0 + SILENCE + 1.0, out
+
+
+def test_the_final_members_done_finishes_it_and_too_few_replicas_ends_it():
+    def finished(time: VirtualTime, store: SimStore) -> None:
+        _decide(store, 0, [0, 1])
+        for rank in (0, 1):
+            time.start(_beat_until, time, store.clone(), rank, 8.0)
+        time.sleep(5.0)
+        job_store.finish(store, 0, [0, 1], {})
+        job_store.done(store, 0)
+        time.sleep(5.0)
+        job_store.done(store, 1)
+
+    out = _run(finished)
+    assert out["why"] == "finished" and 10.0 <= out["at"] <= 10.5
+
+    def ended(time: VirtualTime, store: SimStore) -> None:
+        _decide(store, 0, [0, 1])
+        for rank in (0, 1):
+            time.start(_beat_until, time, store.clone(), rank, 2.0)
+        time.sleep(3.0)
+        store.set(DEFAULT_PREFIX + ENDED, "round 3: 1 of 2 ranks reached the quorum")
+
+    out = _run(ended)
+    assert out["why"] == "ended" and out["at"] == pytest.approx(3.0, abs=0.5)
