@@ -11,22 +11,43 @@ from typing import Any
 from ddpkit.train.settings import config as cfgmod
 from ddpkit.train.settings.config import TrainConfig
 
-EXAMPLES = """examples:
+TRAIN_EXAMPLES = """examples:
   ddpkit train                                         # 2 local processes, digits, OSS + ShardedDataParallel
   ddpkit train --strategy slowmo --nproc-per-node 4 --localsgd-frequency 3
   ddpkit train --strategy slowmo --slowmo-base sgp --graph ring --nproc-per-node 4 --overlap
-  ddpkit train --strategy slowmo --localsgd-frequency 8 --slowmo-compression int4 --slowmo-fragments 4 \
+  ddpkit train --strategy slowmo --localsgd-frequency 8 --slowmo-compression int4 --slowmo-fragments 4 \\
       --slowmo-sync-delay 1 --slowmo-error-feedback   # streaming DiLoCo: over slow links
   ddpkit train --strategy ddp --optimizer sgd --adascale --grad-accum 2
   torchrun --nproc-per-node 2 -m ddpkit train          # under torchrun
   ddpkit train --world-size 2 --rank 0 --host 10.0.0.1   # on machine 0, then --rank 1 on machine 1
+  ddpkit train --strategy ddp --fault-tolerant --nnodes 3 --node-rank K --master-addr HOST0   # survives lost machines
   ddpkit train --model gpt --data text --max-steps 200  # a byte-level GPT on the stdlib's source
   ddpkit train --model mypkg.models:build --data mypkg.data:load --loss mse   # your own model and data
-  ddpkit bench --nproc-per-node 2                      # every strategy on one synthetic workload
-  ddpkit store --port 29510   # then on machine k: torchrun --nnodes 1 --max-restarts 3 -m ddpkit train \
-      --fault-tolerant --nnodes 2 --node-rank k --master-addr <store's address> --master-port 29510
-  ddpkit bench --model gpt --link-mbit 1000            # which strategy for a GPT over a 1 Gbit/s link
+  ddpkit train --out run1 --checkpoint-every 100 && ddpkit train --out run1 --resume   # checkpoints, resume
 """
+
+EXAMPLES = (
+    TRAIN_EXAMPLES
+    + """\
+  ddpkit bench --nproc-per-node 2                      # every strategy on one synthetic workload
+  ddpkit bench --model gpt --link-mbit 1000            # which strategy for a GPT over a 1 Gbit/s link
+  ddpkit store --port 29510   # then on machine k: torchrun --nnodes 1 --max-restarts 3 -m ddpkit train \\
+      --fault-tolerant --nnodes 2 --node-rank k --master-addr <store's address> --master-port 29510
+"""
+)
+
+
+def _version() -> str:
+    """ddpkit's version and the torch it runs on (read from the installed metadata: torch is not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ddpkit import __version__
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"ddpkit {__version__} (torch {torch})"
 
 
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -65,6 +86,7 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
         "--slowmo-nprocs-per-node",
         dest="nprocs_per_node_slowmo",
         type=int,
+        metavar="N",
         help="processes per SlowMo node",
     )
     slowmo.add_argument("--slowmo-base", choices=cfgmod.SLOWMO_BASES, help="between slow steps: averaging or gossip")
@@ -133,7 +155,9 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
-    ft = p.add_argument_group("keeping on through lost ranks (--strategy ddp or slowmo)")
+    ft = p.add_argument_group(
+        "keeping on through lost machines (every strategy; with oss and sharded a machine's processes are one replica)"
+    )
     ft.add_argument("--fault-tolerant", action="store_true", help="survivors train on; a rank started again rejoins")
     ft.add_argument("--min-replicas", type=int, metavar="N", help="fewest live ranks to go on with")
     ft.add_argument("--quorum-timeout", type=float, metavar="S", help="seconds a round waits for a missing rank")
@@ -192,11 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddpkit", description="Data-parallel training that costs less memory and network than DDP.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
     )  # fmt: skip
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     # allow_abbrev=False everywhere: `--nproc 4` must not silently become --nproc-per-node 4
     train = sub.add_parser(
-        "train", help="train a model data-parallel", argument_default=argparse.SUPPRESS, allow_abbrev=False
-    )
+        "train", help="train a model data-parallel", argument_default=argparse.SUPPRESS, allow_abbrev=False,
+        epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     _add_training_flags(train)
     _add_placement_flags(train)
     _add_fault_tolerance_flags(train)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_train_checks import write_tiny_mnist
 
+import ddpkit
 from ddpkit import cli
 from ddpkit.nn import SlowMoDistributedDataParallel
 from ddpkit.train.loop.strategies import optimizer_arguments
@@ -365,3 +366,27 @@ def test_the_held_out_text_size_is_the_text_modules():
     from ddpkit.train.workloads.text import DEFAULT_HELDOUT_BYTES
 
     assert HELDOUT_TEXT_BYTES == DEFAULT_HELDOUT_BYTES
+
+
+def test_version_names_ddpkit_and_torch(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.parse(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ddpkit {ddpkit.__version__} (torch {torch.__version__})"
+
+
+def test_every_example_in_train_help_is_a_valid_command():
+    """`ddpkit train --help` ends with examples; each `ddpkit train` line of them parses and passes the checks a
+    run makes before it starts (mypkg's factories aside: they are the reader's own)."""
+    lines = [line.split("#")[0] for line in cli.TRAIN_EXAMPLES.replace("\\\n", " ").splitlines()]
+    commands = [part.split() for line in lines for part in line.split("&&") if "ddpkit train" in part]
+    assert len(commands) >= 10
+    for words in commands:
+        flags = [w.replace("HOST0", "10.0.0.1").replace("K", "0") if w in ("HOST0", "K") else w
+                 for w in words[words.index("train") + 1 :]]  # fmt: skip
+        if "mypkg.models:build" in flags:
+            continue
+        if "--resume" in flags:  # (the line after a run that wrote the checkpoint)
+            assert "--resume: no complete checkpoint in run1" in error_of(flags)
+            continue
+        config_from(flags)
