@@ -71,9 +71,15 @@ def slow_held(slow: Slow | None) -> list[torch.Tensor]:
 
 class RoundLink:
     """Whom one round of a fault-tolerant job averages with: its members over the round's gloo group (indices in
-    the round, not ranks). The members that joined in this round hold nothing of their own: they do not count in a
-    mean (they take it), unless `joiners_count` (SGP's push-sum buffer, which a joiner shares with its healer).
-    Serves as `OuterSync`'s `OuterLink` (each member is a replica), as local SGD's mean and as SGP's transport."""
+    the round, not ranks). Serves as `OuterSync`'s `OuterLink` (each member is a replica), as local SGD's mean and
+    as SGP's transport. Sends what its calls send over the round's group; holds nothing.
+
+    Args:
+        quorum: the open round, on a member (its group and index).
+        joiners_count: whether the members that joined in this round count in a mean. They hold nothing of their
+            own by default (they take the mean); SGP's push-sum buffer is the exception: a joiner holds a share of
+            its healer's.
+    """
 
     def __init__(self, quorum: Quorum, joiners_count: bool = False) -> None:
         assert quorum.index is not None
@@ -165,6 +171,17 @@ class FaultTolerantOuterSync:
     Sends per round what `OuterSync` sends for the fragments due (about 2 (N-1)/N of their quantised size per
     member), plus the quorum's store round trips. Holds `OuterSync`'s state (g, the residual) and, during a round,
     a copy of the parameters, g, the residual and the slow buffers (up to 5P fp32).
+
+    Args:
+        manager: the job's `Manager` (its rounds); g is registered with it as live state (``outer_sync``).
+        flat: the flat fp32 parameters g starts from.
+        sizes: the element counts of the tensors `flat` holds, in order (fragments follow their bounds).
+        settings: the sync's compression, fragments and error feedback (`sync_delay` must be 0).
+        slow: slow momentum's buffers and rule (None: no slow step).
+        frequencies: (`localsgd_frequency`, `slowmo_frequency` or None): when fragments sync and slow steps come.
+
+    Raises:
+        ValueError: a `sync_delay` other than 0.
     """
 
     def __init__(
