@@ -184,7 +184,8 @@ TRAIN_DEFAULTS = {
     "host": "none",
 }
 BENCH_DEFAULTS = {"nproc_per_node": 2, "steps": 20, "warmup": 3, "batch_size": 32, "hidden": 1024, "depth": 4}
-BENCH_DEFAULTS |= {"optimizer": "adam", "strategies": "all", "json_path": "none", "plot": "bench.png"}
+BENCH_DEFAULTS |= {"optimizer": "adam", "strategies": "all", "json_path": "OUT/bench.json with --out, else none"}
+BENCH_DEFAULTS |= {"plot": "OUT/bench.png, else bench.png in the current folder", "out": "none"}
 BENCH_DEFAULTS |= {k: TRAIN_DEFAULTS[k] for k in ("master_port", "world_size", "rank", "host")}
 BENCH_DEFAULTS |= {"data": "synthetic (text with --model gpt)", "link_latency_ms": 0.5, "hosts": "none"}
 BENCH_DEFAULTS |= {"loss": "the model factory's loss, else cross_entropy"}
@@ -268,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     advice.add_argument("--link-mbit", type=float, metavar="N", help="predict every strategy on an N Mbit/s link")
     advice.add_argument("--link-latency-ms", type=float, help="latency per collective of that link")
     advice.add_argument("--hosts", help="ADDR0,ADDR1,...: one bench process per host (with --node-rank on each)")
-    bench.add_argument("--json", dest="json_path", help="write the results as JSON here")
-    bench.add_argument("--plot", help="bar chart PNG path")
+    bench.add_argument("--out", help="folder for bench.png and bench.json (made if needed)")
+    bench.add_argument("--json", dest="json_path", help="write the results as JSON here (instead of OUT/bench.json)")
+    bench.add_argument("--plot", help="bar chart PNG path (instead of OUT/bench.png)")
     _show_defaults(bench, BENCH_DEFAULTS)
     store = sub.add_parser(
         "store",

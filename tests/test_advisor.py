@@ -176,7 +176,7 @@ def test_bench_command_with_factories_and_a_link(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     argv = ["--model", "test_factories:regression_model", "--data", "test_factories:regression_data"]
     argv += ["--strategies", "ddp,slowmo", "--link-mbit", "100", "--max-steps", "6", "--timeout", "60"]
-    argv += ["--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png")]
+    argv += ["--out", str(tmp_path / "bench")]  # bench.json and bench.png go there
     done = subprocess.run(
         [sys.executable, "-m", "ddpkit", "bench", *argv], env=env, capture_output=True, text=True, timeout=240
     )
@@ -184,11 +184,11 @@ def test_bench_command_with_factories_and_a_link(tmp_path):
     assert "predicted for 100 Mbit/s" in done.stdout and "recommendation: " in done.stdout
     import json
 
-    results = json.loads((tmp_path / "bench.json").read_text())
+    results = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert [r["strategy"] for r in results] == ["ddp", "slowmo"]
     assert all(r["timed_steps"] + r["warmup_steps"] <= 6 and r["parameters"] == 5 for r in results)
     assert results[0]["workload"] == "test_factories:regression_model on test_factories:regression_data"
-    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "bench" / "bench.png").read_bytes().startswith(b"\x89PNG")
     # one statistic everywhere: the table prints each JSON step_ms, the recommendation is advise() on the JSON,
     # and no prediction falls below the bare model's measured step
     for r in results:

@@ -192,7 +192,7 @@ def argv(text: str, *appended: str, **values: str) -> list[str]:
 # outside this file, and why.
 
 COMMANDS: dict[str, str] = {
-    'pip install torch==2.13.0 -e . && ddpkit train --out runs/digits': "test_quick_start_trains",
+    "pip install torch==2.13.0 -e . && ddpkit train --out runs/digits": "test_quick_start_trains",
     'pip install torch==2.13.0 -e ".[dev]" && python -m pytest': "CI: .ci/run installs and runs exactly this",
     "srun ddpkit train --strategy sharded --out runs/slurm": (
         "tests/test_slurm.py::test_two_srun_tasks_train_as_one_job (the variables srun sets, on loopback)"
@@ -778,7 +778,7 @@ def test_train_line(tmp_path, monkeypatch, ranks):
 
 @pytest.mark.slow
 def test_quick_start_trains(tmp_path):
-    text = command('pip install torch==2.13.0 -e . && ddpkit train --out runs/digits')
+    text = command("pip install torch==2.13.0 -e . && ddpkit train --out runs/digits")
     train_part = text.split(" && ")[1]  # (the install without extras: tools/check_wheel.py runs it from the wheel)
     out = run_command(argv(train_part, "train"), tmp_path)
     assert re.search(r"replicas equal\s+yes", out), out

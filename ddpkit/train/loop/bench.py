@@ -285,10 +285,14 @@ def _report(
     print(format_table(results))
     print(f"step ms: {STEP_STATISTIC}")
     print(advisor.format_advice(results, target))
-    plot_path = given.get("plot", "bench.png")
+    folder = given.get("out")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    plot_path = given.get("plot", os.path.join(folder, "bench.png") if folder else "bench.png")
     plot_bench(results, plot_path, target)
     print(f"wrote {plot_path}")
-    if "json_path" in given:
-        with open(given["json_path"], "w") as f:
+    json_path = given.get("json_path", os.path.join(folder, "bench.json") if folder else None)
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
-        print(f"wrote {given['json_path']}")
+        print(f"wrote {json_path}")
