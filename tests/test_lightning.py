@@ -233,3 +233,85 @@ def test_options_the_strategy_would_drop_are_refused(name, kwargs, needle):
         getattr(integration, name)(**kwargs)
     assert integration.DDPKitShardedStrategy(reduce_buffer_size=1024)._sdp_kwargs == {"reduce_buffer_size": 1024}
     assert integration.DDPKitOSSStrategy(bucket_cap_mb=1)._ddp_kwargs == {"bucket_cap_mb": 1}  # torch DDP takes it
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["DDPKitShardedStrategy", "DDPKitOSSStrategy", "DDPKitSlowMoStrategy", "DDPKitFabricShardedStrategy",
+     "DDPKitFabricOSSStrategy", "DDPKitFabricSlowMoStrategy"],
+)  # fmt: skip
+def test_every_strategy_with_its_precision_plugin_survives_pickling(name):
+    """Lightning's spawn launcher pickles the strategy to each process: the plug-in ddpkit adjusts (global-norm
+    clipping bound onto it) must come back working (issue 43: it died with 'Precision' object has no attribute
+    '_clip_by_global_norm')."""
+    import pickle
+
+    import torch
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.pytorch.plugins.precision import Precision
+
+    import ddpkit.integrations.lightning as integration
+
+    strategy = getattr(integration, name)()
+    fabric = "Fabric" in name
+    if fabric:
+        strategy.precision = FabricPrecision()
+    else:
+        strategy.precision_plugin = Precision()
+    clone = pickle.loads(pickle.dumps(strategy))
+    if fabric:
+        return
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().mul(100).backward()
+    clone.precision_plugin.clip_grad_by_norm(optimizer, 1.0)
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_the_sharded_strategy_trains_under_lightnings_spawn_launcher(tmp_path):
+    """``strategy="ddpkit_sharded_spawn"`` (``DDPKitShardedStrategy(start_method="spawn")``: Lightning's spawn
+    launcher, what notebooks use): two processes train with clipping by norm and return, with the optimizer state
+    split over them."""
+    script = tmp_path / "spawned.py"
+    script.write_text(
+        "import json\n"
+        "import lightning as L\n"
+        "from lightning_runs import SETTINGS, Net, _data\n"
+        "from torch.utils.data import DataLoader\n"
+        "import ddpkit.integrations.lightning  # registers the names\n"
+        "class Report(L.Callback):\n"
+        "    def on_train_end(self, trainer, module):\n"
+        "        state = trainer.optimizers[0].optim.state  # this process's shard of Adam's state\n"
+        "        with open(f'rank{trainer.global_rank}.json', 'w') as f:\n"
+        "            json.dump({'step': trainer.global_step, 'states': len(state)}, f)\n"
+        "if __name__ == '__main__':\n"
+        "    trainer = L.Trainer(accelerator='cpu', devices=2, strategy='ddpkit_sharded_spawn',\n"
+        "                        max_steps=4, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,\n"
+        "                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Report()])\n"
+        "    trainer.fit(Net(SETTINGS['adam']), DataLoader(_data(), batch_size=16))\n"
+    )
+    from lightning_runs import SETTINGS, Net
+
+    _run([sys.executable, script], cwd=tmp_path)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in reports] == [4, 4], reports  # each process trained every step
+    parameters = len(list(Net(SETTINGS["adam"]).parameters()))
+    assert all(r["states"] > 0 for r in reports) and sum(r["states"] for r in reports) == parameters, reports
+
+
+def test_fairscales_variant_names_have_ddpkit_counterparts():
+    """Lightning registered ``ddp_sharded_spawn`` and ``ddp_sharded_find_unused_parameters_false`` for fairscale;
+    ddpkit registers the same variants of its strategies."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import ddpkit.integrations.lightning as integration
+
+    for name in ("ddpkit_sharded", "ddpkit_oss"):
+        for suffix, spawn, unused in [("_spawn", True, None), ("_find_unused_parameters_false", False, False),
+                                      ("_spawn_find_unused_parameters_false", True, False)]:  # fmt: skip
+            strategy = StrategyRegistry.get(name + suffix)
+            assert type(strategy).strategy_name == name
+            assert (strategy._start_method == "spawn") == spawn, (name, suffix)
+            kwargs = strategy._sdp_kwargs if name == "ddpkit_sharded" else strategy._ddp_kwargs
+            assert kwargs.get("find_unused_parameters") == unused, (name, suffix, kwargs)
+    assert isinstance(StrategyRegistry.get("ddpkit_slowmo_spawn"), integration.DDPKitSlowMoStrategy)

@@ -47,7 +47,6 @@ What Lightning's DDP strategy would get wrong with these wrappers, and what they
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -91,18 +90,29 @@ def _own_arguments(strategy: type) -> frozenset[str]:
     return frozenset(named) - {"self"}
 
 
-def _clip_by_global_norm(self: Precision, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-    """Precision.clip_grad_by_norm for sharded optimizers: the norm over every rank's shard (point 2)."""
-    if isinstance(optimizer, OSS):
-        optimizer.clip_grad_norm(clip_val)
-    else:
-        torch.nn.utils.clip_grad_norm_(list(self.main_params(optimizer)), clip_val)
+class _GlobalNormClip:
+    """`Precision.clip_grad_by_norm` for sharded optimizers: the norm over every rank's shard (point 2 of the module
+    doc). A callable object held by the plug-in rather than a method bound onto it, so that the plug-in survives
+    pickling (Lightning's spawn launcher sends the strategy to each process).
+
+    Args:
+        plugin: the precision plug-in whose gradients it clips (its `main_params`).
+    """
+
+    def __init__(self, plugin: Precision) -> None:
+        self.plugin = plugin
+
+    def __call__(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        if isinstance(optimizer, OSS):
+            optimizer.clip_grad_norm(clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(list(self.plugin.main_params(optimizer)), clip_val)
 
 
 def _for_sharded_optimizers(plugin: Precision) -> Precision:
     """`plugin`, changed in place for sharded optimizers: global-norm clipping, and a ShardedGradScaler instead
     of torch's GradScaler (points 2 and 3 of the module doc)."""
-    plugin.clip_grad_by_norm = types.MethodType(_clip_by_global_norm, plugin)  # type: ignore[method-assign]
+    plugin.clip_grad_by_norm = _GlobalNormClip(plugin)  # type: ignore[method-assign]
     return _with_sharded_scaler(plugin)
 
 
@@ -365,9 +375,20 @@ class DDPKitFabricSlowMoStrategy(_DDPKitFabricStrategy):
 
 
 def _register() -> None:
+    """The strategies under their names, and for the sharded ones the variants Lightning registered for fairscale's
+    (``ddp_sharded_spawn``, ``ddp_sharded_find_unused_parameters_false``): ``ddpkit_sharded_spawn`` (Lightning's
+    spawn launcher), ``ddpkit_sharded_find_unused_parameters_false`` and both; the same for ``ddpkit_oss``, and
+    ``ddpkit_slowmo_spawn``."""
     for cls in (DDPKitShardedStrategy, DDPKitOSSStrategy, DDPKitSlowMoStrategy):
-        if cls.strategy_name not in StrategyRegistry:
-            StrategyRegistry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").split(":")[0])
+        description = (cls.__doc__ or "").split(":")[0]
+        variants: dict[str, dict[str, Any]] = {"": {}, "_spawn": {"start_method": "spawn"}}
+        if cls is not DDPKitSlowMoStrategy:
+            unused = {"find_unused_parameters": False}
+            variants |= {"_find_unused_parameters_false": unused, "_spawn_find_unused_parameters_false":
+                         {"start_method": "spawn", **unused}}  # fmt: skip
+        for suffix, init_params in variants.items():
+            if cls.strategy_name + suffix not in StrategyRegistry:
+                StrategyRegistry.register(cls.strategy_name + suffix, cls, description=description, **init_params)
     for fabric_cls in (DDPKitFabricShardedStrategy, DDPKitFabricOSSStrategy, DDPKitFabricSlowMoStrategy):
         if fabric_cls.strategy_name not in FABRIC_STRATEGIES:
             description = (fabric_cls.__doc__ or "").split(":")[0]
