@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit.integrations.accelerate import clip_grad_norm_, prepare_sharded
+from ddpkit.integrations.accelerate import prepare_sharded
 from ddpkit.optim import OSS
 
 
@@ -68,11 +68,8 @@ def _train(
             if spike is not None:
                 loss = loss + 2.0**100 * (spike - spike.detach()).sum()
             accelerator.backward(loss)
-            if accelerator.sync_gradients and clip is not None:
-                if mode == "sharded":
-                    clip_grad_norm_(accelerator, optimizer, clip)
-                else:
-                    accelerator.clip_grad_norm_(model.parameters(), clip)
+            if accelerator.sync_gradients and clip is not None:  # the same call in both modes: under prepare_sharded
+                accelerator.clip_grad_norm_(model.parameters(), clip)  # it clips by the norm over every shard
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()

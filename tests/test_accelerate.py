@@ -52,7 +52,28 @@ def test_prepare_sharded_refuses_when_accelerate_counts_other_processes(monkeypa
         integration.prepare_sharded(seen_as_one, model, torch.optim.SGD(model.parameters(), lr=0.1))
     message = str(refused.value)
     assert "accelerate counts 1 process(es)" in message and "torch.distributed has 2 ranks" in message
-    assert "Accelerator(cpu=True)" in message and "--multi_cpu" in message
+    assert "Accelerator(cpu=True)" in message and "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu" in message
+    # the command it suggests is one accelerate accepts (issue 43: it said --multi_cpu, which accelerate rejects)
+    from accelerate.commands.launch import launch_command_parser
+
+    suggested = message.split("`ACCELERATE_USE_CPU=1 accelerate launch ")[1].split("`")[0].replace("N", "2").split()
+    launch_command_parser().parse_args([*suggested, "train.py"])
+
+
+def test_prepare_sharded_refuses_a_model_and_optimizer_prepared_by_accelerate():
+    """`accelerator.prepare(model, optimizer)` first, then `prepare_sharded`: refused by name, saying what to do (it
+    failed inside OSS with "unexpected keyword argument 'lr'")."""
+    import torch
+    from accelerate import Accelerator
+    from torch import nn
+
+    import ddpkit.integrations.accelerate as integration
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"the model and the optimizer went through accelerator\.prepare already"):
+        integration.prepare_sharded(accelerator, model, optimizer)
 
 
 def test_the_sharded_recipe_trains_checkpoints_and_resumes_as_accelerates_ddp(tmp_path):

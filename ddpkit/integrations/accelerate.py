@@ -14,15 +14,16 @@ accelerate's own wrapper, and ``save_state``/``load_state`` include them) and ad
         with accelerator.accumulate(model):
             accelerator.backward(loss_fn(model(x), y))
             if accelerator.sync_gradients:
-                clip_grad_norm_(accelerator, optimizer, 1.0)          # instead of accelerator.clip_grad_norm_
+                clip_grad_norm_(accelerator, optimizer, 1.0)          # or accelerator.clip_grad_norm_ (below)
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
     accelerator.save_state("ckpt")                                      # works unchanged
 
 What differs from accelerate's own path, and why:
 
-- clipping: ``accelerator.clip_grad_norm_(model.parameters(), ...)`` takes the norm of the gradients this rank
-  holds, i.e. its shard's only; `clip_grad_norm_` here unscales (fp16) and clips by the norm over all shards
-  (`OSS.clip_grad_norm`). This is the one call that cannot stay accelerate's own without patching accelerate.
+- clipping: accelerate's ``accelerator.clip_grad_norm_(model.parameters(), ...)`` would take the norm of the
+  gradients this rank holds, i.e. its shard's only. `prepare_sharded` replaces that method on this accelerator
+  (the instance only): given the sharded model's parameters it unscales (fp16) and clips by the norm over all
+  shards (`OSS.clip_grad_norm`), as `clip_grad_norm_` here does; given other parameters it is accelerate's own.
 - ``save_state`` calls the optimizer's ``state_dict()`` on every rank; a pre-save hook registered here first
   consolidates every OSS onto the rank that writes (rank 0; every rank with ``save_on_each_node``), so the call
   works unchanged and no other rank holds the whole state (the saved state is torch's format, the whole
@@ -35,7 +36,8 @@ What differs from accelerate's own path, and why:
 
 - accelerate must count the processes torch.distributed has: `prepare_sharded` refuses otherwise (under
   ``accelerate launch --multi_gpu`` on a CPU machine accelerate sees one process unless the script builds
-  ``Accelerator(cpu=True)`` or is launched with ``--multi_cpu``, and would not split the data).
+  ``Accelerator(cpu=True)`` or runs with ``ACCELERATE_USE_CPU=1``, and would not split the data); it also refuses a
+  model or optimizer that went through ``accelerator.prepare`` already.
 
 Communication and memory: those of `ShardedDataParallel` and `OSS`; a checkpoint gathers the whole optimizer
 state on the rank that writes it while it is saved.
@@ -134,7 +136,26 @@ def _check_processes(accelerator: Accelerator) -> None:
             f"prepare_sharded: accelerate counts {accelerator.num_processes} process(es) "
             f"({accelerator.distributed_type}) but torch.distributed has {world} ranks, so accelerate would not split "
             "the data between them (every rank would train on the same batches). On CPUs build "
-            "Accelerator(cpu=True) or launch with `accelerate launch --multi_cpu`; on GPUs, `--multi_gpu`."
+            "Accelerator(cpu=True), or launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+            "--num_processes N` (its --cpu flag alone starts one process); on GPUs, `accelerate launch --multi_gpu`."
+        )
+
+
+def _check_unprepared(model: nn.Module, optimizer: Any) -> None:
+    """`prepare_sharded` takes the plain model and torch optimizer: ones accelerate prepared already (wrapped in
+    its DDP and its optimizer wrapper) are refused, saying what to do."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    prepared = []
+    if getattr(model, "_is_accelerate_prepared", False) or isinstance(model, nn.parallel.DistributedDataParallel):
+        prepared.append("model")
+    if isinstance(optimizer, AcceleratedOptimizer):
+        prepared.append("optimizer")
+    if prepared:
+        raise ValueError(
+            f"prepare_sharded: the {' and the '.join(prepared)} went through accelerator.prepare already; give "
+            "prepare_sharded the plain model and torch optimizer instead of accelerator.prepare (prepare only the "
+            "data loader and the scheduler with accelerator.prepare)"
         )
 
 
@@ -149,6 +170,7 @@ def prepare_sharded(
     own arguments such as ``min_split_numel``), registered with `accelerator` (module doc). Call it instead of
     ``accelerator.prepare`` for the model and optimizer, before their first step."""
     _check_processes(accelerator)
+    _check_unprepared(model, optimizer)
     sharded = as_oss(optimizer, **check_oss_kwargs(oss_kwargs, "prepare_sharded"))
     wrapped = ShardedDataParallel(model.to(accelerator.device), sharded, **sdp_kwargs)
     wrapped._is_accelerate_prepared = True  # accelerate then registers it and leaves it as it is
@@ -161,8 +183,34 @@ def prepare_sharded(
     if not getattr(accelerator, "_ddpkit_hooks", False):
         accelerator.register_save_state_pre_hook(_before_save(accelerator))
         accelerator.register_load_state_pre_hook(_before_load)
+        accelerator.clip_grad_norm_ = _clipping_over_shards(accelerator, accelerator.clip_grad_norm_)
         accelerator._ddpkit_hooks = True
     return wrapped, prepared
+
+
+def _clipping_over_shards(accelerator: Accelerator, own: Any) -> Any:
+    """``accelerator.clip_grad_norm_`` for this accelerator: given the parameters of an optimizer `prepare_sharded`
+    made, it clips by the norm over all shards (`clip_grad_norm_`); given others, it is accelerate's own (`own`);
+    given some of a sharded optimizer's parameters only, it refuses (no rank holds their whole gradients)."""
+
+    def clip(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        given = {id(p) for p in params}
+        for optimizer in accelerator._optimizers:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if not isinstance(inner, OSS):
+                continue
+            sharded = {id(p) for group in inner.param_groups for p in group["params"]}
+            if given == sharded:
+                return clip_grad_norm_(accelerator, optimizer, max_norm, norm_type)
+            if given & sharded:
+                raise ValueError(
+                    "accelerator.clip_grad_norm_: some, not all, of a sharded optimizer's parameters; their norm "
+                    "needs every rank's shard: give all of them (model.parameters())"
+                )
+        return own(params, max_norm, norm_type)
+
+    return clip
 
 
 def clip_grad_norm_(accelerator: Accelerator, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
