@@ -85,14 +85,13 @@ class ShardedDataParallel(ModuleWrapper):
     bucket is first summed within each host onto the rank in the owner's lane (shared memory), and only that rank
     sends its host's sum across, to the owner (`ddpkit.distributed.hierarchical_reduce`): a host sends each
     gradient it does not own once, instead of once per rank, so together with OSS's hierarchical broadcast the
-    link between hosts carries 2 (H-1)/H of a model copy per host and step, what an ideal all-reduce needs
-    (measured on two namespace hosts x 2 ranks: 1.003 copies against DDP's 1.506, `tests/test_hierarchical_netns.py`).
+    link between hosts carries 2 (H-1)/H of a model copy per host and step, what an ideal all-reduce needs.
 
     Memory (N ranks, P the trainable parameters' bytes): during backward a rank holds the gradients it owns (about
     P/N) and, of those it does not own, only the buckets still in flight: each is dropped once it has left (at once
     through shared memory, where it is copied into a mailbox; over sockets once its send is done, waiting for the
-    oldest beyond `IN_FLIGHT`), except the small parameters' own gradients kept with `keep_bucketed_grads` (10% of
-    the byte GPT's elements; none with False). On one host each sender reuses two mailboxes per owner, which adds a
+    oldest beyond `IN_FLIGHT`), except the small parameters' own gradients kept with `keep_bucketed_grads` (none
+    with False). On one host each sender reuses two mailboxes per owner, which adds a
     bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner holds receive
     buffers for all its buckets, (N-1) P/N, posted when backward starts (with `receives_ahead=k`, for about 2k
     buckets).
@@ -112,8 +111,7 @@ class ShardedDataParallel(ModuleWrapper):
     `receives_ahead` (beyond fairscale; None by default): over sockets (across hosts, or with shared memory off)
     post each owner's receives only this many buckets ahead of the launches and complete them as far behind, so an
     owner's receive buffers are about 2k buckets instead of (N-1) P/N. It costs time on slow links: a ready notice
-    posted late waits behind the owner's own outgoing data (two namespace hosts of one rank at 100 Mbit/s: 0.86x
-    DDP's step with None, about 1.05x with 2).
+    posted late waits behind the owner's own outgoing data.
 
     `full_split_grads` (beyond fairscale, whose OSS never cuts a parameter; False by default): True keeps a
     full-size gradient of every cut parameter on every rank, for code that reads ``param.grad`` whole.
@@ -122,6 +120,28 @@ class ShardedDataParallel(ModuleWrapper):
     know which parameters were unused on every rank and leave their gradients untouched, exactly like DDP's
     option of that name; without it a parameter unused on some ranks still averages correctly (they count as
     zero), but one unused on all ranks receives a zero gradient (a warning says so).
+
+    Args:
+        module: the model to train; the same parameters on every rank.
+        sharded_optimizer: the `OSS` (or an `AdaScale` around one) that owns the parameters, or a list of them.
+        process_group: the process group to reduce over: the optimizers' (default: the whole job).
+        broadcast_buffers: broadcast the module's buffers from rank 0 before each forward that syncs gradients.
+        sync_models_at_startup: broadcast rank 0's parameters and buffers at construction, so replicas start equal.
+        reduce_buffer_size: the most bytes a bucket of small gradients packs (0: every gradient on its own).
+        auto_refresh_trainable: notice a parameter frozen or unfrozen since the last step and rebuild the buckets.
+        reduce_fp16: send fp32 gradients in fp16 (half the bytes, as fairscale's option).
+        warn_on_trainable_params_changed: warn when that rebuild happens.
+        find_unused_parameters: count which parameters received a gradient on some rank (see above).
+        cross_host_compression: "none", "bf16", "int8" or "int4": what crosses between hosts (see above).
+        keep_bucketed_grads: keep each rank's own gradients of small parameters it does not own (see above).
+        full_split_grads: keep the whole gradient of a parameter OSS cut into pieces on every rank (see above).
+        receives_ahead: over sockets, post an owner's receives only this many buckets ahead (None: all at once).
+
+    Raises:
+        ValueError: an argument out of its range or one that cannot act in the run's layout (named), or ranks
+            whose modules or settings differ (named on every rank).
+        TypeError: `module` is not a Module, `sharded_optimizer` not an OSS (or AdaScale around one), or a switch
+            not True or False.
 
     Example::
 

@@ -49,6 +49,21 @@ class ShardedGradScaler(GradScaler):
     be built before ``init_process_group``. Without any process group the scaler works on its own, like torch's,
     unless the environment says the job has several ranks (``WORLD_SIZE > 1``), which is an error.
 
+    Args:
+        init_scale: the loss scale at the start.
+        growth_factor: what the scale is multiplied by after `growth_interval` steps without an inf or NaN.
+        backoff_factor: what the scale is multiplied by after a step with an inf or NaN on any rank.
+        growth_interval: steps without an inf or NaN before the scale grows.
+        enabled: False makes every call a pass-through (no scaling, no collective), as torch's.
+        process_group: the ranks that agree on skipping a step (None: the default group).
+        device: where the scaled tensors live, ``"cuda"`` or ``"cpu"`` (None: cuda when available, else cpu).
+
+    Raises:
+        ValueError: a factor, interval or scale out of its range, or an unknown `device`.
+        TypeError: a device given where `init_scale` goes (fairscale's order), or a `process_group` that is not one.
+        RuntimeError: ``device="cuda"`` without CUDA; at the first `unscale_`, several ranks (``WORLD_SIZE > 1``)
+            without a process group.
+
     Example::
 
         model = DDP(model)  # or ShardedDataParallel(model, optimizer)

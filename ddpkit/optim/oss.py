@@ -55,8 +55,7 @@ class OSS(Optimizer):
     touched: pair OSS with torch's DDP (all-reduce) or with `ShardedDataParallel` (reduce to the owner only).
     When every rank of the group runs on one host (gloo, CPU), nothing is sent: each owner's buffer is a
     shared-memory segment that its step updates in place, and after a barrier every other rank copies it into its
-    own replica (`ddpkit.distributed.shared_memory`; 3 ms instead of 9-13 ms for 16 MB each way on the benchmark
-    machine). ``DDPKIT_SHARED_MEMORY=0`` keeps the broadcast.
+    own replica (`ddpkit.distributed.shared_memory`). ``DDPKIT_SHARED_MEMORY=0`` keeps the broadcast.
     Across several hosts with the same number of ranks each (`hierarchical`, by default where that holds and a
     host has more than one rank), each owner sends its parameters once per other host, to the rank in its own
     lane there, which hands them on within its host through shared memory (`ddpkit.distributed.hosts`): every
@@ -69,7 +68,7 @@ class OSS(Optimizer):
     `ddpkit.optim.param_pieces.MIN_SPLIT_NUMEL` elements, largest first, are cut into one contiguous piece per
     rank until the balance is reached (`ddpkit.optim.param_pieces`; `min_split_numel` lowers that size for a
     small model dominated by one tensor, so that its state, too, is about 1/N per rank; under
-    ShardedDataParallel a cut parameter keeps a full-size gradient on every rank); each rank optimizes its
+    ShardedDataParallel each rank keeps only its own piece's gradient); each rank optimizes its
     piece and sends it in a message of its own. `owner_of` is None for such a parameter (`pieces_of` lists its
     pieces), the local optimizer's `state` is keyed by the piece tensors, and checkpoints keep torch's
     whole-parameter format. Only parameters trainable at construction (or in a group added later) are
@@ -96,6 +95,31 @@ class OSS(Optimizer):
     the same update, several times faster on CPU than the default per-tensor loop. `param_groups` show that
     choice (``fused=True``) and so does `state_dict()`, whose param groups are `param_groups` key for key (as
     fairscale's are); a plain torch optimizer loading it uses the fused kernel too.
+
+    Args:
+        params: the parameters, or param groups (dicts with ``params`` and per-group hyper-parameters), as for any
+            torch optimizer; the same on every rank.
+        optim: the torch optimizer class each rank builds on the parameters it owns (e.g. ``torch.optim.Adam``).
+        group: the process group to shard over (default: the whole job).
+        broadcast_buffer_size: accepted for fairscale's signature; unused (messages are the owners' flat buffers).
+        broadcast_fp16: send the updated parameters in fp16 (half the bytes; the owner keeps its fp32 values).
+        force_broadcast_object: `consolidate_state_dict` broadcasts each rank's shard in turn (its bytes in a
+            uint8 tensor) instead of one gather.
+        split_params: cut large parameters into one piece per rank (None: where it pays, see above; True: every
+            parameter of at least `min_split_numel` elements; False: one owner per parameter, as fairscale).
+        min_split_numel: the smallest parameter, in elements, that `split_params` cuts.
+        hierarchical: across hosts with the same number of ranks each, send each parameter once per other host
+            and hand it on inside the host (None: where the layout allows it; True: refuse another layout).
+        check_agreement: compare the ranks' parameters and sharding settings at construction (one small
+            all-gather) and name any rank that differs; False skips it.
+        shared_parameters: on one host, map the owners' shared-memory segments as the other ranks' parameters, so
+            the host holds the parameters once (see above).
+        **defaults: the optimizer's own arguments (``lr``, ``momentum``, ``betas``, ...), as `optim` takes them.
+
+    Raises:
+        TypeError: `optim` is not a torch optimizer class.
+        ValueError: an argument out of its range, a setting that cannot act in the run's layout (named), or ranks
+            whose parameters or settings differ (named on every rank).
 
     Example::
 
