@@ -99,6 +99,50 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
     ``slowmo_lr=0.7, slowmo_momentum=0.9, slowmo_nesterov=True``), where the averaged progress is treated as an
     outer gradient; for short local phases (a few steps) the paper's plain slow momentum is the tested choice.
 
+    Args:
+        module: the model to train; the same parameters on every rank.
+        nprocs_per_node: processes per node: gradients are averaged inside a node every step, parameters between
+            nodes every `localsgd_frequency` steps (the world size must be a multiple of it).
+        broadcast_buffers: broadcast the module's buffers from rank 0 before each forward with grad enabled.
+        slowmo_base_algorithm: ``SlowMoBaseAlgorithm.LOCALSGD`` (exact averages) or ``SGP`` (gossip every step).
+        slowmo_momentum: beta, the slow momentum (0 with `slowmo_lr` 1: plain local SGD).
+        slowmo_memory_efficient: keep x0 and u in slices over the ranks (one reduce and one broadcast per slow
+            step instead of an all-reduce); False keeps them whole on every rank.
+        slowmo_frequency: slow steps every this many `perform_slowmo` calls.
+        slowmo_lr: alpha, the slow learning rate.
+        slowmo_num_shards: the most slices x0 and u are split into (at most the world size).
+        localsgd_frequency: exact averages between nodes every this many calls (LOCALSGD; with SGP and
+            `slowmo_sgp_average_params`, the extra exact averages).
+        graph: SGP's gossip graph, a `GraphManager` built for this rank's node (None: the one-peer directed
+            exponential graph).
+        mixing: SGP's mixing weights, a `MixingManager` on `graph` (None: uniform).
+        push_sum: SGP with push-sum weights (any graph); False: PushPull, for regular graphs with uniform mixing.
+        overlap: SGP: a gossip round travels while the next steps compute.
+        synch_freq: SGP with `overlap`: the steps a round may travel before it is mixed in (0 and 1: one).
+        use_streams: accepted for fairscale's signature (its CUDA streams for SGP); checked to be a bool, no effect.
+        slowmo_sgp_average_params: SGP: also average exactly every `localsgd_frequency` steps.
+        verbose: accepted for fairscale's signature; kept as an attribute.
+        profile_mode: accepted for fairscale's signature; no effect.
+        process_rank: this process's rank (None: torch.distributed's).
+        process_world_size: the number of ranks (None: torch.distributed's).
+        global_group: the group of every rank (None: made here, over the default group).
+        master_group: the group of the node masters, the first rank of each node (None: made here).
+        local_node_group: this node's group (None: made here).
+        comm_device: the device the flat parameters are averaged on (None: where the parameters are).
+        slowmo_nesterov: the slow step is Nesterov's (DiLoCo's outer optimizer).
+        slowmo_compression: what a pseudo-gradient sync sends: "none" (fp32), "bf16", "int8" or "int4".
+        slowmo_compression_block: values per fp32 scale for "int8" and "int4".
+        slowmo_error_feedback: add what quantisation dropped from a rank's previous pseudo-gradient to its next.
+        slowmo_fragments: the parameters sync as this many fragments, each at its own offset (Streaming DiLoCo).
+        slowmo_sync_delay: steps a fragment's mean travels in the background before it is merged.
+        slowmo_merge_alpha: a delayed mean is merged as ``x = a x + (1 - a) g``, a this value.
+        averager: how nodes average, by registered name or class (None: chosen from the arguments above).
+
+    Raises:
+        ValueError: an argument out of its range, arguments that contradict each other, an option that cannot act in
+            the run's layout (named), or ranks whose modules or settings differ (named on every rank).
+        TypeError: an argument of the wrong type (a graph or mixing that is not ddpkit's, a switch not a bool).
+
     Example::
 
         model = SlowMoDistributedDataParallel(model, nprocs_per_node=8, slowmo_momentum=0.5)

@@ -84,6 +84,22 @@ class AdaScale(WrappedOptimizer):
     (fairscale's measured each rank's shard only). OSS's checkpoints do not carry the estimates there; prefer
     ``AdaScale(OSS(...))`` for checkpoints.
 
+    Args:
+        optimizer: the SGD-like torch optimizer (or an `OSS`) whose learning rate the gain multiplies.
+        world_size: the ranks whose gradients an update averages (None: the process group's size; 1: a purely
+            local AdaScale over accumulated micro-batches).
+        scale: S, how many base batches one update averages (None: world size x `num_gradients_to_accumulate`).
+        smoothing: the moving averages' coefficient in [0, 1) (None: the paper's ``max(1 - S / 1000, 0)``).
+        num_gradients_to_accumulate: backward passes per update (gradient accumulation).
+        is_scaled_loss: each accumulated loss was divided by `num_gradients_to_accumulate` (False: ``.grad``
+            holds the sum of the micro-gradients).
+        debias_ewma: correct the moving averages' bias towards 0 in the first updates.
+        process_group: the ranks that average the gradients (None: the wrapped OSS's group, else the default).
+
+    Raises:
+        ValueError: an argument out of its range, or a `world_size` that is not the process group's.
+        SingleWorkerError: one worker without accumulation (no spread of gradients to measure).
+
     Example::
 
         model = DDP(model)

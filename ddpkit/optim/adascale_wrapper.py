@@ -20,6 +20,21 @@ class AdaScaleWrapper(AdaScale):
 
     So it can be passed where an optimizer class is expected, e.g. ``OSS(params, optim=AdaScaleWrapper, lr=0.1)``
     (see `AdaScale` for what that measures). Everything else is `AdaScale`'s.
+
+    Args:
+        params: the parameters or param groups, as for any torch optimizer.
+        world_size: as `AdaScale`'s.
+        scale: as `AdaScale`'s.
+        smoothing: as `AdaScale`'s.
+        num_gradients_to_accumulate: as `AdaScale`'s.
+        debias_ewma: as `AdaScale`'s.
+        optim_cls: the torch optimizer class built on `params` (default: SGD).
+        is_scaled_loss: as `AdaScale`'s.
+        **optim_args: that optimizer's own arguments (``lr``, ``momentum``, ...).
+
+    Raises:
+        TypeError: `optim_cls` is not a torch optimizer class.
+        ValueError: as `AdaScale`'s.
     """
 
     def __init__(
