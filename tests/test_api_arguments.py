@@ -59,6 +59,9 @@ def undescribed() -> list[str]:
         if inspect.ismodule(obj) or not callable(obj):
             continue
         have = described(inspect.getdoc(obj) or "")
+        if inspect.isclass(obj):  # a constructor inherited unchanged is described where it is defined
+            owner = next(c for c in obj.__mro__ if "__init__" in vars(c))
+            have |= described(inspect.getdoc(owner) or "")
         missing += [f"{dotted}: {name}" for name in _arguments(obj) if name not in have]
     return sorted(set(missing))
 

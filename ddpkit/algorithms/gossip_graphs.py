@@ -38,6 +38,17 @@ class GraphManager(ABC):
     sends to) and in-peers (who sends to it, in increasing node order). `get_peers(rotate)` is the stateful view
     fairscale offers (`rotate=True` advances this object's own phase first). The graph itself sends nothing.
     Memory: one peer list per node, ``O(world_size * peers)`` integers.
+
+    Args:
+        rank: this node's index among the nodes (the node masters' ranks in their group).
+        world_size: the number of nodes (at least 2).
+        nprocs_per_node: processes per node (fairscale's argument; the graph is over nodes).
+        local_rank: this process's rank inside its node.
+        peers_per_itr: the out-peers of each node per round.
+
+    Raises:
+        ValueError: an argument out of its range, or a graph that cannot give every node `peers_per_itr` distinct
+            peers per round at this size.
     """
 
     def __init__(
@@ -220,7 +231,18 @@ class RingGraph(_Circulant):
 
 
 class _Bipartite(_Circulant):
-    """Even nodes are passive, odd nodes active; every edge joins the two sides (needs an even node count)."""
+    """Even nodes are passive, odd nodes active; every edge joins the two sides (needs an even node count).
+
+    Args:
+        rank: as `GraphManager`'s.
+        world_size: the number of nodes, even.
+        nprocs_per_node: as `GraphManager`'s.
+        local_rank: as `GraphManager`'s.
+        peers_per_itr: as `GraphManager`'s.
+
+    Raises:
+        ValueError: an odd `world_size`, or as `GraphManager`'s.
+    """
 
     def __init__(
         self, rank: int, world_size: int, nprocs_per_node: int = 1, local_rank: int = 0, peers_per_itr: int = 1

@@ -15,6 +15,13 @@ class MixingManager(ABC):
     The fractions a node keeps and sends must sum to one (column-stochastic mixing), which is what keeps the
     push-sum average exact. Built from the graph it serves and, as fairscale's are, a device for the tensors
     `get_mixing_weights` returns. Holds no tensors of its own; communicates nothing.
+
+    Args:
+        graph: the `GraphManager` it serves.
+        device: where `get_mixing_weights` puts its tensors (None: the CPU).
+
+    Raises:
+        TypeError: `graph` is not a ddpkit GraphManager.
     """
 
     def __init__(self, graph: GraphManager, device: torch.device | None = None) -> None:

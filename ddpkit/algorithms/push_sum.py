@@ -86,10 +86,17 @@ class GossipRound:
 class Gossiper:
     """Runs gossip rounds of a flat ``[x, w]`` buffer on the node-master group (see the module doc).
 
-    `graph` is this node's view of the graph (its `rank` is this node's index in `group`); `mixing` defaults
-    to `UniformMixing`. The messages travel on `group` (`ddpkit.distributed.p2p.exchange`), or by `transport`
-    where given (a fault-tolerant round's members: `ddpkit.algorithms.fault_tolerant.RoundLink.exchange`). One
-    round may be in flight at a time.
+    One round may be in flight at a time.
+
+    Args:
+        graph: this node's view of the graph (its `rank` is this node's index in `group`).
+        mixing: the shares sent and kept (None: `UniformMixing`).
+        group: the node masters' process group the messages travel on (`ddpkit.distributed.p2p.exchange`).
+        transport: posts a round's sends and receives instead of `group` (a fault-tolerant round's members:
+            `ddpkit.algorithms.fault_tolerant.RoundLink.exchange`).
+
+    Raises:
+        TypeError: `graph` or `mixing` is not ddpkit's.
     """
 
     sends_weight = True
@@ -157,7 +164,18 @@ class PushSum(Gossiper):
 
 
 class PushPull(Gossiper):
-    """Gossip without weights on doubly stochastic rounds (regular graph, uniform mixing): messages carry x only."""
+    """Gossip without weights on doubly stochastic rounds (regular graph, uniform mixing): messages carry x only.
+
+    Args:
+        graph: as `Gossiper`'s; a regular graph.
+        mixing: as `Gossiper`'s; uniform.
+        group: as `Gossiper`'s.
+        transport: as `Gossiper`'s.
+
+    Raises:
+        ValueError: a graph or mixing whose rounds are not doubly stochastic (use `PushSum`).
+        TypeError: as `Gossiper`'s.
+    """
 
     sends_weight = False
 

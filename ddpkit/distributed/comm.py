@@ -373,11 +373,19 @@ def _finish_staged(
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Sends `tensor` from group rank `src` to every rank of `group` (in place on receivers).
+    """Sends `tensor` from group rank `src` to every rank of `group` (in place on receivers); counted.
 
     On gloo a contiguous tensor goes point to point: gloo runs a process group's collectives one after the other,
-    so broadcasts from different roots issued together (OSS's shards, SlowMo's slices) took turns on the link
-    (two 4.7 MB broadcasts in opposite directions over 100 Mbit/s: 784 ms as collectives, 402 ms point to point).
+    so broadcasts from different roots issued together (OSS's shards, SlowMo's slices) would take turns on the link.
+
+    Args:
+        tensor: what `src` sends and the others receive into.
+        src: the sending rank.
+        group: the process group (None: the default group); ranks are ranks inside it.
+        async_op: return the pending work to wait for instead of waiting.
+
+    Returns:
+        The pending work with `async_op`, else None.
     """
     if _staged([tensor], group):
         staging = _HostStaging(group)
@@ -401,9 +409,19 @@ def reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
 ) -> Work | None:
-    """Reduces `tensor` from every rank into group rank `dst` (only `dst`'s tensor holds the result).
+    """Reduces `tensor` from every rank into group rank `dst` (only `dst`'s tensor holds the result); counted.
 
     On gloo a SUM goes point to point (see the module doc); other tensors must not be changed until it is waited for.
+
+    Args:
+        tensor: each rank's contribution; on `dst`, the result.
+        dst: the rank that receives the result.
+        group: the process group (None: the default group); ranks are ranks inside it.
+        op: the reduction (``torch.distributed.ReduceOp``; default SUM).
+        async_op: return the pending work to wait for instead of waiting.
+
+    Returns:
+        The pending work with `async_op`, else None.
     """
     if _staged([tensor], group):
         staging = _HostStaging(group)
@@ -434,7 +452,17 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
 ) -> Work | None:
-    """Reduces `tensor` over `group` into every rank's copy."""
+    """Reduces `tensor` over `group` into every rank's copy; counted.
+
+    Args:
+        tensor: each rank's contribution, replaced by the result.
+        group: the process group (None: the default group); ranks are ranks inside it.
+        op: the reduction (``torch.distributed.ReduceOp``; default SUM).
+        async_op: return the pending work to wait for instead of waiting.
+
+    Returns:
+        The pending work with `async_op`, else None.
+    """
     if _staged([tensor], group):
         staging = _HostStaging(group)
         host = staging.host(tensor, copy_back=True)
@@ -446,7 +474,17 @@ def all_reduce(
 def all_gather(
     outputs: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
-    """Gathers every rank's `tensor` into `outputs` on every rank."""
+    """Gathers every rank's `tensor` into `outputs` on every rank; counted.
+
+    Args:
+        outputs: one tensor per rank, in rank order, filled with that rank's `tensor`.
+        tensor: this rank's contribution.
+        group: the process group (None: the default group); ranks are ranks inside it.
+        async_op: return the pending work to wait for instead of waiting.
+
+    Returns:
+        The pending work with `async_op`, else None.
+    """
     if _staged([tensor, *outputs], group):
         staging = _HostStaging(group)
         host_outputs = [staging.host(t, copy_in=False, copy_back=True) for t in outputs]
@@ -463,7 +501,18 @@ def reduce_scatter(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
 ) -> Work | None:
-    """Reduces `inputs[i]` over the group into rank i's `output`."""
+    """Reduces `inputs[i]` over the group into rank i's `output`; counted.
+
+    Args:
+        output: this rank's share of the result.
+        inputs: one tensor per rank, in rank order: what this rank contributes to each rank's share.
+        group: the process group (None: the default group); ranks are ranks inside it.
+        op: the reduction (``torch.distributed.ReduceOp``; default SUM).
+        async_op: return the pending work to wait for instead of waiting.
+
+    Returns:
+        The pending work with `async_op`, else None.
+    """
     if _staged([output, *inputs], group):
         staging = _HostStaging(group)
         host_output = staging.host(output, copy_in=False, copy_back=True)

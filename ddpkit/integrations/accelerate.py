@@ -166,9 +166,23 @@ def prepare_sharded(
     oss_kwargs: dict[str, Any] | None = None,
     **sdp_kwargs: Any,
 ) -> tuple[ShardedDataParallel, Any]:
-    """`model` in `ShardedDataParallel` (with `sdp_kwargs`) and `optimizer` as an `OSS` (with `oss_kwargs`, OSS's
-    own arguments such as ``min_split_numel``), registered with `accelerator` (module doc). Call it instead of
-    ``accelerator.prepare`` for the model and optimizer, before their first step."""
+    """`model` in `ShardedDataParallel` and `optimizer` as an `OSS`, registered with `accelerator` (module doc).
+    Call it instead of ``accelerator.prepare`` for the model and optimizer, before their first step.
+
+    Args:
+        accelerator: the script's `Accelerator`; it must count the processes torch.distributed has.
+        model: the plain model (not prepared by accelerate).
+        optimizer: the plain torch optimizer on `model`'s parameters; becomes an OSS of the same class.
+        oss_kwargs: OSS's own arguments (``min_split_numel``, ``broadcast_fp16``, ...).
+        **sdp_kwargs: ShardedDataParallel's arguments (``reduce_buffer_size``, ...).
+
+    Returns:
+        The wrapped model and accelerate's wrapper of the OSS, to use as accelerate's prepared pair.
+
+    Raises:
+        ValueError: accelerate counts other processes than torch.distributed, or the model or optimizer went
+            through ``accelerator.prepare`` already.
+    """
     _check_processes(accelerator)
     _check_unprepared(model, optimizer)
     sharded = as_oss(optimizer, **check_oss_kwargs(oss_kwargs, "prepare_sharded"))
@@ -215,6 +229,19 @@ def _clipping_over_shards(accelerator: Accelerator, own: Any) -> Any:
 
 def clip_grad_norm_(accelerator: Accelerator, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``accelerator.clip_grad_norm_`` for `prepare_sharded`'s optimizer: unscales (fp16), then clips every
-    gradient by the norm over all shards; returns that norm."""
+    gradient by the norm over all shards (one all-reduce of one number).
+
+    Args:
+        accelerator: the script's `Accelerator`.
+        optimizer: the optimizer `prepare_sharded` returned.
+        max_norm: the largest norm the gradients keep.
+        norm_type: the norm's order (2: Euclidean; ``inf``: the largest element).
+
+    Returns:
+        The norm over all shards before clipping.
+
+    Raises:
+        TypeError: `optimizer` is not the one `prepare_sharded` returned.
+    """
     accelerator.unscale_gradients(optimizer)
     return _inner_oss(optimizer).clip_grad_norm(max_norm, norm_type)

@@ -201,9 +201,24 @@ def run_distributed(
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on `world_size` ranks and returns their results in rank order.
 
-    Raises the first failing rank's exception (its traceback attached as the cause), or `DistributedTimeout`
-    if some rank has not returned after `timeout` seconds. Collectives inside `fn` time out after `pg_timeout`.
-    `device` is ``"cpu"`` or ``"cuda"`` (see the module doc; `rank_device()` tells `fn` which).
+    Args:
+        fn: a module-level (picklable) function of ``(rank, world_size, *args)``.
+        world_size: how many ranks.
+        *args: passed on to `fn` on every rank (picklable).
+        timeout: seconds every rank has to return.
+        backend: the process group's backend, ``"gloo"`` or ``"nccl"``.
+        init: make the process group before `fn` runs (False: leave it uninitialised).
+        fresh: new processes for this call instead of the pool kept per (world size, backend, device).
+        pg_timeout: seconds after which a collective inside `fn` fails.
+        device: ``"cpu"`` or ``"cuda"`` (see the module doc; `rank_device()` tells `fn` which).
+
+    Returns:
+        What `fn` returned on each rank, in rank order.
+
+    Raises:
+        DistributedTimeout: some rank has not returned after `timeout` seconds.
+        Exception: the first failing rank's exception, its traceback attached as the cause (`RemoteTraceback`).
+        ValueError: a `world_size` below 1, or a `device` the backend or machine cannot serve.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_distributed: world_size must be a positive int, got {world_size!r}")

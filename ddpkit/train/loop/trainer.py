@@ -72,6 +72,19 @@ class Trainer:
     ``perform_slowmo(optimizer)`` after each step. The sampler's epoch is set every epoch. What each step sent is
     read from `comm_stats`.
 
+    Args:
+        model: the wrapped model (or a plain module on one process).
+        optimizer: the optimizer that steps it.
+        train_loader: the training batches of this rank; a `DistributedSampler` in it gets its epoch set.
+        loss_fn: ``loss_fn(output, target)`` (default: cross entropy).
+        grad_accum: batches per optimizer step.
+        amp_dtype: autocast's dtype for forward (None: full precision).
+        scaler: a GradScaler or ShardedGradScaler for fp16 (None: no loss scaling).
+        callbacks: called at each event of the loop (`Callback`).
+
+    Raises:
+        ValueError: `grad_accum` below 1.
+
     Example::
 
         trainer = Trainer(ShardedDataParallel(model, optimizer), optimizer, loader, callbacks=[MyCallback()])
