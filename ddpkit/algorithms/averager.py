@@ -32,7 +32,20 @@ from ddpkit.distributed.groups import NodeGroups
 @dataclass(frozen=True)
 class AveragingOptions:
     """What SlowMoDistributedDataParallel's arguments say about averaging between nodes, checked by the chosen
-    averager's `prepare` before any collective. `slowmo_frequency` is None when slow momentum is off."""
+    averager's `prepare` before any collective.
+
+    Attributes:
+        rank: this process's rank.
+        world_size: the number of ranks.
+        nprocs_per_node: processes per node.
+        localsgd_frequency: steps between exact averages.
+        slowmo_frequency: steps between slow steps (None: slow momentum off).
+        numel: the parameters' element count.
+        sgp: whether the SGP base algorithm was asked for.
+        sgp_args: SGP's graph, mixing, push_sum, overlap and synch_freq as given.
+        sgp_flags: SGP's switches by name (use_streams, slowmo_sgp_average_params).
+        outer: the pseudo-gradient sync's settings (compression, fragments, delay).
+    """
 
     rank: int
     world_size: int
@@ -54,7 +67,13 @@ class AveragingOptions:
 
 @dataclass
 class SlowPhase:
-    """Slow momentum as an averager applies it: the rule, the buffers (None: slow momentum off), how often."""
+    """Slow momentum as an averager applies it.
+
+    Attributes:
+        rule: the slow step (`SlowMoRule`).
+        buffers: x0 and u (None: slow momentum off).
+        frequency: steps between slow steps (None: off).
+    """
 
     rule: SlowMoRule
     buffers: SlowBuffers | None
@@ -67,8 +86,16 @@ class SlowPhase:
 
 @dataclass
 class AveragingContext:
-    """What an averager is built from: the flat fp32 parameters at the start, the sizes of the tensors they hold,
-    the node groups, the slow phase, the options and what `prepare` returned (its plan)."""
+    """What an averager is built from.
+
+    Attributes:
+        flat: the flat fp32 parameters at the start.
+        sizes: the element counts of the tensors they hold, in order.
+        groups: the node groups (`NodeGroups`).
+        slow: the slow phase.
+        options: the averaging options.
+        plan: what the averager's `prepare` returned.
+    """
 
     flat: torch.Tensor
     sizes: list[int]
@@ -121,7 +148,11 @@ T = TypeVar("T")
 
 
 def register_averager(name: str) -> Callable[[T], T]:
-    """Class decorator: makes the averager available to SlowMo as ``averager=name``."""
+    """Class decorator: makes the averager available to SlowMo as ``averager=name``.
+
+    Args:
+        name: the name `averager=` takes.
+    """
 
     def add(cls: T) -> T:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
@@ -148,7 +179,12 @@ def default_averager(options: AveragingOptions) -> str:
 
 def averager_class(choice: str | AveragerType | None, options: AveragingOptions) -> AveragerType:
     """The averager class for SlowMo's `averager` argument (None: `default_averager`). A named mode that the
-    other arguments contradict (SGP, or compression for another mode than the one they select) is refused."""
+    other arguments contradict (SGP, or compression for another mode than the one they select) is refused.
+
+    Args:
+        choice: a registered name, a registered class, or None.
+        options: what SlowMo's other arguments say (`AveragingOptions`).
+    """
     implied = default_averager(options)
     if choice is None:
         choice = implied

@@ -11,7 +11,11 @@ ProcessGroup = dist.ProcessGroup
 
 
 def require_initialized(owner: str) -> None:
-    """Raises a RuntimeError saying how to fix it when no default process group exists."""
+    """Raises a RuntimeError saying how to fix it when no default process group exists.
+
+    Args:
+        owner: the name the message starts with (the class or function that needs the group).
+    """
     if not dist.is_available():
         raise RuntimeError(f"{owner} needs torch.distributed, which this build of PyTorch does not include.")
     if not dist.is_initialized():
@@ -23,12 +27,20 @@ def require_initialized(owner: str) -> None:
 
 
 def group_rank(group: ProcessGroup | None = None) -> int:
-    """This process's rank inside `group` (None: the default group)."""
+    """This process's rank inside `group` (None: the default group).
+
+    Args:
+        group: the process group (None: the default group).
+    """
     return dist.get_rank(group)
 
 
 def group_size(group: ProcessGroup | None = None) -> int:
-    """The number of ranks in `group` (None: the default group)."""
+    """The number of ranks in `group` (None: the default group).
+
+    Args:
+        group: the process group (None: the default group).
+    """
     return dist.get_world_size(group)
 
 
@@ -40,7 +52,11 @@ def global_rank(group: ProcessGroup | None, rank_in_group: int) -> int:
 
 
 def group_label(group: ProcessGroup | None) -> str:
-    """A short, stable name for a group, used as a CommStats key: ``world`` or ``ranks[0,2]``."""
+    """A short, stable name for a group, used as a CommStats key: ``world`` or ``ranks[0,2]``.
+
+    Args:
+        group: the process group (None: the default group).
+    """
     if group is None or group is dist.group.WORLD:
         return "world"
     ranks = dist.get_process_group_ranks(group)
@@ -73,7 +89,12 @@ def comm_device(group: ProcessGroup | None = None, data_device: torch.device | N
     """The device on which small control tensors (norms, flags, sizes) must live for `group`'s backend: the CPU
     wherever the group can take CPU tensors; else (NCCL alone) the device of the data they belong to
     (`data_device`: a rank whose model is on cuda:3 uses cuda:3 even if it never called ``set_device``), else the
-    device the group was bound to (``init_process_group(device_id=...)``), else the current CUDA device."""
+    device the group was bound to (``init_process_group(device_id=...)``), else the current CUDA device.
+
+    Args:
+        group: the process group (None: the default group).
+        data_device: the device of the data the control tensors belong to.
+    """
     if backend_name(group, "cpu"):
         return torch.device("cpu")
     if data_device is not None and data_device.type != "cpu":

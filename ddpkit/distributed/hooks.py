@@ -15,7 +15,12 @@ from ddpkit.distributed.env import ProcessGroup, group_size
 def counting_allreduce_hook(
     process_group: "ProcessGroup | None", bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Divides the bucket by the world size and all-reduces it (sum), counting the call."""
+    """Divides the bucket by the world size and all-reduces it (sum), counting the call.
+
+    Args:
+        process_group: the hook's state: DDP's process group (None: the default group).
+        bucket: the gradient bucket DDP hands the hook.
+    """
     buffer = bucket.buffer()
     buffer.div_(group_size(process_group))
     work = comm.all_reduce(buffer, group=process_group, async_op=True)

@@ -46,7 +46,13 @@ from ddpkit.distributed import ledger
 
 @dataclass
 class CollectiveCount:
-    """Totals for one (kind, group) pair."""
+    """Totals for one (kind, group) pair.
+
+    Attributes:
+        calls: the collectives counted.
+        payload_bytes: the bytes of their tensors.
+        sent_bytes: the bytes they put on the wire from this rank (modelled per algorithm: `wire_bytes`).
+    """
 
     calls: int = 0
     payload_bytes: int = 0

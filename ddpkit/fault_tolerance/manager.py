@@ -101,11 +101,19 @@ class FellBehind(Exception):
 
 @dataclass
 class MembershipEvent:
-    """A round whose members changed, or that failed: at `step` (the client's count; the round number unless it
-    sets `Manager.step`), who `left` and who `joined`, whether it `committed`, the seconds this rank waited for the
-    quorum (partly in the background when formed so), and the seconds the round held up this rank's training
-    (`blocked_seconds`: every manager call of the round on the training thread, the wait it did not hide, the heal,
-    the averages and the commit)."""
+    """A round whose members changed, or that failed.
+
+    Attributes:
+        step: the client's step count when it happened (the round number unless the client sets `Manager.step`).
+        round: the round's number.
+        members: its members' ranks.
+        joined: the members that joined in it.
+        left: the ranks of the previous round that are not members.
+        committed: its verdict (None: not committed yet).
+        waited_seconds: the seconds this rank waited for the quorum (partly in the background when formed so).
+        blocked_seconds: the seconds the round held up this rank's training: every manager call of the round on
+            the training thread, the wait it did not hide, the heal, the averages and the commit.
+    """
 
     step: int
     round: int

@@ -159,7 +159,13 @@ class _DDPKitStrategy(DDPStrategy):
 
 class DDPKitOSSStrategy(_DDPKitStrategy):
     """ZeRO-1 in Lightning: torch DDP for the gradients, every optimizer an `OSS` (module doc). OSS's own
-    arguments (``min_split_numel``, ``split_params``, ...) go in `oss_kwargs`."""
+    arguments (``min_split_numel``, ``split_params``, ...) go in `oss_kwargs`.
+
+    Args:
+        *args: Lightning's DDPStrategy's positional arguments.
+        oss_kwargs: OSS's own arguments, for every optimizer (None: OSS's defaults).
+        **kwargs: DDPStrategy's keyword arguments (torch DDP's too: ``bucket_cap_mb``, ...).
+    """
 
     strategy_name = "ddpkit_oss"
 
@@ -177,7 +183,14 @@ class DDPKitShardedStrategy(_DDPKitStrategy):
     """ZeRO-2 in Lightning (fairscale's ``ddp_sharded``): `OSS` optimizers and `ShardedDataParallel` (module
     doc). Keyword arguments of ShardedDataParallel (``reduce_buffer_size``, ``broadcast_buffers``, ...) may be
     given to the constructor with DDPStrategy's own; OSS's own arguments (``min_split_numel``, ...) go in
-    `oss_kwargs`."""
+    `oss_kwargs`.
+
+    Args:
+        *args: Lightning's DDPStrategy's positional arguments.
+        oss_kwargs: OSS's own arguments, for every optimizer (None: OSS's defaults).
+        **kwargs: DDPStrategy's keyword arguments and ShardedDataParallel's; any other (a misspelt one, torch
+            DDP's) is refused by name.
+    """
 
     strategy_name = "ddpkit_sharded"
 
@@ -209,7 +222,13 @@ class DDPKitSlowMoStrategy(_DDPKitStrategy):
     """SlowMo in Lightning (module doc): the arguments of `SlowMoDistributedDataParallel` (``slowmo_momentum``,
     ``slowmo_base_algorithm``, ...) go in `slowmo_kwargs`. ``nprocs_per_node`` defaults to Lightning's devices
     per node (fairscale's meaning: DDP inside a machine, SlowMo between machines); give 1 to make every process
-    a SlowMo node of its own (local SGD between the processes of one machine)."""
+    a SlowMo node of its own (local SGD between the processes of one machine).
+
+    Args:
+        *args: Lightning's DDPStrategy's positional arguments.
+        slowmo_kwargs: SlowMoDistributedDataParallel's arguments (``slowmo_momentum``, ``nprocs_per_node``, ...).
+        **kwargs: DDPStrategy's keyword arguments; any that would go to torch DDP is refused by name.
+    """
 
     strategy_name = "ddpkit_slowmo"
 
@@ -308,7 +327,13 @@ class _DDPKitFabricStrategy(FabricDDPStrategy):
 
 class DDPKitFabricOSSStrategy(_DDPKitFabricStrategy):
     """`DDPKitOSSStrategy` for Fabric: torch DDP for the gradients, the optimizers made `OSS` (with `oss_kwargs`)
-    in `setup`."""
+    in `setup`.
+
+    Args:
+        *args: Fabric's DDPStrategy's positional arguments.
+        oss_kwargs: OSS's own arguments, for every optimizer (None: OSS's defaults).
+        **kwargs: Fabric's DDPStrategy's keyword arguments.
+    """
 
     strategy_name = "ddpkit_oss"
 
@@ -323,7 +348,13 @@ class DDPKitFabricOSSStrategy(_DDPKitFabricStrategy):
 class DDPKitFabricShardedStrategy(_DDPKitFabricStrategy):
     """`DDPKitShardedStrategy` for Fabric: `fabric.setup(model, *optimizers)` makes the optimizers `OSS` (with
     `oss_kwargs`) and wraps the module in `ShardedDataParallel` (with the keyword arguments of its own given to the
-    constructor); they must be set up together."""
+    constructor); they must be set up together.
+
+    Args:
+        *args: Fabric's DDPStrategy's positional arguments.
+        oss_kwargs: OSS's own arguments, for every optimizer (None: OSS's defaults).
+        **kwargs: Fabric's DDPStrategy's keyword arguments and ShardedDataParallel's.
+    """
 
     strategy_name = "ddpkit_sharded"
 
@@ -352,7 +383,13 @@ class DDPKitFabricShardedStrategy(_DDPKitFabricStrategy):
 class DDPKitFabricSlowMoStrategy(_DDPKitFabricStrategy):
     """`DDPKitSlowMoStrategy` for Fabric: the module wrapped in `SlowMoDistributedDataParallel` (arguments in
     `slowmo_kwargs`; ``nprocs_per_node`` defaults to the devices per machine), ``perform_slowmo`` after every
-    optimizer step."""
+    optimizer step.
+
+    Args:
+        *args: Fabric's DDPStrategy's positional arguments.
+        slowmo_kwargs: SlowMoDistributedDataParallel's arguments.
+        **kwargs: Fabric's DDPStrategy's keyword arguments.
+    """
 
     strategy_name = "ddpkit_slowmo"
 

@@ -93,9 +93,14 @@ def load_loop_counters(trainer: pl.Trainer, counters: dict[str, Any]) -> None:
 class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
     """``Trainer(strategy=DDPKitFaultTolerantStrategy(manager))``: a fault-tolerant replica (module doc).
 
-    `manager`: this process's `ddpkit.fault_tolerance.Manager` (its store, rank, ``max_world``, ``min_replicas``,
-    timeouts). `device`: where the module trains (default the CPU). Register anything else a joiner needs
-    (a data position, your own counters) with the manager before ``fit``."""
+    Register anything else a joiner needs (a data position, your own counters) with the manager before ``fit``.
+
+    Args:
+        manager: this process's `ddpkit.fault_tolerance.Manager` (its store, rank, ``max_world``, ``min_replicas``,
+            timeouts).
+        device: where the module trains (default the CPU).
+        **kwargs: Lightning's SingleDeviceStrategy's keyword arguments.
+    """
 
     strategy_name = "ddpkit_fault_tolerant"
 
@@ -170,7 +175,13 @@ class DDPKitFabricFaultTolerantStrategy(FabricSingleDeviceStrategy):
     ``fabric.setup(model, optimizer)`` registers both with the manager; the first training forward of a step opens
     the round, ``optimizer.step()`` averages the gradients and steps only if the round committed everywhere
     (it returns None when it did not). Register your loop's own counters with the manager
-    (``manager.register_state("step", ...)``) so a joiner continues from the members' step."""
+    (``manager.register_state("step", ...)``) so a joiner continues from the members' step.
+
+    Args:
+        manager: this process's `ddpkit.fault_tolerance.Manager`.
+        device: where the module trains (default the CPU).
+        **kwargs: Fabric's SingleDeviceStrategy's keyword arguments.
+    """
 
     def __init__(self, manager: Manager, device: str | torch.device = "cpu", **kwargs: Any) -> None:
         super().__init__(device=torch.device(device), **kwargs)

@@ -39,14 +39,25 @@ SDP_OPTIONS = frozenset(inspect.signature(ShardedDataParallel.__init__).paramete
 
 
 def take_sdp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Removes ShardedDataParallel's own arguments from `kwargs` (a strategy's keyword arguments) and returns them."""
+    """Removes ShardedDataParallel's own arguments from `kwargs` (a strategy's keyword arguments) and returns them.
+
+    Args:
+        kwargs: a strategy's keyword arguments (ShardedDataParallel's are taken out of it).
+    """
     return {key: kwargs.pop(key) for key in sorted(SDP_OPTIONS) if key in kwargs}
 
 
 def refuse_unknown_kwargs(kwargs: dict[str, Any], accepted: Iterable[str], where: str, own: Iterable[str]) -> None:
     """A TypeError naming the first key of `kwargs` (what is left of a strategy's keyword arguments) that is not in
     `accepted` (its base class's own arguments), with the closest known name: a misspelt option (``reduce_bufer_size``)
-    or one of torch DDP's that ddpkit's wrapper does not take (``bucket_cap_mb``) would otherwise be dropped."""
+    or one of torch DDP's that ddpkit's wrapper does not take (``bucket_cap_mb``) would otherwise be dropped.
+
+    Args:
+        kwargs: what is left of a strategy's keyword arguments.
+        accepted: the arguments its base class takes.
+        where: the name the message starts with.
+        own: the wrapper's own arguments (for the closest name).
+    """
     unknown = sorted(set(kwargs) - set(accepted))
     if not unknown:
         return
@@ -59,7 +70,12 @@ def refuse_unknown_kwargs(kwargs: dict[str, Any], accepted: Iterable[str], where
 
 
 def check_oss_kwargs(oss_kwargs: dict[str, Any] | None, where: str) -> dict[str, Any]:
-    """`oss_kwargs` as a dict, or a TypeError naming the first key that is not one of OSS's own arguments."""
+    """`oss_kwargs` as a dict, or a TypeError naming the first key that is not one of OSS's own arguments.
+
+    Args:
+        oss_kwargs: OSS's own arguments, or None.
+        where: the name the message starts with.
+    """
     oss_kwargs = dict(oss_kwargs or {})
     unknown = sorted(set(oss_kwargs) - OSS_OPTIONS)
     if unknown:
@@ -74,7 +90,12 @@ def as_oss(optimizer: torch.optim.Optimizer, **oss_kwargs: Any) -> OSS:
     """`optimizer` as an OSS of its own class over the very same param-group dicts (so a learning-rate
     scheduler built on `optimizer` keeps changing the OSS's hyper-parameters), built with `oss_kwargs` (OSS's own
     arguments, e.g. ``min_split_numel``); an OSS is returned as it is. Raises a TypeError for an optimizer that
-    already holds state (its state would be lost)."""
+    already holds state (its state would be lost).
+
+    Args:
+        optimizer: a torch optimizer without state yet (or an OSS).
+        **oss_kwargs: OSS's own arguments.
+    """
     if isinstance(optimizer, OSS):
         if oss_kwargs:
             raise TypeError(
@@ -91,7 +112,12 @@ def as_oss(optimizer: torch.optim.Optimizer, **oss_kwargs: Any) -> OSS:
 
 
 def sharded_scaler_like(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:
-    """A ShardedGradScaler on `device` with `scaler`'s current scale and settings (a ShardedGradScaler as it is)."""
+    """A ShardedGradScaler on `device` with `scaler`'s current scale and settings (a ShardedGradScaler as it is).
+
+    Args:
+        scaler: torch's GradScaler (or a ShardedGradScaler, returned as it is).
+        device: the device type of the new scaler ("cpu" or "cuda").
+    """
     if isinstance(scaler, ShardedGradScaler):
         return scaler
     return ShardedGradScaler(

@@ -108,7 +108,11 @@ class PerformSlowMo(Callback):
 
 
 def distributed_callbacks(model: nn.Module) -> list[Callback]:
-    """The callbacks a Trial needs to train `model` data-parallel (SlowMo's step only for SlowMo models)."""
+    """The callbacks a Trial needs to train `model` data-parallel (SlowMo's step only for SlowMo models).
+
+    Args:
+        model: the wrapped model the Trial trains.
+    """
     callbacks: list[Callback] = [SyncParameters(), AverageGradients(), SetSamplerEpoch()]
     if isinstance(model, SlowMoDistributedDataParallel):
         callbacks.append(PerformSlowMo())
@@ -116,5 +120,9 @@ def distributed_callbacks(model: nn.Module) -> list[Callback]:
 
 
 def rank_zero_verbosity(level: int = 2) -> int:
-    """`level` on rank 0 and 0 elsewhere, for ``Trial(verbose=...)``: only rank 0 prints progress."""
+    """`level` on rank 0 and 0 elsewhere, for ``Trial(verbose=...)``: only rank 0 prints progress.
+
+    Args:
+        level: the verbosity rank 0 shows.
+    """
     return level if group_rank() == 0 else 0

@@ -48,6 +48,10 @@ def reduce_to_owners_hook(optimizer: OSS, bucket: dist.GradBucket) -> torch.futu
 
     Register with ``ddp_model.register_comm_hook(optimizer, reduce_to_owners_hook)``, where `optimizer` is the
     OSS that optimizes the model's parameters over DDP's process group.
+
+    Args:
+        optimizer: the hook's state: the OSS over DDP's process group.
+        bucket: the gradient bucket DDP hands the hook.
     """
     buffer = bucket.buffer()
     world = optimizer.world_size

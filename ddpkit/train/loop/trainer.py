@@ -33,7 +33,19 @@ class Callback:
 
 @dataclass
 class StepRecord:
-    """What one optimizer step did on this rank."""
+    """What one optimizer step did on this rank.
+
+    Attributes:
+        epoch: the epoch it belongs to (0-based).
+        step: the optimizer steps taken when it ended (1-based).
+        loss: the mean loss of its batches on this rank.
+        correct: the predictions its batches got right (0 without classes).
+        samples: the samples this rank trained on in it.
+        seconds: its wall time on this rank.
+        sent_bytes: what this rank sent on the wire in it (modelled wire bytes, `comm_stats`).
+        shared_bytes: what it handed to other ranks of this host through shared memory (not on the wire).
+        targets: the predictions `correct` counts (a sequence model predicts several per sample; 0: no classes).
+    """
 
     epoch: int
     step: int
@@ -52,7 +64,15 @@ class StepRecord:
 
 @dataclass
 class TrainerState:
-    """Counters a checkpoint must restore for a resumed run to continue exactly."""
+    """Counters a checkpoint must restore for a resumed run to continue exactly.
+
+    Attributes:
+        epoch: the next epoch to run.
+        step: the optimizer steps taken.
+        history: one entry per finished epoch.
+        epoch_samples: the positions of this epoch's permutation the ranks consumed together (a mid-epoch resume).
+        carried: what callbacks keep across resumes (metrics, totals).
+    """
 
     epoch: int = 0  # the next epoch to run
     step: int = 0  # optimizer steps taken
