@@ -153,6 +153,16 @@ SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
         "one host: this one; no 30 s wait for machines that will not come",
     ),
     ("$MY_ADDRESS", "127.0.0.1", "this machine's address"),
+    (
+        "torchrun --nproc-per-node 2 train_sharded.py --epochs 5",
+        "torchrun --nproc-per-node 2 --master-port {port} train_sharded.py --epochs 1",
+        "the torchrun tutorial: one epoch, a free port",
+    ),
+    (
+        "torchrun --nproc-per-node 2 train_sharded.py --epochs 8",
+        "torchrun --nproc-per-node 2 --master-port {port} train_sharded.py --epochs 2",
+        "the tutorial's resumed run: one more epoch, a free port",
+    ),
     ("/shared/run1", "{tmp}/shared/run1", "the shared folder is a temporary one"),
     ("~/mnist", "{mnist}", "a generated MNIST-shaped folder (the files are not downloaded)"),
     ("50_000", "3", "AdaScale snippet: 3 scale-invariant steps, not 50,000"),
@@ -194,6 +204,10 @@ def argv(text: str, *appended: str, **values: str) -> list[str]:
 COMMANDS: dict[str, str] = {
     "pip install torch==2.13.0 -e . && ddpkit train --out runs/digits": "test_quick_start_trains",
     'pip install torch==2.13.0 -e ".[dev]" && python -m pytest': "CI: .ci/run installs and runs exactly this",
+    "torchrun --nproc-per-node 2 train_sharded.py --epochs 5 --out runs/tutorial": "test_the_torchrun_tutorial",
+    "torchrun --nproc-per-node 2 train_sharded.py --epochs 8 --out runs/tutorial --resume": (
+        "test_the_torchrun_tutorial"
+    ),
     "srun ddpkit train --strategy sharded --out runs/slurm": (
         "tests/test_slurm.py::test_two_srun_tasks_train_as_one_job (the variables srun sets, on loopback)"
     ),
@@ -253,6 +267,7 @@ COMMANDS: dict[str, str] = {
 }
 
 SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block -> its test
+    "sampler.set_epoch(epoch)  # a new shuffle each epoch": "test_the_torchrun_tutorial (as train_sharded.py)",
     "def data():": "test_train_line (written to mypkg/work.py and trained on)",
     "model = DDP(MyModel())": "test_oss_snippet_and_its_checkpoint",
     "model.register_comm_hook(optimizer, reduce_to_owners_hook)": "test_reduce_to_owners_hook_snippet",
@@ -808,6 +823,27 @@ def test_torchrun_lines(tmp_path):
     out = run_command(words, tmp_path)
     assert re.search(r"replicas equal\s+yes", out) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in out, out
     assert list((tmp_path / "shared" / "run1" / "checkpoint").glob("step-*/COMMIT.json")), out
+
+
+def test_the_torchrun_tutorial(tmp_path):
+    """docs/tutorials/torchrun.md: its script, saved as it says, trains under its torchrun command, checkpoints, and
+    the resumed run goes on from the next epoch and ends where an uninterrupted run of as many epochs ends."""
+    (tmp_path / "train_sharded.py").write_text(snippet("sampler.set_epoch(epoch)  # a new shuffle each epoch"))
+    first = command("torchrun --nproc-per-node 2 train_sharded.py --epochs 5 --out runs/tutorial")
+    out = run_command(argv(first, port=str(free_port())), tmp_path)
+    assert re.search(r"^epoch 0: loss [\d.]+, held-out accuracy 0\.[5-9]", out, re.M), out
+    resumed = command("torchrun --nproc-per-node 2 train_sharded.py --epochs 8 --out runs/tutorial --resume")
+    out = run_command(argv(resumed, port=str(free_port())), tmp_path)
+    assert "epoch 0:" not in out and re.search(r"^epoch 1: ", out, re.M), out
+    whole = argv(first, port=str(free_port()))
+    whole[whole.index("--epochs") + 1], whole[whole.index("--out") + 1] = "2", "runs/whole"
+    run_command(whole, tmp_path)
+    a, b = (torch.load(tmp_path / "runs" / name / "checkpoint.pt") for name in ("tutorial", "whole"))
+    assert a["epoch"] == b["epoch"] == 1
+    for key in b["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    adam = torch.optim.Adam(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).parameters())
+    adam.load_state_dict(a["optimizer"])  # the checkpoint's optimizer state is a plain torch Adam's
 
 
 @pytest.mark.slow
