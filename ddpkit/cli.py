@@ -52,7 +52,11 @@ def _version() -> str:
 
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to train")
-    what.add_argument("--strategy", choices=cfgmod.STRATEGIES, help="ddp | oss | sharded | slowmo")
+    what.add_argument(
+        "--strategy",
+        choices=cfgmod.STRATEGY_NAMES,
+        help="ddp | oss | sharded | slowmo | sgp (slowmo with --slowmo-base sgp, as bench names it)",
+    )
     what.add_argument("--optimizer", choices=cfgmod.OPTIMIZERS, help="sgd | adam | adamw")
     what.add_argument("--lr", type=float, help="learning rate")
     what.add_argument("--momentum", type=float, help="SGD momentum")
@@ -309,6 +313,7 @@ def make_config(args: argparse.Namespace) -> TrainConfig:
     values.update(_placement(given))
     values.setdefault("nproc_per_node", 2)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = cfgmod.expand_strategy(values)
     cfg = TrainConfig(**{k: v for k, v in values.items() if k in names})
     cfgmod.validate(cfg)
     return cfg

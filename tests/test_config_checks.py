@@ -390,3 +390,15 @@ def test_every_example_in_train_help_is_a_valid_command():
             assert "--resume: no complete checkpoint in run1" in error_of(flags)
             continue
         config_from(flags)
+
+
+def test_sgp_is_one_name_in_train_and_bench():
+    """`ddpkit bench --strategies ...,sgp` names SGP as a strategy; `ddpkit train --strategy sgp` takes the same name
+    (slowmo gossiping), and refuses it with another --slowmo-base."""
+    cfg = config_from(["--strategy", "sgp", "--graph", "ring"])
+    assert (cfg.strategy, cfg.slowmo_base, cfg.graph) == ("slowmo", "sgp", "ring")
+    refused = error_of(["--strategy", "sgp", "--slowmo-base", "localsgd"])
+    assert "--strategy sgp is slowmo with --slowmo-base sgp" in refused
+    from ddpkit.train.loop.bench import BENCH_STRATEGIES
+
+    assert set(BENCH_STRATEGIES) == set(cfgmod.STRATEGY_NAMES)

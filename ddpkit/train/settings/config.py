@@ -29,6 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
 SLOWMO_BASES = ("localsgd", "sgp")
+STRATEGY_NAMES = (*STRATEGIES, "sgp")  # what --strategy and bench's --strategies take: sgp is slowmo gossiping
 # how pseudo-gradients travel between SlowMo nodes (ddpkit.algorithms.quantize.COMPRESSIONS, without torch here)
 SLOWMO_COMPRESSIONS = ("none", "bf16", "int8", "int4")
 # the gossip graphs of --slowmo-base sgp (ddpkit.algorithms.gossip_graphs.GRAPHS, without importing torch here)
@@ -177,6 +178,16 @@ def load_toml(path: str) -> dict[str, Any]:
             raise ValueError(f"--config {path}: unknown setting {key!r}")
         values[name] = checked_type(name, value, f"--config {path}, setting {key!r}: {flag(name)}")
     return values
+
+
+def expand_strategy(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (settings by field name) with ``strategy="sgp"``, the name `ddpkit bench` gives it, spelled out as
+    ``strategy="slowmo", slowmo_base="sgp"``; a ValueError if another `slowmo_base` was asked for with it."""
+    if values.get("strategy") != "sgp":
+        return values
+    if values.get("slowmo_base", "sgp") != "sgp":
+        raise ValueError(f"--strategy sgp is slowmo with --slowmo-base sgp; got --slowmo-base {values['slowmo_base']}")
+    return {**values, "strategy": "slowmo", "slowmo_base": "sgp"}
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
