@@ -86,3 +86,26 @@ def test_the_final_members_done_finishes_it_and_too_few_replicas_ends_it():
 
     out = _run(ended)
     assert out["why"] == "ended" and out["at"] == pytest.approx(3.0, abs=0.5)
+
+
+def test_a_side_connection_to_a_store_that_is_gone_fails_within_its_own_timeout():
+    """The heartbeat's and the cleaner's connections (`side_connection`): once the store's machine is gone, making
+    one fails within its short timeout, not the job's minute (a TCPStore clone retried for all of it, holding a
+    survivor's exit up for 60-110 s in the machine-0 scenario)."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ddpkit.fault_tolerance.connections import side_connection
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
+    side = side_connection(client, timeout=1.0)
+    side.set("beat", "1")
+    assert client.get("beat") == b"1"
+    del server, side  # the store's machine is gone
+    since = time.monotonic()
+    with pytest.raises((RuntimeError, dist.DistError)):
+        side_connection(client, timeout=1.0)
+    assert time.monotonic() - since < 5.0

@@ -66,9 +66,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddpkit.distributed.rank_guard import say
 from ddpkit.fault_tolerance import store_agreement
+from ddpkit.fault_tolerance.connections import side_connection
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.failures import is_peer_failure, is_store_loss
 from ddpkit.fault_tolerance.liveness import STALE_AFTER, Heartbeat, Liveness
@@ -648,7 +650,11 @@ class Manager:
             return
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        connection = self.store.clone() if hasattr(self.store, "clone") else self.store
+        try:
+            connection = side_connection(self.store)
+        except (RuntimeError, dist.DistError) as exc:  # the store is gone: the round that needs it says so
+            self._heartbeat_failed(exc)
+            return
         self._heartbeat = Heartbeat(connection, self.prefix, self.rank, on_error=self._heartbeat_failed)
 
     def _heartbeat_failed(self, error: BaseException) -> None:

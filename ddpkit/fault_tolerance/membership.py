@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
+from ddpkit.fault_tolerance.connections import side_connection
 
 DEFAULT_PREFIX = "ddpkit/ft/"
 FIRST_WAIT = 1.0  # seconds a quorum waits for everyone before it asks whether those missing still beat
@@ -491,7 +492,7 @@ class Membership:
         """Deletes round `round_`'s keys from the store: its arrivals (those that arrived: O(members), not
         O(max_world)), joiners, members, reports, verdict and its group's rendezvous keys."""
         if self._forgetting is None:
-            self._forgetting = self.store.clone() if hasattr(self.store, "clone") else self.store
+            self._forgetting = side_connection(self.store)
         store = self._forgetting
         key = self._key(round_, "members")
         members = json.loads(store.get(key)) if store.check([key]) else []

@@ -1,0 +1,35 @@
+"""Connections of their own to a fault-tolerant job's store, for the threads beside the rounds.
+
+The heartbeat (`ddpkit.fault_tolerance.liveness`) and the deletion of old rounds' keys
+(`Membership.forget_through`) each talk to the store on a connection of their own, so that they never wait behind
+the rounds' long waits. A TCPStore's `clone()` would inherit the job's timeout (a minute by default) and retry a
+refused connection for all of it: once the store's machine is gone, a clone made then held the process's exit up
+for that long (Python waits for its worker threads at exit). `side_connection` makes them with a short timeout.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+SIDE_TIMEOUT = 10.0  # seconds a side connection waits to connect, and for any call
+
+
+def side_connection(store: Any, timeout: float = SIDE_TIMEOUT) -> Any:
+    """A new connection to the job's `store` for a thread beside the rounds: a TCPStore client with `timeout`
+    seconds to connect and per call (module doc), another store's `clone()` (an etcd client), or the store
+    itself where it has no second connection (a HashStore shared by threads). Raises the store's error when it
+    cannot be reached within `timeout`.
+
+    Args:
+        store: the rounds' own connection to the job's store.
+        timeout: seconds to connect and per call on the new connection (TCPStore).
+
+    Returns:
+        The new connection (or `store` itself).
+    """
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout))
+    return store.clone() if hasattr(store, "clone") else store
