@@ -58,7 +58,6 @@ state, the current quorum, the events; `average_gradients` a flat copy of the gr
 from __future__ import annotations
 
 import functools
-import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,7 +87,7 @@ from ddpkit.fault_tolerance.membership import (
 from ddpkit.fault_tolerance.replica_membership import Replica, ReplicaMembership
 from ddpkit.fault_tolerance.round_buckets import RoundBuckets
 
-PROBE_SECONDS = 2.0  # how long a rank whose store connection broke waits for the store's port to answer
+PROBE_SECONDS = 5.0  # how long a rank whose store connection broke waits for the store to answer a call
 
 
 class StoreLost(RuntimeError):
@@ -592,12 +591,10 @@ class Manager:
         made (the store is gone, or cut off)."""
         if not hasattr(self.store, "clone") or isinstance(self.store, EtcdStore):
             return False  # (an etcd client tried every member for its whole timeout already)
-        if hasattr(self.store, "host") and hasattr(self.store, "port"):
-            try:  # a TCPStore's clone would retry a refused connection for its whole timeout: ask first
-                socket.create_connection((self.store.host, self.store.port), timeout=PROBE_SECONDS).close()
-            except OSError:
-                return False
-        try:
+        try:  # a TCPStore's clone retries a refused connection for the store's whole timeout: ask first, on a
+            # connection with a short one that must answer a call (a port that merely accepts is not enough: a machine
+            # that is going down may still accept connections for a moment)
+            side_connection(self.store, timeout=PROBE_SECONDS).check([self.prefix + "latest"])
             fresh = self.store.clone()
             fresh.check([self.prefix + "latest"])
         except Exception:
