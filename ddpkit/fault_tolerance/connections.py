@@ -9,6 +9,7 @@ for that long (Python waits for its worker threads at exit). `side_connection` m
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -19,9 +20,9 @@ SIDE_TIMEOUT = 10.0  # seconds a side connection waits to connect, and for any c
 
 def side_connection(store: Any, timeout: float = SIDE_TIMEOUT) -> Any:
     """A new connection to the job's `store` for a thread beside the rounds: a TCPStore client with `timeout`
-    seconds to connect and per call (module doc), another store's `clone()` (an etcd client), or the store
-    itself where it has no second connection (a HashStore shared by threads). Raises the store's error when it
-    cannot be reached within `timeout`.
+    seconds to connect and per call (module doc; its port is asked first, so that a machine that is gone refuses
+    at once), another store's `clone()` (an etcd client), or the store itself where it has no second connection (a
+    HashStore shared by threads). Raises OSError or the store's error when it cannot be reached within `timeout`.
 
     Args:
         store: the rounds' own connection to the job's store.
@@ -31,5 +32,6 @@ def side_connection(store: Any, timeout: float = SIDE_TIMEOUT) -> Any:
         The new connection (or `store` itself).
     """
     if isinstance(store, dist.TCPStore):
+        socket.create_connection((store.host, store.port), timeout=timeout).close()
         return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout))
     return store.clone() if hasattr(store, "clone") else store

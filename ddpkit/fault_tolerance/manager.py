@@ -591,9 +591,8 @@ class Manager:
         made (the store is gone, or cut off)."""
         if not hasattr(self.store, "clone") or isinstance(self.store, EtcdStore):
             return False  # (an etcd client tried every member for its whole timeout already)
-        try:  # a TCPStore's clone retries a refused connection for the store's whole timeout: ask first, on a
-            # connection with a short one that must answer a call (a port that merely accepts is not enough: a machine
-            # that is going down may still accept connections for a moment)
+        try:  # a TCPStore's clone retries a refused connection for the store's whole timeout: first the store must
+            # answer a call on a side connection (a machine that is going down may still accept a connection)
             side_connection(self.store, timeout=PROBE_SECONDS).check([self.prefix + "latest"])
             fresh = self.store.clone()
             fresh.check([self.prefix + "latest"])
@@ -649,7 +648,7 @@ class Manager:
             self._heartbeat.stop()
         try:
             connection = side_connection(self.store)
-        except (RuntimeError, dist.DistError) as exc:  # the store is gone: the round that needs it says so
+        except (RuntimeError, dist.DistError, OSError) as exc:  # the store is gone: the round that needs it says so
             self._heartbeat_failed(exc)
             return
         self._heartbeat = Heartbeat(connection, self.prefix, self.rank, on_error=self._heartbeat_failed)
