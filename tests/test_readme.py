@@ -292,6 +292,7 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
 }
 
 OTHER_BLOCKS: dict[tuple[str, str], str] = {  # (language, first line) -> its test
+    ("diff", " import torch"): "test_the_fairscale_diff_swaps_imports_for_the_same_names",
     ("mermaid", "%% an OSS step"): "not run: a concept picture (oss.md), drawn by the browser",
     ("mermaid", "%% a fault-tolerant round"): "not run: a concept picture (fault-tolerance.md), drawn by the browser",
     ("mermaid", "flowchart LR"): "not run: a concept picture (sharded.md), drawn by the browser",
@@ -827,6 +828,27 @@ def test_torchrun_lines(tmp_path):
     out = run_command(words, tmp_path)
     assert re.search(r"replicas equal\s+yes", out) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in out, out
     assert list((tmp_path / "shared" / "run1" / "checkpoint").glob("step-*/COMMIT.json")), out
+
+
+def test_the_fairscale_diff_swaps_imports_for_the_same_names():
+    """docs/fairscale.md's before/after: each removed fairscale import and its added ddpkit import name the same
+    objects (fairscale's paths resolved through `ddpkit.compat.fairscale.installed()`), and nothing else changes."""
+    from ddpkit.compat import fairscale
+
+    block = next(b for b in doc_blocks() if b.lang == "diff")
+    lines = block.text.splitlines()
+    removed = "\n".join(line[1:] for line in lines if line.startswith("-"))
+    added = "\n".join(line[1:] for line in lines if line.startswith("+"))
+    assert removed.count("fairscale") == removed.count("from ") and "fairscale" not in added
+    before: dict = {}
+    after: dict = {}
+    with fairscale.installed():
+        exec(removed, before)
+    exec(added, after)
+    names = {k for k in before if not k.startswith("__")}
+    assert names == {k for k in after if not k.startswith("__")} and len(names) == 5, (names, after.keys())
+    for name in names:
+        assert before[name] is after[name], name
 
 
 def test_the_torchrun_tutorial(tmp_path):
