@@ -29,13 +29,20 @@ def cli_reference() -> str:
 
     from ddpkit.cli import build_parser
 
+    columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # (argparse reads the width from here)
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    parts = [
-        "# CLI reference\n",
-        "Generated from the command's own parser when the site is built: exactly what `--help` prints.\n",
-        f"## ddpkit\n\n```text\n{parser.format_help()}```\n",
-    ]
-    parts += [f"## ddpkit {name}\n\n```text\n{command.format_help()}```\n" for name, command in commands.items()]
+    try:
+        parser = build_parser()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        parts = [
+            "# CLI reference\n",
+            "Generated from the command's own parser when the site is built: exactly what `--help` prints.\n",
+            f"## ddpkit\n\n```text\n{parser.format_help()}```\n",
+        ]
+        parts += [f"## ddpkit {name}\n\n```text\n{cmd.format_help()}```\n" for name, cmd in commands.items()]
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return "\n".join(parts)

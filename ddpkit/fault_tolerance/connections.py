@@ -18,6 +18,23 @@ import torch.distributed as dist
 SIDE_TIMEOUT = 10.0  # seconds a side connection waits to connect, and for any call
 
 
+def brief_client(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """A TCPStore client of `host`:`port` with `timeout` seconds to connect and per call; the port is asked first,
+    so that a machine that is gone refuses at once instead of after `timeout`. Raises OSError or the store's error
+    when the store cannot be reached within `timeout`.
+
+    Args:
+        host: the store's address.
+        port: the store's port.
+        timeout: seconds to connect and per call.
+
+    Returns:
+        The client.
+    """
+    socket.create_connection((host, port), timeout=timeout).close()
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
 def side_connection(store: Any, timeout: float = SIDE_TIMEOUT) -> Any:
     """A new connection to the job's `store` for a thread beside the rounds: a TCPStore client with `timeout`
     seconds to connect and per call (module doc; its port is asked first, so that a machine that is gone refuses
@@ -32,6 +49,5 @@ def side_connection(store: Any, timeout: float = SIDE_TIMEOUT) -> Any:
         The new connection (or `store` itself).
     """
     if isinstance(store, dist.TCPStore):
-        socket.create_connection((store.host, store.port), timeout=timeout).close()
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout))
+        return brief_client(store.host, store.port, timeout)
     return store.clone() if hasattr(store, "clone") else store

@@ -16,7 +16,6 @@ Memory: the keys of the quorums (`ddpkit.fault_tolerance.membership`), a few byt
 from __future__ import annotations
 
 import json
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed.launch import LaunchError
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
+from ddpkit.fault_tolerance.connections import brief_client
 from ddpkit.fault_tolerance.liveness import Liveness
 from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL, latest_members
 
@@ -50,8 +50,7 @@ def refuse_plain_rank(address: str, port: int, timeout: float) -> None:
     raises LaunchError, saying what to do, when that store is a fault-tolerant job's (the rank would wait for its
     whole --timeout for peers that never join a plain group)."""
     try:  # best effort: a store not up yet, or not reachable, is the join's to wait for and report
-        socket.create_connection((address, port), timeout=min(timeout, PROBE_SECONDS)).close()
-        client = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=min(timeout, PROBE_SECONDS)))
+        client = brief_client(address, port, min(timeout, PROBE_SECONDS))
         marked = client.check([MODE_KEY]) and client.get(MODE_KEY).decode() == FAULT_TOLERANT
     except (OSError, dist.DistError):
         return

@@ -70,13 +70,25 @@ def round_key(prefix: str, round_: int, *parts: object) -> str:
     return f"{prefix}r{round_}/" + "/".join(map(str, parts))
 
 
+def latest_round(store: Any, prefix: str = DEFAULT_PREFIX) -> int:
+    """The latest round whose members were decided in the job's `store` (-1 before the first)."""
+    if not store.check([prefix + LATEST]):
+        return -1
+    return int(store.get(prefix + LATEST))
+
+
+def decided_members(store: Any, prefix: str, round_: int) -> list[int] | None:
+    """The members decided for round `round_` (None: not decided, or its keys deleted already)."""
+    key = round_key(prefix, round_, "members")
+    if round_ < 0 or not store.check([key]):
+        return None
+    return json.loads(store.get(key))
+
+
 def latest_members(store: Any, prefix: str = DEFAULT_PREFIX) -> list[int] | None:
     """The members of the latest round decided in the job's `store` (None before the first is decided): what a
     process that watches the job from outside (node 0's launcher) reads."""
-    if not store.check([prefix + LATEST]):
-        return None
-    key = round_key(prefix, int(store.get(prefix + LATEST)), "members")
-    return json.loads(store.get(key)) if store.check([key]) else None
+    return decided_members(store, prefix, latest_round(store, prefix))
 
 
 class TooFewReplicas(RuntimeError):
@@ -183,9 +195,7 @@ class Membership:
 
     def latest_round(self) -> int:
         """The latest round whose members were decided (-1 before the first)."""
-        if not self.store.check([self.prefix + LATEST]):
-            return -1
-        return int(self.store.get(self.prefix + LATEST))
+        return latest_round(self.store, self.prefix)
 
     def _joiners(self, round_: int) -> set[int]:
         key = self._key(round_, "joiners")
@@ -350,10 +360,7 @@ class Membership:
                     ) from None
 
     def _decided(self, round_: int) -> list[int] | None:
-        key = self._key(round_, "members")
-        if round_ < 0 or not self.store.check([key]):
-            return None
-        return json.loads(self.store.get(key))
+        return decided_members(self.store, self.prefix, round_)
 
     def _forgotten(self, round_: int) -> bool:
         """Whether `round_` is long past: later rounds were decided and its keys deleted (`forget`), so deciding
