@@ -206,7 +206,11 @@ def test_the_readme_snippet_trains(tmp_path):
     prelude = "from lightning_runs import SETTINGS, Net, _data\nfrom torch.utils.data import DataLoader\n"
     prelude += "model = Net(SETTINGS['adam'])\ntrain_loader = DataLoader(_data(), batch_size=16)\n"
     script = tmp_path / "snippet.py"
-    script.write_text(prelude + snippet('strategy="ddpkit_sharded"') + "\nassert trainer.global_step == 8\n")
+    script.write_text(
+        prelude
+        + snippet('L.Trainer(strategy="ddpkit_sharded", accelerator="cpu"')
+        + "\nassert trainer.global_step == 8\n"
+    )
     _torchrun(2, script, cwd=tmp_path)  # (Lightning's default logger writes lightning_logs/ there)
 
 

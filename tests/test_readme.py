@@ -163,6 +163,23 @@ SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
         "torchrun --nproc-per-node 2 --master-port {port} train_sharded.py --epochs 2",
         "the tutorial's resumed run: one more epoch, a free port",
     ),
+    (
+        "python train_lightning.py --epochs 3",
+        "python train_lightning.py --epochs 1",
+        "the Lightning tutorial: one epoch",
+    ),
+    (
+        "python train_lightning.py --epochs 5",
+        "python train_lightning.py --epochs 2",
+        "the Lightning tutorial's resumed run: one more epoch",
+    ),
+    ("ddpkit store --port 29510", "ddpkit store --port {port}", "the fault-tolerant loop tutorial: a free port"),
+    ("train_ft.py --rank", "train_ft.py --store localhost:{port} --rank", "its replicas: the store's free port"),
+    (
+        "torchrun --nproc-per-node 2 train_diloco.py --epochs 20",
+        "torchrun --nproc-per-node 2 --master-port {port} train_diloco.py --epochs 5",
+        "the DiLoCo tutorial: 5 epochs (4 syncs), a free port",
+    ),
     ("/shared/run1", "{tmp}/shared/run1", "the shared folder is a temporary one"),
     ("~/mnist", "{mnist}", "a generated MNIST-shaped folder (the files are not downloaded)"),
     ("50_000", "3", "AdaScale snippet: 3 scale-invariant steps, not 50,000"),
@@ -207,6 +224,19 @@ COMMANDS: dict[str, str] = {
     "torchrun --nproc-per-node 2 train_sharded.py --epochs 5 --out runs/tutorial": "test_the_torchrun_tutorial",
     "torchrun --nproc-per-node 2 train_sharded.py --epochs 8 --out runs/tutorial --resume": (
         "test_the_torchrun_tutorial"
+    ),
+    "python train_lightning.py --epochs 3": "tests/test_tutorials.py::test_the_lightning_tutorial",
+    "python train_lightning.py --epochs 5 --resume": "tests/test_tutorials.py::test_the_lightning_tutorial",
+    "ddpkit store --port 29510 &": "tests/test_tutorials.py::test_the_fault_tolerant_loop_tutorial",
+    "python train_ft.py --rank 0 --world-size 2 &": "tests/test_tutorials.py::test_the_fault_tolerant_loop_tutorial",
+    "python train_ft.py --rank 1 --world-size 2 --crash-at 300": (
+        "tests/test_tutorials.py::test_the_fault_tolerant_loop_tutorial"
+    ),
+    "python train_ft.py --rank 1 --world-size 2": "tests/test_tutorials.py::test_the_fault_tolerant_loop_tutorial",
+    "torchrun --nproc-per-node 2 train_diloco.py --epochs 20": "tests/test_tutorials.py::test_the_diloco_tutorial",
+    "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 train_diloco.py --procs-per-site 4": (
+        "not run: two sites; the same script at one process per site runs in "
+        "tests/test_tutorials.py::test_the_diloco_tutorial"
     ),
     "srun ddpkit train --strategy sharded --out runs/slurm": (
         "tests/test_slurm.py::test_two_srun_tasks_train_as_one_job (the variables srun sets, on loopback)"
@@ -269,6 +299,9 @@ COMMANDS: dict[str, str] = {
 SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block -> its test
     "sampler.set_epoch(epoch)  # a new shuffle each epoch": "test_the_torchrun_tutorial (as train_sharded.py)",
     "def data():": "test_train_line (written to mypkg/work.py and trained on)",
+    'strategy="ddpkit_sharded",  # was "ddp"': "tests/test_tutorials.py::test_the_lightning_tutorial",
+    'parser.add_argument("--crash-at"': ("tests/test_tutorials.py::test_the_fault_tolerant_loop_tutorial"),
+    "model.perform_slowmo(optimizer)  # a sync every H steps": "tests/test_tutorials.py::test_the_diloco_tutorial",
     "model = DDP(MyModel())": "test_oss_snippet_and_its_checkpoint",
     "model.register_comm_hook(optimizer, reduce_to_owners_hook)": "test_reduce_to_owners_hook_snippet",
     "optimizer.consolidate_state_dict(recipient_rank=0)": "test_oss_snippet_and_its_checkpoint",
@@ -280,13 +313,15 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
     ),
     "scaler = ShardedGradScaler()": "test_sharded_grad_scaler_snippet",
     "optimizer = AdaScale(": "test_adascale_snippet",
-    "model.perform_slowmo(optimizer)": "test_slowmo_snippets",
-    'slowmo_compression="int4"': "test_slowmo_snippets",
+    "model.perform_slowmo(optimizer)                      # between nodes": "test_slowmo_snippets",
+    'slowmo_compression="int4", slowmo_error_feedback=True,   # 4-bit': "test_slowmo_snippets",
     "slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP": "test_slowmo_snippets",
     "distributed_callbacks(model)": "test_torchbearer_snippet",
-    'strategy="ddpkit_sharded"': "tests/test_lightning.py::test_the_readme_snippet_trains (long tier)",
+    'L.Trainer(strategy="ddpkit_sharded", accelerator="cpu"': (
+        "tests/test_lightning.py::test_the_readme_snippet_trains (long tier)"
+    ),
     "counting_allreduce_hook)": "test_comm_stats_snippet",
-    "manager.average_gradients(model.parameters())": (
+    "if manager.should_commit():  # False on every member": (
         "tests/test_manager.py::test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_the_reference"
     ),
 }
@@ -571,7 +606,7 @@ def _slowmo(rank: int, world_size: int, code: str, loop: str, count: int, folder
 def slowmo_loop() -> str:
     """The loop of the SlowMo snippet ("the same loop as above"): its imports, then its lines from the optimizer's
     on (the lines between are left blank, so line numbers stay the README's)."""
-    text = snippet("model.perform_slowmo(optimizer)")
+    text = snippet("model.perform_slowmo(optimizer)                      # between nodes")
     start = text.index("optimizer = ")
     head = [line if line.startswith(("import ", "from ")) else "" for line in text[:start].split("\n")]
     return "\n".join(head) + text[start:]
@@ -580,8 +615,16 @@ def slowmo_loop() -> str:
 @pytest.mark.parametrize(
     ("anchor", "with_loop", "count"),
     [
-        ("model.perform_slowmo(optimizer)", False, 6),  # 6 steps: averaged at steps 3 and 6
-        ('slowmo_compression="int4"', True, 30),  # 30 steps: every fragment synced at least once
+        (
+            "model.perform_slowmo(optimizer)                      # between nodes",
+            False,
+            6,
+        ),  # 6 steps: averaged at steps 3 and 6
+        (
+            'slowmo_compression="int4", slowmo_error_feedback=True,   # 4-bit',
+            True,
+            30,
+        ),  # 30 steps: every fragment synced at least once
         ("slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP", True, 6),
     ],
 )
@@ -665,6 +708,8 @@ def environment(tmp_path: Path) -> dict[str, str]:
 def executable(words: list[str]) -> list[str]:
     """`ddpkit ...` and `torchrun ...` as this interpreter's modules (the venv's scripts need not be on PATH)."""
     modules = {"ddpkit": "ddpkit", "torchrun": "torch.distributed.run"}
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
     return [sys.executable, "-m", modules[words[0]], *words[1:]] if words[0] in modules else words
 
 
