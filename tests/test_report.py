@@ -103,6 +103,7 @@ def test_model_size_names_the_gpt_shape_and_the_parameter_count() -> None:
     cfg = TrainConfig(model="gpt", data="text", gpt_layers=2, gpt_width=64, gpt_heads=2, context=64)
     assert model_size(cfg, 120_576) == "2 layers, width 64, 2 heads, context 64; 120,576 parameters"
     assert model_size(TrainConfig(hidden=32, depth=3), 5_000) == "3 hidden layers of 32; 5,000 parameters"
+    assert model_size(TrainConfig(hidden=32, depth=1), 5_000) == "1 hidden layer of 32; 5,000 parameters"
     assert model_size(TrainConfig(model="pkg.mod:build", data="pkg.mod:data"), 1_153) == "1,153 parameters"
     assert "default" not in model_size(TrainConfig(model="cnn"), 19_000)
 

@@ -764,14 +764,14 @@ def wait_session_gone(proc, timeout=60):
 
 
 def test_a_short_gpt_run_reports_what_happened(tmp_path, procs):
-    """The README's custom-size GPT, with the progress bar, stopped by --max-steps in its first epoch: no warning
-    of leaked semaphores at exit, the model's shape and parameter count (not "default"), where --max-steps
-    stopped it (not "5 epoch(s)"), the command's wall time (not the training loop's), and a held-out curve of
-    about 15 evaluations (not a single point at the epoch's end)."""
+    """A custom-size GPT (smaller than the README's, whose line test_readme runs), with the progress bar, stopped by
+    --max-steps in its first epoch: no warning of leaked semaphores at exit, the model's shape and parameter count
+    (not "default"), where --max-steps stopped it (not "5 epoch(s)"), the command's wall time (not the training
+    loop's), and a held-out curve of about 15 evaluations (not a single point at the epoch's end)."""
     assert gpt_parameters(6, 384, 128) == 10_795_008  # the README's figure for the default GPT
     out = tmp_path / "out"
-    flags = ["--model", "gpt", "--data", "text", "--gpt-layers", "2", "--gpt-width", "64", "--gpt-heads", "2"]
-    flags += ["--context", "64", "--lr", "3e-3", "--batch-size", "8", "--max-steps", "30", "--timeout", "60"]
+    flags = ["--model", "gpt", "--data", "text", "--gpt-layers", "1", "--gpt-width", "32", "--gpt-heads", "2"]
+    flags += ["--context", "32", "--lr", "3e-3", "--batch-size", "8", "--max-steps", "30", "--timeout", "60"]
     proc = procs([*DDPKIT, "train", *flags, "--out", out], "gpt")
     result = proc.wait(300)
     assert result.returncode == 0, str(result)
@@ -779,13 +779,13 @@ def test_a_short_gpt_run_reports_what_happened(tmp_path, procs):
     stderr = proc.err_path.read_text()  # with whatever the resource tracker wrote as it ended
     assert "step/s" in stderr, f"no progress bar:\n{stderr}"
     assert "leaked semaphore" not in stderr and "resource_tracker" not in stderr, stderr
-    parameters = gpt_parameters(2, 64, 64)
-    size = f"2 layers, width 64, 2 heads, context 64; {parameters:,} parameters"
+    parameters = gpt_parameters(1, 32, 32)
+    size = f"1 layer, width 32, 2 heads, context 32; {parameters:,} parameters"
     assert summary_value(result.stdout, "model and data") == f"gpt ({size}) on text, seed 0"
     metrics = json.loads((out / "metrics.json").read_text())
     s = metrics["summary"]
     assert (s["settings"]["model_size"], s["settings"]["parameters"]) == (size, parameters)
-    windows = math.ceil(math.ceil(text_windows(64) / 2) / 8)  # steps per epoch: 8 windows per step per rank
+    windows = math.ceil(math.ceil(text_windows(32) / 2) / 8)  # steps per epoch: 8 windows per step per rank
     stopped = f"stopped by --max-steps at step 30, in epoch 1 of 5 ({windows} steps per epoch)"
     assert summary_value(result.stdout, "length") == stopped
     assert (s["epochs"], s["epochs_completed"], s["stopped_by_max_steps"], s["steps"]) == (5, 0, True, 30)

@@ -62,12 +62,18 @@ def gather_digests(module: nn.Module) -> list[str]:
 def model_size(cfg: TrainConfig, parameters: int) -> str:
     """The model's shape as its flags give it (built-in models) and its parameter count, e.g. "2 layers, width 64,
     2 heads, context 64; 120,576 parameters" for ``--model gpt``."""
-    count = f"{parameters:,} parameters"
+    count = _counted(parameters, "parameter")
     if cfg.model == "mlp":
-        return f"{cfg.depth} hidden layers of {cfg.hidden}; {count}"
+        return f"{_counted(cfg.depth, 'hidden layer')} of {cfg.hidden}; {count}"
     if cfg.model == "gpt":
-        return f"{cfg.gpt_layers} layers, width {cfg.gpt_width}, {cfg.gpt_heads} heads, context {cfg.context}; {count}"
+        shape = f"{_counted(cfg.gpt_layers, 'layer')}, width {cfg.gpt_width}, {_counted(cfg.gpt_heads, 'head')}"
+        return f"{shape}, context {cfg.context}; {count}"
     return count  # the CNN's shape follows the data; a factory's is its own
+
+
+def _counted(number: int, noun: str) -> str:
+    """``"1 layer"``, ``"2 layers"``, ``"1,024 parameters"``."""
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
 
 
 def run_settings(cfg: TrainConfig, world_size: int, backend: str, parameters: int) -> dict[str, Any]:
