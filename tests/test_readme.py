@@ -331,6 +331,7 @@ OTHER_BLOCKS: dict[tuple[str, str], str] = {  # (language, first line) -> its te
     ("mermaid", "%% an OSS step"): "not run: a concept picture (oss.md), drawn by the browser",
     ("mermaid", "%% a fault-tolerant round"): "not run: a concept picture (fault-tolerance.md), drawn by the browser",
     ("mermaid", "flowchart LR"): "not run: a concept picture (sharded.md), drawn by the browser",
+    ("mermaid", "%% hierarchical hosts"): "not run: a concept picture (sharded.md), drawn by the browser",
     ("mermaid", "%% SlowMo's timeline"): "not run: a concept picture (slow-links.md), drawn by the browser",
     ("toml", "# run.toml: ddpkit train --config run.toml"): (
         "test_train_line (the --config run.toml line), test_the_toml_example_trains_to_a_useful_accuracy"
