@@ -280,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     store = sub.add_parser(
         "store",
         help="host the store of a fault-tolerant job whose machines each run torchrun (see docs/fault-tolerance.md)",
+        description="Hosts the store where the replicas of a fault-tolerant job meet: ranks started by torchrun with "
+        "--fault-tolerant, or loops of your own holding a ddpkit.fault_tolerance.Manager on a TCPStore client of it. "
+        "It listens on every address of this machine and ends by itself once the job's ranks have finished (ddpkit "
+        "train) or every rank's heartbeat is silent, or after --timeout seconds without a round.",
+        epilog="example: ddpkit store --port 29510   (then, on every machine: torchrun ... -m ddpkit train "
+        "--fault-tolerant --master-addr <this machine> --master-port 29510 ...)",
         allow_abbrev=False,
     )
     store.add_argument("--port", type=int, required=True, help="TCP port, given to every machine as --master-port")
