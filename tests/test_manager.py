@@ -539,3 +539,16 @@ def test_manager_arguments_are_checked():
         manager.load_live_state({})
     with pytest.raises(RuntimeError, match="no round is open"):
         manager.should_commit()
+
+
+def test_a_sharded_optimizer_is_refused_by_name_at_register():
+    """An OSS's state is split over a process group: registered whole it failed at the first heal (its
+    state_dict() needs consolidation); it is refused at `register`, saying what to register instead."""
+    from ddpkit.optim import OSS
+
+    store = dist.HashStore()
+    manager = Manager(store, 0, 1, quorum_timeout=1, report=None)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"'optimizer' is a sharded optimizer \(OSS\).*optimizer.optim"):
+        manager.register("optimizer", OSS.__new__(OSS))
+    manager.register("optimizer", torch.optim.SGD(model.parameters(), lr=0.1))  # a plain one is taken

@@ -293,10 +293,20 @@ class Manager:
 
     def register(self, name: str, obj: Any) -> None:
         """`register_state` for an object with ``state_dict()`` and ``load_state_dict()`` (a module, an
-        optimizer, a scheduler, a wrapper)."""
+        optimizer, a scheduler, a wrapper).
+
+        Raises:
+            TypeError: `obj` lacks either method, or is a sharded optimizer (OSS), whose state no one process
+                holds whole."""
         for method in ("state_dict", "load_state_dict"):
             if not callable(getattr(obj, method, None)):
                 raise TypeError(f"Manager.register: {name!r} has no {method}(); use register_state(name, save, load)")
+        if callable(getattr(obj, "consolidate_state_dict", None)):  # an OSS (this layer does not import optim)
+            raise TypeError(
+                f"Manager.register: {name!r} is a sharded optimizer (OSS): its state is split over a process group "
+                "and cannot be sent whole to a joiner. A replica of one process holds a plain torch optimizer; a "
+                "replica of several processes registers each process's shard (`optimizer.optim`) with `replica=`"
+            )
         self.register_state(name, obj.state_dict, obj.load_state_dict)
 
     def live_state(self) -> dict[str, Any]:
