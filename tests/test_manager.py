@@ -552,3 +552,41 @@ def test_a_sharded_optimizer_is_refused_by_name_at_register():
     with pytest.raises(TypeError, match=r"'optimizer' is a sharded optimizer \(OSS\).*optimizer.optim"):
         manager.register("optimizer", OSS.__new__(OSS))
     manager.register("optimizer", torch.optim.SGD(model.parameters(), lr=0.1))  # a plain one is taken
+
+
+def test_finish_tells_the_store_the_job_is_over_and_a_late_rank_is_told_so():
+    """Two ranks run two rounds and `finish()`: the store's watcher (what `ddpkit store` runs) returns "finished"
+    at once, and a rank started afterwards raises `JobFinished` instead of waiting to join. `finish()` before any
+    committed round is refused."""
+    from ddpkit.fault_tolerance import job_store
+    from ddpkit.fault_tolerance.membership import JobFinished
+
+    store = dist.HashStore()
+    early = Manager(store, 0, 2, quorum_timeout=5, report=None)
+    with pytest.raises(RuntimeError, match="after the job's last committed round"):
+        early.finish()
+    errors: list[BaseException] = []
+
+    def replica(rank: int) -> None:
+        try:
+            manager = early if rank == 0 else Manager(store, rank, 2, quorum_timeout=5, report=None)
+            model = MyModel()
+            manager.register("model", model)
+            for _ in range(2):
+                manager.start_round()
+                manager.average_gradients([])
+                assert manager.should_commit()
+            manager.finish()
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert job_store.wait_until_finished(store, start_timeout=1) == "finished"
+    late = Manager(store, 1, 2, quorum_timeout=5, report=None)
+    with pytest.raises(JobFinished):
+        late.start_round()

@@ -44,9 +44,12 @@ def test_the_fault_tolerant_loop_tutorial(tmp_path):
         crashed, _ = crashing.communicate(timeout=TIMEOUT)
         assert crashing.returncode == 1 and "rank 1: step 250, 2 member(s)" in crashed, crashed
         out0, out1 = finish([rank0, launch("python train_ft.py --rank 1 --world-size 2")])
+        said, _ = store.communicate(timeout=30)  # every replica called finish(): the store ends by itself
+        assert store.returncode == 0 and "job finished; its store stops" in said, said
     finally:
-        store.kill()
-        store.wait()
+        if store.poll() is None:
+            store.kill()
+            store.wait()
     assert "rank 1 left; training with 1 of 2" in out0 and "rank 1 joined; training with 2 of 2" in out0, out0
     assert re.search(r"^rank 0: step \d+, 1 member\(s\)", out0, re.M), f"rank 0 never trained alone:\n{out0}"
     done = r"done at step 1500, held-out accuracy (0\.\d+), parameter checksum (\S+)"

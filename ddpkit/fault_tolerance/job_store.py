@@ -74,10 +74,11 @@ def connect(address: str, port: int, timeout: float) -> dist.TCPStore:
         ) from exc
 
 
-def finish(store: Any, rank: int, members: list[int], report: dict[str, Any]) -> None:
-    """Says that `rank` finished the job, whose final quorum is `members`, leaving its `report` for the writer."""
-    store.compare_set(FINAL_KEY, "", json.dumps(members))
-    store.set(f"{PREFIX}report/{rank}", json.dumps(report))
+def finish(store: Any, rank: int, members: list[int], report: dict[str, Any], prefix: str = PREFIX) -> None:
+    """Says that `rank` finished the job, whose final quorum is `members`, leaving its `report` for the writer
+    (`prefix`: the job's keys' prefix)."""
+    store.compare_set(prefix + FINAL, "", json.dumps(members))
+    store.set(f"{prefix}report/{rank}", json.dumps(report))
 
 
 def reports(store: Any, members: list[int], timeout: float) -> dict[int, dict[str, Any]]:
@@ -119,9 +120,9 @@ def choose_writer(store: Any, candidate: int) -> int:
     return int(store.compare_set(PREFIX + "writer", "", str(candidate)))
 
 
-def done(store: Any, rank: int) -> None:
+def done(store: Any, rank: int, prefix: str = PREFIX) -> None:
     """Says that `rank` read everything it needed from the store: the launcher may take it down."""
-    store.set(f"{PREFIX}done/{rank}", "1")
+    store.set(f"{prefix}done/{rank}", "1")
 
 
 def wait_for_done(store: Any, members: list[int], timeout: float) -> None:

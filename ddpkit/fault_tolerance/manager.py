@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.rank_guard import say
-from ddpkit.fault_tolerance import store_agreement
+from ddpkit.fault_tolerance import job_store, store_agreement
 from ddpkit.fault_tolerance.connections import side_connection
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.failures import is_peer_failure, is_store_loss
@@ -684,6 +684,22 @@ class Manager:
             self.quorum.group = None  # (its connections close: a round decided with this rank fails at once)
         self.membership.last = None
         self.quorum = None
+
+    def finish(self) -> None:
+        """Says that the job is over for this rank, after its last committed round: when every member of that
+        round has said so, the job's store (`ddpkit store`) knows the job finished and stops, and a rank started
+        later is told so (`JobFinished`) instead of joining. Then `close`. Call it on every rank that ends with the
+        job; a rank whose loop ends before the others' calls `leave` instead.
+
+        Raises:
+            RuntimeError: this rank has no committed round to finish after."""
+        quorum = self.quorum
+        if quorum is None or not quorum.committed:
+            raise RuntimeError("Manager.finish: call it after the job's last committed round (should_commit)")
+        if self.leads:
+            job_store.finish(self.store, self.rank, quorum.members, {}, prefix=self.prefix)
+            job_store.done(self.store, self.rank, prefix=self.prefix)
+        self.close()
 
     def close(self) -> None:
         """Stops the background quorum thread (a round being formed is abandoned) and the heartbeat."""
