@@ -98,3 +98,55 @@ def test_ddpkit_train_shared_parameters_gives_the_same_steps_and_is_refused_wher
     refused = subprocess.run([*DDPKIT, "train", "--strategy", "ddp", "--shared-parameters"], env=_env(),
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert refused.returncode != 0 and "--shared-parameters is an option of OSS" in refused.stderr
+    for words, env, needle in (
+        (["--strategy", "oss", "--shared-parameters", "--device", "cuda"], {}, "cannot act on GPUs"),
+        (["--strategy", "sharded", "--shared-parameters"], {"DDPKIT_SHARED_MEMORY": "0"}, "DDPKIT_SHARED_MEMORY=0"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            with pytest.MonkeyPatch.context() as patch:
+                for name, value in env.items():
+                    patch.setenv(name, value)
+                pooled_train.train_config(["train", *words])
+
+
+def _refusals(rank: int, world_size: int) -> dict[str, str]:
+    """What OSS(shared_parameters=True) says where it cannot act: with broadcast_fp16 and with
+    DDPKIT_SHARED_MEMORY=0 at construction, before any collective; with the ranks on two (fake) hosts of
+    world_size / 2 ranks at the first step, on every rank alike."""
+    import os
+
+    from ddpkit.distributed import shared_memory
+
+    said = {}
+    model = _model()
+    for name, kwargs, env in (("fp16", {"broadcast_fp16": True}, "1"), ("no-shm", {}, "0")):
+        os.environ["DDPKIT_SHARED_MEMORY"] = env
+        try:
+            OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, shared_parameters=True, **kwargs)
+        except ValueError as exc:
+            said[name] = str(exc)
+        finally:
+            del os.environ["DDPKIT_SHARED_MEMORY"]
+    identity = shared_memory.host_identity
+    shared_memory.host_identity = lambda: f"test-host-{2 * rank // world_size}"  # type: ignore[assignment]
+    try:
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, shared_parameters=True)
+        model(torch.ones(1, 32)).sum().backward()
+        optimizer.step()
+    except ValueError as exc:
+        said["hosts"] = str(exc)
+    finally:
+        shared_memory.host_identity = identity  # (the pooled rank serves later tests)
+    return said
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shared_parameters_is_refused_by_name_where_it_cannot_act(world_size):
+    """Never silently nothing: broadcast_fp16, DDPKIT_SHARED_MEMORY=0 and ranks on several hosts are refused,
+    naming the option and what to do (at 2 ranks the fake hosts hold one rank each: no shared memory between
+    them; at 4, two hosts of two: hierarchical, where sharing cannot act)."""
+    for said in run_distributed(_refusals, world_size):
+        assert "shared_parameters cannot act with broadcast_fp16" in said["fp16"], said
+        assert "DDPKIT_SHARED_MEMORY=0 turns off" in said["no-shm"], said
+        hosts = "are on several hosts" if world_size == 4 else "every rank on one host"
+        assert "shared_parameters" in said["hosts"] and hosts in said["hosts"], said

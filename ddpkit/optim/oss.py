@@ -80,8 +80,10 @@ class OSS(Optimizer):
     are not copied into its replica but *are* the owner's shared-memory segment, mapped, so the host holds the
     model's parameters once instead of once per rank (the owner's step writes them in place; the step's barrier
     keeps every rank from reading them before it is done, and an owner steps only after its gradients' reduce,
-    i.e. after every rank's backward has passed those parameters). Not with `broadcast_fp16`, across hosts, or for
-    the pieces of a cut parameter (they keep their own storage). Use it with ShardedDataParallel or DDP, whose
+    i.e. after every rank's backward has passed those parameters). It is refused where it cannot act: with
+    `broadcast_fp16`, without shared memory (``DDPKIT_SHARED_MEMORY=0``, or ranks on several hosts), and for
+    parameters on a GPU; a single rank has nothing to share and is warned. The pieces of a cut parameter keep
+    their own storage. Use it with ShardedDataParallel or DDP, whose
     reduce precedes every step; a rank that steps while another still runs backward would change parameters under
     it.
 
@@ -168,7 +170,9 @@ class OSS(Optimizer):
         self.split_params = split_params
         self.min_split_numel = min_split_numel
         self._pieces: dict[torch.Tensor, list[ParamPiece]] = {}
-        shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective
+        shared_memory_on = shared_memory.enabled_by_environment()  # a bad value fails here, before any collective
+        if shared_parameters:
+            _check_can_share(broadcast_fp16, shared_memory_on)
         self._ready = False
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = group_size(self.group)
@@ -184,6 +188,11 @@ class OSS(Optimizer):
         self._broadcaster = ParamBroadcaster(self.rank, self.group, broadcast_fp16, hierarchical, shared_parameters)
         super().__init__(params, defaults)
         _check_one_device_type(self._all_params())
+        if shared_parameters and any(p.device.type != "cpu" for p in self._all_params()):
+            raise ValueError(
+                "OSS: shared_parameters shares the CPU pages of the parameters between the processes of one host; "
+                "these parameters are on a GPU, where it cannot act. Leave shared_parameters off"
+            )
         if check_agreement:  # before any collective that needs it
             known = hyperparameter_names(optim)
             sharding = {
@@ -657,6 +666,20 @@ def _check_split_params(split_params: Any, optim: type[Optimizer]) -> None:
         raise ValueError(
             f"OSS: split_params=True needs an element-wise optimizer ({names}); {optim.__name__} may read a whole "
             "tensor at once, so its update of a piece would differ. Pass split_params=False or None."
+        )
+
+
+def _check_can_share(broadcast_fp16: bool, shared_memory_on: bool) -> None:
+    """Refuses `shared_parameters` with the settings under which it could not act (before any collective)."""
+    if broadcast_fp16:
+        raise ValueError(
+            "OSS: shared_parameters cannot act with broadcast_fp16 (the ranks would map the owners' fp16 copies, not "
+            "their parameters): choose one"
+        )
+    if not shared_memory_on:
+        raise ValueError(
+            f"OSS: shared_parameters needs shared memory, which {shared_memory.ENV_VAR}=0 turns off: unset it or "
+            "leave shared_parameters off"
         )
 
 

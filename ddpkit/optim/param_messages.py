@@ -34,13 +34,14 @@ between hosts once per other host.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ddpkit.distributed import comm, hosts, shared_memory
 from ddpkit.distributed.buckets import views
-from ddpkit.distributed.env import ProcessGroup
+from ddpkit.distributed.env import ProcessGroup, group_size
 from ddpkit.distributed.shared_memory import SharedSegments
 
 Plan = list[tuple[int, list[torch.Tensor], bool]]
@@ -209,6 +210,8 @@ class ParamBroadcaster:
         for message in self.messages:
             message.release(keep)
         segments = self._segments = self._segments_for(plan)
+        if self.share_pages:
+            self._check_sharing(segments)
         self._sources = [owner for owner, _, _ in plan]
         if self._hosts is not None:  # delivered on each host by the rank in the owner's lane
             plan = [(self._hosts.lane_of(owner), params, in_place) for owner, params, in_place in plan]
@@ -238,6 +241,23 @@ class ParamBroadcaster:
             for index, message in enumerate(self.messages):
                 if message.shared and message.owner == self._local_rank:
                     segments.remove(self._segment_name(index), self._local_rank)
+
+    def _check_sharing(self, segments: SharedSegments | None) -> None:
+        """`share_pages` where the layout lets it act: refused on every rank alike (the layout was agreed
+        collectively) when the ranks are on several hosts or cannot share memory; a warning for a single rank."""
+        if group_size(self.group) < 2:
+            warnings.warn("OSS: shared_parameters has nothing to share with a single rank", stacklevel=4)
+        elif self._hosts is not None:
+            raise ValueError(
+                f"OSS: shared_parameters holds the parameters once per host, but the {group_size(self.group)} ranks "
+                "are on several hosts, where it cannot act: leave it off (ddpkit train: --shared-parameters needs "
+                "--nnodes 1)"
+            )
+        elif segments is None:
+            raise ValueError(
+                "OSS: shared_parameters needs every rank on one host with room in /dev/shm, which this group's "
+                "ranks do not have: leave it off"
+            )
 
     def _segments_for(self, plan: Plan) -> SharedSegments | None:
         """Shared segments for this plan's CPU messages, or None (collective: every rank decides the same)."""

@@ -315,6 +315,11 @@ def _validate_device(cfg: TrainConfig) -> None:
 def _validate_combinations(cfg: TrainConfig) -> None:
     if cfg.shared_parameters and cfg.strategy not in ("oss", "sharded"):
         raise ValueError(f"--shared-parameters is an option of OSS: use --strategy oss or sharded (got {cfg.strategy})")
+    if cfg.shared_parameters and (cfg.device == "cuda" or cfg.backend == "nccl"):
+        raise ValueError("--shared-parameters shares the parameters' CPU pages: it cannot act on GPUs (--device cuda "
+                         "or --backend nccl)")  # fmt: skip
+    if cfg.shared_parameters and os.environ.get("DDPKIT_SHARED_MEMORY", "1").strip() == "0":
+        raise ValueError("--shared-parameters needs shared memory, which DDPKIT_SHARED_MEMORY=0 turns off")
     if cfg.shared_parameters and cfg.nnodes > 1 and not cfg.fault_tolerant:
         raise ValueError(
             "--shared-parameters shares memory between the processes of one machine: it needs --nnodes 1 (or "
