@@ -1,24 +1,22 @@
-"""Python objects (optimizer state) sent as pickled uint8 tensors, so every byte is counted."""
+"""Python values (optimizer state, settings, reports) sent between ranks as uint8 tensors, so every byte is
+counted; encoded as JSON and raw tensor bytes (`ddpkit.distributed.wire_format`), never pickled."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
 
-from ddpkit.distributed import comm
+from ddpkit.distributed import comm, wire_format
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size
 
 
 def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+    return wire_format.encode(obj).to(device)
 
 
 def _from_tensor(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
+    return wire_format.decode(data)
 
 
 def broadcast_object(obj: Any, src: int, group: ProcessGroup | None = None) -> Any:

@@ -286,7 +286,8 @@ class Manager:
 
     def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
         """Adds `name` to the live state a joiner receives: `state_dict()` gives it on the member that sends it
-        (anything `torch.save` takes), `load_state_dict(value)` takes it on the joiner."""
+        (tensors, numbers, strings, bytes and containers of them: `ddpkit.distributed.wire_format`; never
+        pickled), `load_state_dict(value)` takes it on the joiner."""
         if name in self._registry:
             raise ValueError(f"Manager.register_state: the name {name!r} is registered already")
         self._registry[name] = _Entry(state_dict, load_state_dict)

@@ -40,7 +40,6 @@ the store keeps a few bytes per rank for `KEPT_ROUNDS` rounds.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import wire_format
 from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
@@ -536,9 +536,10 @@ def _broadcast(group: Any, index: int, size: int, tensor: torch.Tensor, root: in
 
 def heal_object(quorum: Quorum, obj: Callable[[], Any] | None) -> Any:
     """The live state, sent by the heal source to this round's joiners alone: on the source, `obj()` is called
-    and its value (any `torch.save`-able state) sent to each joiner, point to point (its length, then its bytes);
-    a joiner returns what it received; every other member sends and receives nothing and returns None (as does
-    everyone when nobody joined). Bytes on the wire: the serialised state once per joiner."""
+    and its value (tensors, numbers, strings and containers of them, encoded by `ddpkit.distributed.wire_format`,
+    never pickled) sent to each joiner, point to point (its length, then its bytes); a joiner returns what it
+    received; every other member sends and receives nothing and returns None (as does everyone when nobody
+    joined). Bytes on the wire: the encoded state once per joiner."""
     root = _heal_root(quorum)
     if root is None or quorum.index is None:
         return None
@@ -546,7 +547,7 @@ def heal_object(quorum: Quorum, obj: Callable[[], Any] | None) -> Any:
     tag = (quorum.round % (1 << 20)) + (1 << 21)  # (apart from `quorum_exchange`'s tags)
     if quorum.index == root:
         assert obj is not None, "heal_object: the heal source must give the live state"
-        payload = _serialise(obj())
+        payload = wire_format.encode(obj())
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         works = []
         for joiner in joiners:
@@ -561,36 +562,26 @@ def heal_object(quorum: Quorum, obj: Callable[[], Any] | None) -> Any:
     quorum.group.recv([length], root, tag).wait()
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
     quorum.group.recv([payload], root, tag + 1).wait()
-    return _deserialise(payload)
-
-
-def _serialise(obj: Any) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def _deserialise(payload: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    return wire_format.decode(payload)
 
 
 def broadcast_object_from(quorum: Quorum, obj: Any, root: int) -> Any:
-    """`obj` (`torch.save`-able) as member index `root` has it, on every member (a collective of the members)."""
+    """`obj` (what `wire_format` sends) as member index `root` has it, on every member (a collective of the members)."""
     assert quorum.index is not None
     return broadcast_object_over(quorum.group, quorum.index, len(quorum.members), obj, root, "quorum")
 
 
 def broadcast_object_over(group: Any, index: int, size: int, obj: Any, root: int, label: str | None) -> Any:
-    """`obj` (`torch.save`-able) as rank `root` of `group` has it, on every rank of it: `group` is a ProcessGroup
+    """`obj` (what `wire_format` sends) as rank `root` of `group` has it, on every rank of it: `group` is a ProcessGroup
     object of `size` ranks, this process its rank `index` (called directly, so it need not be registered). Two
     broadcasts, the length then the bytes, counted in `comm_stats` under `label` (None: not counted)."""
-    payload = _serialise(obj) if index == root else torch.empty(0, dtype=torch.uint8)
+    payload = wire_format.encode(obj) if index == root else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     _broadcast(group, index, size, length, root, label)
     if index != root:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     _broadcast(group, index, size, payload, root, label)
-    return _deserialise(payload)  # (a copy on the root too)
+    return wire_format.decode(payload)  # (a copy on the root too)
 
 
 def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:

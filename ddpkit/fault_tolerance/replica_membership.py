@@ -24,7 +24,6 @@ their round groups' rendezvous.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -101,7 +100,7 @@ class ReplicaMembership:
             try:
                 outcome: tuple[str, Any] = ("value", work(*args))
             except Exception as exc:  # the lanes raise it too, then the leader does
-                self.replica.share(("error", _portable(exc)))
+                self.replica.share(("error", exc))  # (as its type name and message: wire_format)
                 raise
             return self.replica.share(outcome)[1]
         kind, value = self.replica.share(None)
@@ -150,15 +149,3 @@ class ReplicaMembership:
     def forget_through(self, round_: int) -> None:
         if self.replica.leads:
             self.inner.forget_through(round_)
-
-
-def _portable(exc: Exception) -> Exception:
-    """`exc` if it survives pickling (the lanes raise the same type), else a RuntimeError with its message."""
-    try:
-        buffer = io.BytesIO()
-        torch.save(exc, buffer)
-        buffer.seek(0)
-        torch.load(buffer, weights_only=False)
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
