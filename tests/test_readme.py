@@ -52,6 +52,7 @@ from pooled_train import working_directory
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddpkit.distributed.launch import TORCHRUN_VARIABLES
 from ddpkit.testing import run_distributed
 from ddpkit.train.loop.bench import BENCH_STRATEGIES
 
@@ -703,7 +704,8 @@ def free_port() -> int:
 def environment(tmp_path: Path) -> dict[str, str]:
     """The environment of a command: ddpkit from this checkout, and tmp_path importable (mypkg)."""
     path = os.pathsep.join(filter(None, [str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path)
+    launched = (*TORCHRUN_VARIABLES, "LOCAL_WORLD_SIZE", "GROUP_RANK")  # a launcher's, never a newcomer's shell's
+    return {**{k: v for k, v in os.environ.items() if k not in launched}, "PYTHONPATH": path}
 
 
 def executable(words: list[str]) -> list[str]:

@@ -38,8 +38,9 @@ def test_first_host_of_a_node_list():
 
 
 def test_an_srun_task_is_a_rank_and_other_slurm_environments_are_not(monkeypatch):
-    for name in CLEARED:
-        monkeypatch.delenv(name, raising=False)
+    for name in CLEARED:  # absent now, and again when the test ends: what from_slurm exports must not leak into
+        monkeypatch.setenv(name, "")  # later tests' commands (Lightning's ranks then waited for a master at gpu07;
+        monkeypatch.delenv(name)  # a bare delenv of an absent variable would not undo from_slurm's export)
     for name, value in SRUN_TASK.items():
         monkeypatch.setenv(name, value)
     placement = launch.from_slurm()
