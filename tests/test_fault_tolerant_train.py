@@ -145,6 +145,8 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
     failed = [e for e in events if e["committed"] is False]
     assert len(failed) <= 1  # at most the step during which rank 1 died, dropped on every member
     assert summary["final_members"] == [0, 1] and summary["replicas_equal"], summary["parameter_digests"]
+    # the two commands found each other on this machine through the store and split its cores
+    assert summary["settings"]["threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)
     rows = _steps(tmp_path / "a")
     assert [int(r["step"]) for r in rows] == list(range(360))  # the survivor never stopped nor restarted
     members = [int(r["members"]) for r in rows]

@@ -37,3 +37,28 @@ def test_the_machine_is_the_kernel_and_the_cpu_set_not_the_network_namespace():
     assert narrowed.returncode == 0, narrowed.stderr
     identity, cores = narrowed.stdout.split()
     assert identity == f"{boot}|{first}" and cores == "1"
+
+
+def test_fault_tolerant_ranks_count_the_members_on_their_machine_through_the_store(monkeypatch):
+    """A fault-tolerant rank has no group spanning the job: it counts the round's members that wrote its machine
+    identity into the store (a rank on another machine, or one that never wrote, does not count)."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit.distributed.threads import publish_machine, share_cores_through_store
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    store, keys = dist.HashStore(), "job/machine/"
+    try:
+        publish_machine(store, keys, 0)
+        publish_machine(store, keys, 1)  # (this process again: the same machine)
+        store.set(f"{keys}2", "another-boot|0,1")  # a rank on another machine
+        cores = usable_cores()
+        assert share_cores_through_store(store, keys, 0, [0, 1, 2, 3]) == threads_per_rank(cores, 2)  # 3: unknown
+        assert torch.get_num_threads() == threads_per_rank(cores, 2)
+        assert share_cores_through_store(store, keys, 0, [0, 2]) == cores
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert share_cores_through_store(store, keys, 0, [0, 1]) == 3
+    finally:
+        torch.set_num_threads(before)

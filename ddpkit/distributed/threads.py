@@ -5,7 +5,8 @@ many threads as there are cores, and each matrix product waits for threads the o
 2 cores: two ``--rank`` processes on loopback ran about 9x slower than a local spawn, whose ranks took one core
 each). A local spawn knows how many ranks share the machine before it starts; ``--rank`` launches and torchrun's
 (one process per node, or nodes in containers on one machine) learn it only once they have joined, from one
-all-gather of each rank's machine identity.
+all-gather of each rank's machine identity; the ranks of a fault-tolerant job, which no group spans, from the
+identities each wrote into the job's store, counted over the members of the round they took part in.
 
 Ranks share a machine's cores when they run under one kernel (the same boot id) on the same CPUs (the same
 affinity set): network or mount namespaces (containers, the test hosts of `benchmarks.lib.netns`) do not give a
@@ -16,6 +17,7 @@ several processes per node) chose.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -65,6 +67,23 @@ def share_cores_with_peers(group: ProcessGroup | None = None) -> int:
     identities = gather_objects(machine_identity(), dst=-1, group=group)
     assert identities is not None
     here = sum(1 for identity in identities if identity == machine_identity())
+    threads = threads_per_rank(usable_cores(), here, os.environ.get(OMP_VARIABLE))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def publish_machine(store: Any, key_prefix: str, rank: int) -> None:
+    """Writes this rank's `machine_identity` into `store` under ``key_prefix + rank``, for
+    `share_cores_through_store` (a fault-tolerant rank, before it takes part in its first round)."""
+    store.set(f"{key_prefix}{rank}", machine_identity())
+
+
+def share_cores_through_store(store: Any, key_prefix: str, rank: int, members: list[int]) -> int:
+    """A fault-tolerant rank's share of its machine's cores among the round's `members` that published the same
+    machine identity (`publish_machine`: one store read per member). Returns the count."""
+    mine = machine_identity()
+    keys = {r: f"{key_prefix}{r}" for r in members if r != rank}
+    here = 1 + sum(1 for key in keys.values() if store.check([key]) and store.get(key).decode() == mine)
     threads = threads_per_rank(usable_cores(), here, os.environ.get(OMP_VARIABLE))
     torch.set_num_threads(threads)
     return threads

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ddpkit.algorithms.pseudo_gradient_settings import OuterSyncSettings
 from ddpkit.algorithms.slow_momentum import SlowMoRule
+from ddpkit.distributed import threads
 from ddpkit.distributed.launch import Placement, choose_gloo_interface
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import say, tell
@@ -52,6 +53,8 @@ from ddpkit.train.loop.trainer import Trainer
 from ddpkit.train.settings.agreement import job_settings
 from ddpkit.train.settings.config import TrainConfig, sharded_replicas
 from ddpkit.train.workloads.workload import build_workload
+
+MACHINE_KEYS = job_store.PREFIX + "machine/"  # each rank's machine identity: who shares whose cores
 
 
 def _slow_rule(cfg: TrainConfig) -> SlowMoRule | None:
@@ -104,6 +107,8 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
     manager = Manager(store, rank, world, min_replicas=cfg.min_replicas, quorum_timeout=cfg.quorum_timeout,
                       prefix=job_store.PREFIX, settings=job_settings(cfg, "gloo", work), report=tell,
                       replica=replica, **waits)  # fmt: skip
+    if replica is None:  # (a replica's processes were started together: they share the cores already)
+        threads.publish_machine(store, MACHINE_KEYS, rank)
     model: torch.nn.Module = work.module
     if replica is not None:  # OSS (ZeRO-1) or ShardedDataParallel (ZeRO-2) over the machine's processes
         strategy = build_strategy(cfg, work.module, torch.device("cpu"))
@@ -135,6 +140,8 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
         sync.begin(trainer)
     except FellBehind:  # (begin raises it too when the first round was decided without this rank)
         sync.rejoin(trainer)
+    if replica is None and manager.quorum is not None:  # ranks started apart may share this machine's cores
+        threads.share_cores_through_store(store, MACHINE_KEYS, rank, manager.quorum.members)
     while True:
         try:
             trainer.fit(cfg.epochs, cfg.max_steps)
