@@ -66,10 +66,7 @@ def share_cores_with_peers(group: ProcessGroup | None = None) -> int:
     found by one all-gather of each rank's `machine_identity`. Returns the count."""
     identities = gather_objects(machine_identity(), dst=-1, group=group)
     assert identities is not None
-    here = sum(1 for identity in identities if identity == machine_identity())
-    threads = threads_per_rank(usable_cores(), here, os.environ.get(OMP_VARIABLE))
-    torch.set_num_threads(threads)
-    return threads
+    return _take_share(sum(1 for identity in identities if identity == machine_identity()))
 
 
 def publish_machine(store: Any, key_prefix: str, rank: int) -> None:
@@ -83,7 +80,11 @@ def share_cores_through_store(store: Any, key_prefix: str, rank: int, members: l
     machine identity (`publish_machine`: one store read per member). Returns the count."""
     mine = machine_identity()
     keys = {r: f"{key_prefix}{r}" for r in members if r != rank}
-    here = 1 + sum(1 for key in keys.values() if store.check([key]) and store.get(key).decode() == mine)
-    threads = threads_per_rank(usable_cores(), here, os.environ.get(OMP_VARIABLE))
+    return _take_share(1 + sum(1 for key in keys.values() if store.check([key]) and store.get(key).decode() == mine))
+
+
+def _take_share(ranks_here: int) -> int:
+    """Sets this process's intra-op threads to its share among `ranks_here` ranks of its machine; returns it."""
+    threads = threads_per_rank(usable_cores(), ranks_here, os.environ.get(OMP_VARIABLE))
     torch.set_num_threads(threads)
     return threads
