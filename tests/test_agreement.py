@@ -20,7 +20,7 @@ from ddpkit.distributed.agreement import (
     describe_differences,
     parameter_settings,
 )
-from ddpkit.distributed.shared_memory import SHM_DIR
+from ddpkit.distributed.segment_files import SHM_DIR
 from ddpkit.nn import ShardedDataParallel, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS
 from ddpkit.testing import run_distributed

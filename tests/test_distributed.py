@@ -135,7 +135,7 @@ def test_litter_in_dev_shm_is_swept_only_when_its_writer_is_gone_and_it_is_old(t
     import subprocess
     import uuid
 
-    from ddpkit.distributed.shared_memory import STALE_AFTER_SECONDS, pid_namespace, sweep_stale
+    from ddpkit.distributed.segment_files import STALE_AFTER_SECONDS, pid_namespace, sweep_stale
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -24,7 +24,8 @@ from test_train_cli import DDPKIT, LONG_RUN, wait_for, wait_gone, workers
 from ddpkit.distributed.env import job_timeout
 from ddpkit.distributed.groups import make_node_groups
 from ddpkit.distributed.launch import explain_failure
-from ddpkit.distributed.shared_memory import SHM_DIR, SharedSegments, pid_namespace, remove_own_files
+from ddpkit.distributed.segment_files import SHM_DIR, pid_namespace, remove_own_files
+from ddpkit.distributed.shared_memory import SharedSegments
 from ddpkit.testing import run_distributed
 
 pytestmark = pytest.mark.slow

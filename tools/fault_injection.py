@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddpkit.distributed.launch import free_port  # noqa: E402
-from ddpkit.distributed.shared_memory import SHM_DIR  # noqa: E402
+from ddpkit.distributed.segment_files import SHM_DIR  # noqa: E402
 from ddpkit.train.checkpoints import checkpoint_files as files  # noqa: E402
 
 DDPKIT = [sys.executable, "-m", "ddpkit", "train"]

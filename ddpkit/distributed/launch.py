@@ -1,4 +1,8 @@
-"""Starting a job: who am I (torchrun's environment or spawn arguments), joining with a timeout, local spawning."""
+"""Starting a job: who am I (torchrun's environment, Slurm's or spawn arguments), joining with a timeout, leaving.
+
+Importing it loads no torch (the launcher of `ddpkit train` spawns its ranks without it); the functions that talk
+to torch import it when called. Starting, watching and stopping the local processes: `local_processes`.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,14 @@ import gc
 import os
 import random
 import re
-import signal
 import socket
 import sys
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from ddpkit import LAUNCHER_PID_VARIABLE
-from ddpkit.distributed.ledger import PEER_GONE as _PEER_GONE
 from ddpkit.distributed.rank_guard import say
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -118,6 +113,8 @@ def pick_backend(requested: str, local_processes: int = 1, device: str = "auto")
     """``auto``: NCCL when CUDA is present with a GPU for each of the `local_processes` (NCCL refuses two ranks on
     one GPU) and `device` is not ``"cpu"``, else gloo."""
     if requested == "auto":
+        import torch
+
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return "nccl" if device != "cpu" and gpus >= local_processes else "gloo"
     return requested
@@ -234,6 +231,8 @@ def join(placement: Placement, backend: str, timeout: float, *, multi_node: bool
     message and exit code 1. With `multi_node` (the job spans machines) gloo uses the interface that routes to the
     master unless GLOO_SOCKET_IFNAME says otherwise.
     """
+    import torch.distributed as dist
+
     interface = choose_gloo_interface(placement.master_addr, placement.master_port) if multi_node else None
     where = f" (gloo on interface {interface})" if interface and backend == "gloo" else ""
     joined = threading.Event()
@@ -270,6 +269,8 @@ def process_group_backends(backend: str) -> str:
 def leave() -> None:
     """Leaves the process group; objects that still reference it (a DDP reducer in a reference cycle) are
     collected first, so they do not outlive it."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -299,172 +300,6 @@ def quiet_torch_errors() -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-STOP_GRACE_SECONDS = 3.0
-"""After one local process fails, how long the others get to end by themselves, then to end on SIGTERM, before
-SIGKILL (torch's default is 30 s each, far past --timeout for a rank that hangs or was stopped)."""
-
-
-class Terminated(Exception):
-    """The launcher received SIGTERM (or SIGHUP); its processes were stopped."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(signal.Signals(signum).name)
-
-
-def spawn(
-    worker: Callable[..., Any],
-    nprocs: int,
-    args: tuple,
-    stopped_limit: float | None = None,
-    independent: bool = False,
-) -> list[str]:
-    """Runs ``worker(local_rank, *args)`` in `nprocs` spawned processes and waits for all of them.
-
-    With `independent` (a fault-tolerant job: the others train on without a lost rank) a failed process leaves the
-    others running, and the returned list says how each failed one ended; otherwise it is empty and:
-
-    If one fails, the others are stopped (within 2 x `STOP_GRACE_SECONDS`) and a LaunchError names it; Ctrl-C
-    (SIGINT, even when the shell that started this process ignored it, as it does for background jobs) stops every
-    local process, and so does SIGTERM or SIGHUP (what `kill`, `timeout` and schedulers send), after which this
-    process exits with 128 + the signal's number. A process stopped (SIGSTOP, Ctrl-Z) for more than
-    `stopped_limit` seconds (its peers on other machines have given up on it by then) is ended with the others and
-    named. Should this process be killed outright (SIGKILL), each rank notices its parent is gone and ends
-    (`guard_rank`), even one stopped at that moment: the ranks find this process's id in `LAUNCHER_PID_VARIABLE`
-    and arm their wake-up at ddpkit's import. Shared-memory files a killed rank left behind are removed once every
-    rank has ended.
-    """
-    quiet_torch_errors()
-    from ddpkit.distributed.shared_memory import sweep_stale
-
-    sweep_stale(min_age=0)  # what an earlier job on this host left when it was killed
-    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
-    processes: list[Any] = []
-    launcher = os.environ.get(LAUNCHER_PID_VARIABLE)
-    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())  # the ranks arm their wake-up at import
-    try:
-        context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
-        processes = list(context.processes)
-        if independent:
-            return _wait_for_all(processes, context.error_files)
-        failed, stopped = _wait_for_first_failure(processes, stopped_limit)
-        if stopped:
-            _stop(processes)
-            raise LaunchError(
-                f"local process {failed} was stopped (SIGSTOP or Ctrl-Z) for more than {stopped_limit:g} s, past "
-                "--timeout, so the job's other ranks have given up on it; every local process was ended"
-            )
-        if failed is not None:
-            _stop(processes, grace=STOP_GRACE_SECONDS)  # the others end by themselves once they notice, or are ended
-            raise LaunchError(_describe_exit(failed, processes[failed], context.error_files[failed]))
-    except KeyboardInterrupt:
-        _stop(processes)
-        raise
-    except Terminated as exc:
-        _stop(processes)
-        signum = signal.Signals[str(exc)]
-        say(f"ddpkit: {signum.name} received; stopped every local process")
-        sys.exit(128 + int(signum))
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _restore_variable(LAUNCHER_PID_VARIABLE, launcher)
-        sweep_stale(min_age=0)
-    return []
-
-
-def _restore_variable(name: str, value: str | None) -> None:
-    """Puts environment variable `name` back to `value` (None: unset)."""
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
-def _wait_for_all(processes: list[Any], error_files: list[str]) -> list[str]:
-    """Waits for every process; returns a line for each that failed."""
-    for p in processes:
-        p.join()
-    return [_describe_exit(i, p, error_files[i]) for i, p in enumerate(processes) if p.exitcode != 0]
-
-
-def _wait_for_first_failure(processes: list[Any], stopped_limit: float | None) -> tuple[int | None, bool]:
-    """Waits until every process ended successfully ((None, False)), one failed ((its index, False)) or one has
-    been stopped for longer than `stopped_limit` seconds ((its index, True))."""
-    from multiprocessing.connection import wait
-
-    pending = {p.sentinel: i for i, p in enumerate(processes)}
-    stopped_since: dict[int, float] = {}
-    while pending:
-        for sentinel in wait(list(pending), timeout=1.0 if stopped_limit is not None else None):
-            index = pending.pop(sentinel)
-            processes[index].join()
-            if processes[index].exitcode != 0:
-                return index, False
-        if stopped_limit is None:
-            continue
-        now = time.monotonic()
-        for index in pending.values():
-            if not is_stopped(processes[index].pid):
-                stopped_since.pop(index, None)
-            elif now - stopped_since.setdefault(index, now) > stopped_limit:
-                return index, True
-    return None, False
-
-
-def is_stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal (state T in /proc; False where /proc cannot tell)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
-
-
-def _stop(processes: list[Any], grace: float = 0.0) -> None:
-    """Gives running processes `grace` seconds to end, then SIGTERM (and SIGCONT, so that a stopped one acts on
-    it) and `STOP_GRACE_SECONDS` more, then SIGKILL."""
-    deadline = time.monotonic() + grace
-    for p in processes:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-            _signal(p.pid, signal.SIGCONT)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for p in processes:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            _signal(p.pid, signal.SIGKILL)
-            p.join(timeout=STOP_GRACE_SECONDS)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _describe_exit(index: int, process: Any, error_file: str) -> str:
-    """One line saying how local process `index` ended (with its traceback, if it left one, in debug mode)."""
-    code = process.exitcode
-    if code is not None and code < 0:
-        try:
-            how = f"terminated with signal {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"terminated with signal {-code}"
-    else:
-        how = f"terminated with exit code {code}"
-    if debug_mode() and os.access(error_file, os.R_OK):
-        import pickle
-
-        with open(error_file, "rb") as f:
-            print(pickle.load(f), file=sys.stderr, flush=True)
-    return f"local process {index} failed: process {index} {how}"
-
-
 _SOURCE_PREFIX = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*|Got the following error when running the callback: ")
 
 
@@ -479,7 +314,9 @@ def explain_failure(exc: BaseException, timeout: float) -> str:
     cause = f"{name}: {first}" if first else name
     if re.search(r"[Tt]imed? ?out", first):
         return f"{cause} (a peer rank did not answer within --timeout {timeout:g} s: stopped, hung or unreachable)"
-    if _PEER_GONE.search(first):
+    from ddpkit.distributed.ledger import PEER_GONE
+
+    if PEER_GONE.search(first):
         return f"{cause} (a peer rank ended: killed, crashed or its machine is gone)"
     return cause
 

@@ -28,11 +28,8 @@ and on the wire only the 1-byte signals that go with it (barriers count 0, like 
 
 from __future__ import annotations
 
-import atexit
 import os
-import re
 import socket
-import time
 import uuid
 from collections.abc import Iterable
 
@@ -41,31 +38,10 @@ import torch.distributed as dist
 
 from ddpkit.distributed.env import ProcessGroup, backend_name, group_label, group_size
 from ddpkit.distributed.objects import gather_objects
+from ddpkit.distributed.segment_files import OWN_FILES, SHM_DIR, pid_namespace, sweep_stale
 from ddpkit.distributed.stats import comm_stats
 
 ENV_VAR = "DDPKIT_SHARED_MEMORY"
-SHM_DIR = "/dev/shm"
-STALE_AFTER_SECONDS = 60.0
-"""A segment file is unlinked milliseconds after its creation; one this old whose writer is gone is litter."""
-_SEGMENT_FILE = re.compile(r"ddpkit-[0-9a-f]{32}-(\d+)-(\d+)-.+")  # token, pid namespace, pid, name
-_OWN_FILES: set[str] = set()  # segment files this process created and has not seen unlinked yet
-
-
-def remove_own_files() -> list[str]:
-    """Unlinks every segment file this process created that is still there (mappings stay valid); returns their
-    paths. Safe from a signal handler's thread and at exit; never raises."""
-    removed = []
-    for path in list(_OWN_FILES):
-        _OWN_FILES.discard(path)
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            continue
-    return removed
-
-
-atexit.register(remove_own_files)
 
 
 def enabled_by_environment() -> bool:
@@ -115,48 +91,6 @@ def record_copy(nbytes: int, group: ProcessGroup | None) -> None:
     comm_stats.record("shared_memory", group_label(group), nbytes, 0.0)
 
 
-def pid_namespace() -> int:
-    """The inode number of this process's pid namespace (pids mean something only within one), 0 if unknown."""
-    try:
-        return int(re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or 0)
-    except OSError:
-        return 0
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, someone else's
-        return False
-    return False
-
-
-def sweep_stale(directory: str = SHM_DIR, now: float | None = None, min_age: float = STALE_AFTER_SECONDS) -> list[str]:
-    """Removes ddpkit segment files left by killed processes and returns their names. A file goes when its writer
-    was in this pid namespace and is gone, and the file is older than `min_age` seconds. Never raises: it runs
-    just before a collective, and a file it cannot judge is left alone."""
-    now = time.time() if now is None else now
-    ours, removed = pid_namespace(), []
-    try:
-        names = os.listdir(directory) if ours else []
-    except OSError:
-        return removed
-    for name in names:
-        match = _SEGMENT_FILE.fullmatch(name)
-        if match is None or int(match.group(1)) != ours:
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if now - os.stat(path).st_mtime >= min_age and _process_gone(int(match.group(2))):
-                os.unlink(path)
-                removed.append(name)
-        except (OSError, OverflowError, ValueError):  # removed meanwhile, not ours to remove, or a pid no kernel has
-            continue
-    return removed
-
-
 class SharedSegments:
     """Names, creates, maps and unlinks the segments of one process group; build with `agree` (collective).
 
@@ -191,7 +125,7 @@ class SharedSegments:
     def create(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new segment of `numel` elements, written by this rank; `remove` it once every reader mapped it."""
         path = self._path(name, self.rank)
-        _OWN_FILES.add(path)
+        OWN_FILES.add(path)
         return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
     def attach(self, name: str, writer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -215,7 +149,7 @@ class SharedSegments:
     def remove(self, name: str, writer: int) -> None:
         """Unlinks a segment's file: processes that mapped it keep it, none can map it any more."""
         path = self._path(name, writer)
-        _OWN_FILES.discard(path)
+        OWN_FILES.discard(path)
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.distributed import comm, comm_stats
-from ddpkit.distributed.launch import Placement, exit_without_teardown, free_port, join, leave, pick_backend, spawn
+from ddpkit.distributed.launch import Placement, exit_without_teardown, free_port, join, leave, pick_backend
+from ddpkit.distributed.local_processes import spawn
 from ddpkit.distributed.objects import gather_objects
 from ddpkit.measure import advisor
 from ddpkit.measure.timing import optimizer_state_bytes as state_bytes

@@ -1,4 +1,8 @@
-"""Starting `ddpkit train`: under torchrun in this process, otherwise one spawned process per local rank."""
+"""Starting `ddpkit train`: under torchrun in this process, otherwise one spawned process per local rank.
+
+The spawning launcher loads no torch (only its ranks do, and `job_store` where node 0 hosts a fault-tolerant
+job's store): torch's import is seconds of a short job's start.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,13 @@ from ddpkit.distributed.launch import (
     free_port,
     from_slurm,
     from_torchrun,
-    spawn,
 )
+from ddpkit.distributed.local_processes import spawn
 from ddpkit.distributed.rank_guard import say
-from ddpkit.fault_tolerance import job_store
-from ddpkit.train.loop.run import process_main, run_placed
 from ddpkit.train.settings.config import TrainConfig, sharded_replicas, validate
+
+RANK_MAIN = "ddpkit.train.loop.run:process_main"
+"""What each spawned rank runs, by name: the launcher itself never imports torch, so the ranks start at once."""
 
 DEFAULT_MULTINODE_PORT = 29500
 
@@ -67,6 +72,8 @@ def launch_training(cfg: TrainConfig) -> None:
             "(srun --ntasks-per-node 1 torchrun --nproc-per-node N -m ddpkit train --fault-tolerant ...)"
         )
     if cfg.fault_tolerant and placement is not None:  # one torchrun per machine, meeting at `ddpkit store`
+        from ddpkit.train.loop.run import run_placed
+
         cfg, placement = fault_tolerant_under_torchrun(cfg, placement)
         run_placed(cfg, placement, started)
         exit_without_teardown()
@@ -74,6 +81,8 @@ def launch_training(cfg: TrainConfig) -> None:
         launch_fault_tolerant(cfg, started)
         return
     if placement is not None:  # torchrun (or srun) already started one process per rank
+        from ddpkit.train.loop.run import run_placed
+
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         cfg = dataclasses.replace(
             cfg, nproc_per_node=local, nnodes=placement.world_size // local, node_rank=placement.rank // local
@@ -83,7 +92,7 @@ def launch_training(cfg: TrainConfig) -> None:
         exit_without_teardown()  # this process is torchrun's worker: done, and the group left
     port = job_port(cfg)
     # a rank stopped this long is past every peer's --timeout (and its ledger diagnosis): end it, say so
-    spawn(process_main, cfg.nproc_per_node, (cfg, port, started), stopped_limit=cfg.timeout + STOPPED_GRACE_SECONDS)
+    spawn(RANK_MAIN, cfg.nproc_per_node, (cfg, port, started), stopped_limit=cfg.timeout + STOPPED_GRACE_SECONDS)
 
 
 def job_port(cfg: TrainConfig) -> int:
@@ -98,21 +107,24 @@ def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     until the job is over (`ddpkit.fault_tolerance.job_store`). A lost local rank leaves the others training; this
     returns normally if any local rank finished the job, else raises the first failure."""
     port = job_port(cfg)
-    hosts_store = cfg.node_rank == 0 and cfg.store is None  # (with etcd nobody hosts the job's coordination)
-    store = job_store.host(port, cfg.timeout) if hosts_store else None
+    store = None
+    if cfg.node_rank == 0 and cfg.store is None:  # (with etcd nobody hosts the job's coordination)
+        from ddpkit.fault_tolerance import job_store
+
+        store = job_store.host(port, cfg.timeout)
     if sharded_replicas(cfg):  # the machine's processes are one replica: one lost ends them all (a lost machine)
         try:
-            failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started))
+            failures = spawn(RANK_MAIN, cfg.nproc_per_node, (cfg, port, started))
         except LaunchError as exc:
             failures = [str(exc)] * cfg.nproc_per_node
     else:
-        failures = spawn(process_main, cfg.nproc_per_node, (cfg, port, started), independent=True)
-    why = None
+        failures = spawn(RANK_MAIN, cfg.nproc_per_node, (cfg, port, started), independent=True)
+    gone = ""
     if store is not None:  # the other machines' ranks may still be training
-        why = job_store.wait_until_finished(store, max(300.0, cfg.timeout))
+        if job_store.wait_until_finished(store, max(300.0, cfg.timeout)) == "silent":
+            gone = f" (and no rank of the job was left: no heartbeat for {job_store.SILENCE_SECONDS:g} s)"
     if len(failures) == cfg.nproc_per_node:
-        gone = f" (and no rank of the job was left: no heartbeat for {job_store.SILENCE_SECONDS:g} s)"
-        raise LaunchError(failures[0] + (gone if why == "silent" else ""))
+        raise LaunchError(failures[0] + gone)
     for line in failures:
         say(f"ddpkit: {line} (fault-tolerant: the job went on without it)")
 
@@ -143,6 +155,8 @@ def fault_tolerant_under_torchrun(cfg: TrainConfig, torchrun: Placement) -> tupl
 def host_job_store(port: int, timeout: float) -> None:
     """`ddpkit store`: hosts a fault-tolerant job's store on `port` until the job is over (its final quorum
     finished, it ended with too few ranks, or no round was decided for `timeout` seconds)."""
+    from ddpkit.fault_tolerance import job_store
+
     store = job_store.host(port, timeout)
     say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine")
     why = job_store.wait_until_finished(store, timeout)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed import ledger, shared_memory
+from ddpkit.distributed import ledger, segment_files
 from ddpkit.distributed.launch import (
     LaunchError,
     Placement,
@@ -173,8 +173,8 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
     A crash inside torch's C++ (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to stderr, so the
     report says where the process was. SIGTERM, SIGHUP or the launcher's death end the rank at once
     (`guard_rank`); shared-memory files it created are removed on every way out."""
-    guard_rank(f"rank {placement.rank}", shared_memory.remove_own_files)
-    shared_memory.sweep_stale(min_age=0)  # what a killed job on this host left, whatever this job's strategy
+    guard_rank(f"rank {placement.rank}", segment_files.remove_own_files)
+    segment_files.sweep_stale(min_age=0)  # what a killed job on this host left, whatever this job's strategy
     faulthandler.enable()
     share_cores(cfg.nproc_per_node)  # until the job's layout is known
     backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
@@ -198,5 +198,5 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
         say(f"ddpkit: rank {placement.rank} failed: {explain_failure(exc, cfg.timeout)}")
         sys.exit(1)
     finally:
-        shared_memory.remove_own_files()
+        segment_files.remove_own_files()
         leave()

@@ -251,9 +251,13 @@ def validate(cfg: TrainConfig) -> None:
             check_int(name, getattr(cfg, name), 1)
     if cfg.eval_every is not None:
         check_int("eval_every", cfg.eval_every, 0)
-    from ddpkit.train.workloads.workload import validate_workload  # imports the models: only once the flags are sound
+    registry.check_workload_flags(cfg)
+    if registry.is_spec(cfg.model) or registry.is_spec(
+        cfg.data
+    ):  # imports torch and the factories: only once the flags are sound
+        from ddpkit.train.workloads.workload import check_factories
 
-    validate_workload(cfg)
+        check_factories(cfg)
     if cfg.node_rank >= cfg.nnodes:
         raise ValueError(f"--node-rank {cfg.node_rank} must be smaller than --nnodes {cfg.nnodes}")
     if cfg.master_port is not None and not 0 < cfg.master_port < 65536:

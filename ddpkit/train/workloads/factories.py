@@ -43,11 +43,6 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
 
 
-def is_spec(value: object) -> bool:
-    """Whether `value` names a factory (``package.module:function``) rather than a built-in."""
-    return isinstance(value, str) and ":" in value
-
-
 def load_factory(spec: str, flag: str) -> Callable[[], Any]:
     """The function ``spec`` names; a ValueError/TypeError naming `flag` if it cannot be imported or called."""
     module_name, _, attribute = spec.partition(":")

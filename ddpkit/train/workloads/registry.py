@@ -133,3 +133,34 @@ MODELS: dict[str, ModelEntry] = {
     "gpt": ModelEntry(_gpt, _check_byte_model),
 }
 LOSSES = ("cross_entropy", "mse")  # their functions: `ddpkit.train.workloads.factories.LOSSES`
+
+
+def is_spec(value: object) -> bool:
+    """Whether `value` names a factory (``package.module:function``) rather than a built-in."""
+    return isinstance(value, str) and ":" in value
+
+
+def check_workload_flags(cfg: TrainConfig) -> None:
+    """Checks --model, --data, --loss, --max-steps and the GPT's shape without importing a model or torch (a
+    factory's output is checked by `ddpkit.train.workloads.workload.check_factories`). Raises a ValueError naming
+    the flag."""
+    _check_names(cfg)
+    _check_pairing(cfg)
+    check_gpt_flags(cfg)
+
+
+def _check_names(cfg: TrainConfig) -> None:
+    for flag, value, allowed in (("model", cfg.model, MODELS), ("data", cfg.data, DATASETS)):
+        if not is_spec(value) and value not in allowed:
+            raise ValueError(f"--{flag} must be one of {', '.join(allowed)} or PACKAGE.MODULE:FACTORY; got {value!r}")
+    if cfg.loss is not None and cfg.loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}; got {cfg.loss!r}")
+    if cfg.max_steps is not None and (not isinstance(cfg.max_steps, int) or cfg.max_steps < 1):
+        raise ValueError(f"--max-steps must be an integer >= 1; got {cfg.max_steps!r}")
+
+
+def _check_pairing(cfg: TrainConfig) -> None:
+    if cfg.model in MODELS:
+        MODELS[cfg.model].check(cfg)
+    if cfg.loss == "mse" and (cfg.model == "gpt" or cfg.data == "text"):
+        raise ValueError("--loss mse needs float targets; --model gpt and --data text predict bytes (cross_entropy)")

@@ -12,7 +12,7 @@ from torch import nn
 
 from ddpkit.train.workloads import factories
 from ddpkit.train.workloads.factories import LossFn
-from ddpkit.train.workloads.registry import CLASSIFICATION_DATA, DATASETS, LOSSES, MODELS, check_gpt_flags, gpt_config
+from ddpkit.train.workloads.registry import CLASSIFICATION_DATA, DATASETS, MODELS, gpt_config, is_spec
 
 if TYPE_CHECKING:
     from ddpkit.train.settings.config import TrainConfig
@@ -31,31 +31,10 @@ class Workload:
     heldout: Any
 
 
-def _check_names(cfg: TrainConfig) -> None:
-    for flag, value, allowed in (("model", cfg.model, MODELS), ("data", cfg.data, DATASETS)):
-        if not factories.is_spec(value) and value not in allowed:
-            raise ValueError(f"--{flag} must be one of {', '.join(allowed)} or PACKAGE.MODULE:FACTORY; got {value!r}")
-    if cfg.loss is not None and cfg.loss not in LOSSES:
-        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}; got {cfg.loss!r}")
-    if cfg.max_steps is not None and (not isinstance(cfg.max_steps, int) or cfg.max_steps < 1):
-        raise ValueError(f"--max-steps must be an integer >= 1; got {cfg.max_steps!r}")
-
-
-def _check_pairing(cfg: TrainConfig) -> None:
-    if cfg.model in MODELS:
-        MODELS[cfg.model].check(cfg)
-    if cfg.loss == "mse" and (cfg.model == "gpt" or cfg.data == "text"):
-        raise ValueError("--loss mse needs float targets; --model gpt and --data text predict bytes (cross_entropy)")
-
-
-def validate_workload(cfg: TrainConfig) -> None:
-    """Checks --model, --data, --loss, --max-steps and the GPT's shape; calls factories once to check what they
-    return. Raises a ValueError/TypeError naming the flag, before any process starts."""
-    _check_names(cfg)
-    _check_pairing(cfg)
-    check_gpt_flags(cfg)
-    if factories.is_spec(cfg.model) or factories.is_spec(cfg.data):
-        check_model_fits_data(build_workload(cfg, torch.device("cpu")), cfg)
+def check_factories(cfg: TrainConfig) -> None:
+    """Calls --model's and --data's factories once (in this process) and checks what they return fits together
+    (`check_model_fits_data`). Raises a ValueError/TypeError naming the flag, before any process starts."""
+    check_model_fits_data(build_workload(cfg, torch.device("cpu")), cfg)
 
 
 def _shapes(value: Any) -> str:
@@ -103,7 +82,7 @@ def build_workload(cfg: TrainConfig, device: torch.device) -> Workload:
         train, heldout = factories.build_data(cfg.data)
     torch.manual_seed(cfg.seed)
     factory_loss = None
-    if factories.is_spec(cfg.model):
+    if is_spec(cfg.model):
         module, factory_loss = factories.build_model(cfg.model)
     else:
         module = MODELS[cfg.model].build(cfg, data)
