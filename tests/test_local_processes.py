@@ -44,5 +44,5 @@ def test_a_failed_rank_is_named_and_its_traceback_printed_as_text_in_debug_mode(
 def test_a_worker_is_a_function_or_its_name():
     assert resolve(f"{__name__}:fails_on_rank_one") is fails_on_rank_one
     assert resolve(fails_on_rank_one) is fails_on_rank_one
-    with pytest.raises(ValueError, match="worker: expected a function or 'package.module:function'"):
+    with pytest.raises(ValueError, match=r"worker: expected a function or 'package\.module:function'"):
         resolve("no_colon_here")
