@@ -68,6 +68,28 @@ def test_torn_corrupt_truncated_and_missing_files_are_named(tmp_path):
     assert [f for _, f in files.step_folders(str(tmp_path))] == [str(new)]
 
 
+class _RunsCodeWhenUnpickled:
+    """What a tampered checkpoint file could hold: unpickling it would call `Path.write_text` on a flag file."""
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __reduce__(self):
+        return (type(self.flag).write_text, (self.flag, "code ran"))
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    flag = tmp_path / "flag"
+    folder = commit(tmp_path, 10, {"model": {"w": torch.ones(2)}, "evil": _RunsCodeWhenUnpickled(flag)})
+    with pytest.raises(CheckpointError, match=f"cannot read checkpoint file {folder / files.SHARED}: Unpickling"):
+        files.load_verified(str(folder), files.SHARED, files.read_marker(str(folder)))
+    assert not flag.exists(), "loading a checkpoint file ran code it named"
+    kinds = {"t": torch.arange(3), "f": 0.5, "i": 3, "s": "adam", "n": None, "l": [1, (2, 3)], "b": True}
+    folder = commit(tmp_path, 20, {"trainer": kinds, "betas": (0.9, 0.999)})  # what ddpkit's checkpoints hold
+    loaded = files.load_verified(str(folder), files.SHARED, files.read_marker(str(folder)))
+    assert loaded["trainer"]["l"] == [1, (2, 3)] and torch.equal(loaded["trainer"]["t"], torch.arange(3))
+
+
 def test_a_full_disk_names_the_path_and_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "shared.pt"
     files.save_file({"v": 1}, str(path))

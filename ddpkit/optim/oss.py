@@ -522,7 +522,7 @@ class OSS(Optimizer):
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """Collects every shard's state on `recipient_rank` (-1: on every rank), for `state_dict()`.
 
-        A collective: call it on every rank. By default one gather of the pickled shards; with
+        A collective: call it on every rank. By default one gather of the encoded shards; with
         `force_broadcast_object` each rank broadcasts its shard in turn as a uint8 tensor.
         """
         valid = isinstance(recipient_rank, int) and not isinstance(recipient_rank, bool)

@@ -186,7 +186,8 @@ def load_verified(folder: str, name: str, manifest: dict[str, Any]) -> Any:
             f"({len(data)} bytes now)"
         )
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # GPU-written: onto CPU too
+        # weights_only: tensors, numbers, strings and containers of them come back, nothing a file names is run
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # GPU-written: onto CPU too
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {exc}") from None
 
