@@ -19,9 +19,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit import cli
-from ddpkit.distributed import launch
+from ddpkit.distributed import launch, local_processes
 from ddpkit.train import Callback, Trainer, TrainerState
 from ddpkit.train.loop import launcher as launcher_mod
+from ddpkit.train.loop import run as run_mod
 from ddpkit.train.loop.report import format_summary, parameter_digest, write_metrics
 from ddpkit.train.settings.config import TrainConfig
 from ddpkit.train.workloads.data import MNIST_FILES, digits, digits_arrays, mnist, read_idx, synthetic
@@ -252,8 +253,8 @@ def no_process_may_start(monkeypatch):
         raise AssertionError("a process was started although the flags are invalid")
 
     monkeypatch.setattr(launcher_mod, "spawn", forbidden)
-    monkeypatch.setattr(launcher_mod, "run_placed", forbidden)
-    monkeypatch.setattr(torch.multiprocessing, "start_processes", forbidden)
+    monkeypatch.setattr(local_processes, "_start", forbidden)
+    monkeypatch.setattr(run_mod, "run_placed", forbidden)  # (the launcher imports it when it runs a rank itself)
     for name in launch.TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
