@@ -170,6 +170,9 @@ def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
         metavar="etcd://HOST:PORT[,HOST:PORT...][/JOB]",
         help="keep the job's coordination in an etcd cluster, so that any one machine may be lost (machine 0 too)",
     )
+    ft.add_argument(
+        "--job-id", metavar="NAME", help="the job's name in its store: a rank of another job that reaches it is refused"
+    )
 
 
 # defaults that are not a TrainConfig field's value (computed, or set by the command line)
@@ -289,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     store.add_argument("--port", type=int, required=True, help="TCP port, given to every machine as --master-port")
+    store.add_argument("--job-id", metavar="NAME", help="the job's name: ranks of another --job-id are refused")
     store.add_argument(
         "--timeout", type=float, default=600.0, help="give up after this many seconds without a round (default: 600)"
     )
@@ -361,7 +365,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not 1 <= args.port <= 65535:
                 raise ValueError(f"--port must be in 1..65535; got {args.port}")
             cfgmod.check_number("timeout", args.timeout, 0.0, open_low=True)
-            host_job_store(args.port, args.timeout)
+            if args.job_id is not None:
+                cfgmod.check_job_id(args.job_id)
+            host_job_store(args.port, args.timeout, args.job_id)
         else:
             from ddpkit.train.loop.bench import run_bench
 

@@ -421,6 +421,7 @@ def test_a_lost_machine_of_sharded_replicas_restarts_and_every_process_rejoins(t
         ({"slowmo_base": "sgp", "push_sum": False, "strategy": "slowmo"}, "does not combine with --no-push-sum"),
         ({"min_replicas": 3}, "--min-replicas must be in [1, 2] (the world size 2)"),
         ({"quorum_timeout": 0.0}, "--quorum-timeout must be a finite number > 0"),
+        ({"job_id": "two words"}, "--job-id must be 1-64 letters, digits, '.', '-' or '_'"),
     ],
 )
 def test_fault_tolerant_flags_are_checked_before_any_process_starts(flags, message):
@@ -429,6 +430,8 @@ def test_fault_tolerant_flags_are_checked_before_any_process_starts(flags, messa
     assert message in str(error.value)
     with pytest.raises(ValueError, match="--min-replicas and --quorum-timeout need --fault-tolerant"):
         validate(TrainConfig(min_replicas=2, nproc_per_node=2))
+    with pytest.raises(ValueError, match="--job-id names a fault-tolerant job in its store: it needs --fault-tolerant"):
+        validate(TrainConfig(job_id="alpha", nproc_per_node=2))
 
 
 def test_a_plain_rank_that_reaches_a_fault_tolerant_jobs_store_is_told_to_add_the_flag(tmp_path):
@@ -450,6 +453,25 @@ def test_a_plain_rank_that_reaches_a_fault_tolerant_jobs_store_is_told_to_add_th
     del store
     plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     job_store.refuse_plain_rank("127.0.0.1", plain.port, 5)  # a plain job's store: nothing to say
+
+
+def test_a_rank_of_another_job_at_the_same_address_is_refused_by_name(tmp_path):
+    """Job beta's machine 1 pointed at the port where job alpha's store listens: it would have joined alpha's
+    rounds (same settings) or been refused for settings it never chose; it is told whose store that is."""
+    from test_train_cli import run
+
+    from ddpkit.fault_tolerance import job_store
+
+    port = free_port()
+    store = job_store.host(port, 30, "alpha")
+    where = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
+    command = [*DDPKIT, "train", "--fault-tolerant", *where, "--master-port", str(port), *SHORT, "--job-id", "beta"]
+    result = run(command, 60, tmp_path, "beta")
+    assert result.returncode == 1, result
+    assert f"the store at 127.0.0.1:{port} belongs to job 'alpha', and this rank was started for job 'beta'" in \
+        result.stderr, result  # fmt: skip
+    assert result.seconds < 30, result
+    assert store.get(job_store.JOB_KEY) == b"alpha" and not store.check([job_store.PREFIX + "latest"])
 
 
 def test_a_rank_that_finds_no_store_is_told_why_that_may_be():

@@ -4,10 +4,13 @@ time (`tests/sim_time.py`): it watches the heartbeats the quorums read (`livenes
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 from sim_time import SimStore, VirtualTime
 
+from ddpkit.distributed.launch import LaunchError
 from ddpkit.fault_tolerance import job_store
 from ddpkit.fault_tolerance.liveness import INTERVAL, alive_key
 from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, round_key
@@ -109,3 +112,23 @@ def test_a_side_connection_to_a_store_that_is_gone_fails_within_its_own_timeout(
     with pytest.raises((OSError, RuntimeError, dist.DistError)):  # (refused at its port at once, on loopback)
         side_connection(client, timeout=1.0)
     assert time.monotonic() - since < 5.0
+
+
+# -- the job's identity ------------------------------------------------------------------------------------------------
+
+
+def test_a_rank_of_another_job_is_refused_by_name_and_the_first_rank_names_an_unnamed_store():
+    hosted = job_store.host(0, 10.0, "alpha")  # as node 0's launcher or `ddpkit store --job-id alpha` hosts it
+    client = dist.TCPStore("127.0.0.1", hosted.port, is_master=False, timeout=timedelta(seconds=10))
+    job_store.check_job(client, "alpha", "here:1")  # the job's own rank: goes on
+    with pytest.raises(LaunchError, match=r"the store at here:1 belongs to job 'alpha', and this rank was "
+                                          r"started for job 'beta' \(--job-id\)"):  # fmt: skip
+        job_store.check_job(client, "beta", "here:1")
+    with pytest.raises(LaunchError, match="belongs to job 'alpha', and this rank was started for an unnamed job"):
+        job_store.check_job(client, None, "here:1")
+    assert client.get(job_store.JOB_KEY) == b"alpha"  # the refused ranks changed nothing
+    etcd_like = dist.HashStore()  # nobody hosts an etcd cluster's keys: the first rank to reach them names the job
+    job_store.check_job(etcd_like, None, "etcd")
+    job_store.check_job(etcd_like, None, "etcd")
+    with pytest.raises(LaunchError, match="belongs to an unnamed job, and this rank was started for job 'beta'"):
+        job_store.check_job(etcd_like, "beta", "etcd")

@@ -35,14 +35,38 @@ SILENCE_SECONDS = 20.0  # no heartbeat for this long: no rank is left, the store
 PROBE_SECONDS = 5.0  # how long a plain rank looks at the store before its join
 MODE_KEY = "ddpkit/mode"  # "fault-tolerant" in a fault-tolerant job's store: a plain rank that reaches it is told
 FAULT_TOLERANT = "fault-tolerant"
+JOB_KEY = "ddpkit/job"  # the job's name (--job-id; UNNAMED without one): a rank of another job is refused by it
+UNNAMED = "(unnamed)"
 
 
-def host(port: int, timeout: float) -> dist.TCPStore:
+def host(port: int, timeout: float, job_id: str | None = None) -> dist.TCPStore:
     """Starts the job's store on `port` of every address of this machine (the launcher of node 0 calls it),
-    marked as a fault-tolerant job's (`MODE_KEY`)."""
+    marked as a fault-tolerant job's (`MODE_KEY`) and as job `job_id`'s (`JOB_KEY`: None, an unnamed job's)."""
     store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
     store.set(MODE_KEY, FAULT_TOLERANT)
+    store.set(JOB_KEY, job_id or UNNAMED)
     return store
+
+
+def check_job(store: Any, job_id: str | None, where: str) -> None:
+    """Refuses (LaunchError) a rank of job `job_id` (None: unnamed) that reached the store of another job at
+    `where`. The first rank to reach a store nobody named (an etcd cluster's) names it, atomically (compare-and-set),
+    so of two jobs meeting there only the first goes on."""
+    mine = job_id or UNNAMED
+    theirs = _text(store.compare_set(JOB_KEY, "", mine))
+    if theirs != mine:
+
+        def say(name: str) -> str:
+            return "an unnamed job" if name == UNNAMED else f"job {name!r}"
+
+        raise LaunchError(
+            f"the store at {where} belongs to {say(theirs)}, and this rank was started for {say(mine)} (--job-id): "
+            "give every rank of one job the same --job-id, and another job another --master-port (or etcd prefix)"
+        )
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def refuse_plain_rank(address: str, port: int, timeout: float) -> None:

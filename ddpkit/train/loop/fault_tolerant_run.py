@@ -156,8 +156,9 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
 
 
 def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
-    """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port. Across
-    machines, the rounds' gloo groups advertise the address that routes towards the store (the other machines')."""
+    """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port; a
+    LaunchError if it is another job's (`job_store.check_job`). Across machines, the rounds' gloo groups advertise
+    the address that routes towards the store (the other machines')."""
     if cfg.store is not None:
         store = EtcdStore(cfg.store, cfg.timeout)
         host, port = store.endpoints[0]
@@ -165,9 +166,10 @@ def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
         host, port = placement.master_addr, placement.master_port
     if cfg.nnodes > 1:
         choose_gloo_interface(host, port)
-    if cfg.store is not None:
-        return store
-    return job_store.connect(host, port, cfg.timeout)
+    if cfg.store is None:
+        store = job_store.connect(host, port, cfg.timeout)
+    job_store.check_job(store, cfg.job_id, cfg.store or f"{host}:{port}")
+    return store
 
 
 def report(

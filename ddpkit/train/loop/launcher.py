@@ -111,7 +111,7 @@ def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     if cfg.node_rank == 0 and cfg.store is None:  # (with etcd nobody hosts the job's coordination)
         from ddpkit.fault_tolerance import job_store
 
-        store = job_store.host(port, cfg.timeout)
+        store = job_store.host(port, cfg.timeout, cfg.job_id)
     if sharded_replicas(cfg):  # the machine's processes are one replica: one lost ends them all (a lost machine)
         try:
             failures = spawn(RANK_MAIN, cfg.nproc_per_node, (cfg, port, started))
@@ -152,13 +152,14 @@ def fault_tolerant_under_torchrun(cfg: TrainConfig, torchrun: Placement) -> tupl
     return cfg, Placement(rank, cfg.world_size, torchrun.local_rank, cfg.master_addr, cfg.master_port or 0)
 
 
-def host_job_store(port: int, timeout: float) -> None:
+def host_job_store(port: int, timeout: float, job_id: str | None = None) -> None:
     """`ddpkit store`: hosts a fault-tolerant job's store on `port` until the job is over (its final quorum
     finished, it ended with too few ranks, or no round was decided for `timeout` seconds)."""
     from ddpkit.fault_tolerance import job_store
 
-    store = job_store.host(port, timeout)
-    say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine")
+    store = job_store.host(port, timeout, job_id)
+    named = f" (job {job_id!r}: ranks of another --job-id are refused)" if job_id else ""
+    say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine{named}")
     why = job_store.wait_until_finished(store, timeout)
     time.sleep(STORE_GRACE_SECONDS)  # ranks still waiting read the end before the store goes
     if why in ("finished", "ended"):

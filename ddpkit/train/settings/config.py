@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import tempfile
 import typing
@@ -104,6 +105,7 @@ class TrainConfig:
     min_replicas: int = 1
     quorum_timeout: float = 5.0
     store: str | None = None  # etcd://HOST:PORT[,...][/JOB]: the job's coordination in etcd (None: node 0 hosts it)
+    job_id: str | None = None  # the job's name in its store: a rank of another job is refused (None: unnamed)
     # outputs
     out: str | None = None
     resume: bool = False
@@ -375,6 +377,8 @@ def _validate_combinations(cfg: TrainConfig) -> None:
         raise ValueError("--min-replicas and --quorum-timeout need --fault-tolerant")
     elif cfg.store is not None:
         raise ValueError("--store keeps a fault-tolerant job's coordination in etcd: it needs --fault-tolerant")
+    elif cfg.job_id is not None:
+        raise ValueError("--job-id names a fault-tolerant job in its store: it needs --fault-tolerant")
     if cfg.resume and not cfg.out:
         raise ValueError("--resume needs --out DIR (where the checkpoint was written)")
     if not cfg.checkpoints and (cfg.resume or cfg.checkpoint_every is not None):
@@ -389,9 +393,22 @@ def sharded_replicas(cfg: TrainConfig) -> bool:
     return cfg.fault_tolerant and cfg.strategy in ("oss", "sharded")
 
 
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_job_id(job_id: object) -> None:
+    """--job-id: 1-64 letters, digits, dots, dashes and underscores, starting with a letter or digit."""
+    if not isinstance(job_id, str) or JOB_ID.fullmatch(job_id) is None:
+        raise ValueError(
+            f"--job-id must be 1-64 letters, digits, '.', '-' or '_', starting with a letter or digit; got {job_id!r}"
+        )
+
+
 def _check_fault_tolerant(cfg: TrainConfig) -> None:
     """What --fault-tolerant supports today (ddpkit.train.loop.fault_tolerant_sync), refused by flag otherwise."""
     sharded = sharded_replicas(cfg)
+    if cfg.job_id is not None:
+        check_job_id(cfg.job_id)
     if cfg.store is not None:
         from ddpkit.fault_tolerance.etcd_store import parse_url  # (torch only when asked for)
 
