@@ -4,13 +4,15 @@
 each), each builds the workload's model and the strategy (the sharding benchmark's builders: the code users run),
 trains `steps` steps and reports its own figures; the command prints them as one JSON line. The spec: strategy,
 world_size, workload ("mlp" with `depth` layers of `width`, or "gpt" with `layers` and `width`), steps, batch, seed,
-and `allocator` ("default": glibc as it comes; "mmap": `ddpkit.distributed.allocator.return_freed_memory`). With
+and `allocator` ("default": glibc as it comes; "mmap": `ddpkit.distributed.allocator.return_freed_memory`); with
+`memray` (a folder) each rank records its allocations there (`benchmarks.profile_memory`). With
 `host` (index, per_host, init, ifname) the command is one host of a job on namespace hosts: it runs that host's
 ranks, which join the job's process group at `init` (bench_memory's ``--hosts``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -35,6 +37,19 @@ def build_workload(spec: dict[str, Any]) -> workloads.Workload:
     return workloads.GPTText(spec["layers"], spec["width"], heads, spec.get("context", 128))
 
 
+def _tracked(spec: dict[str, Any], rank: int) -> Any:
+    """With ``spec["memray"]`` (a folder), memray records this rank's allocations from the model's creation to the
+    last step into ``rank<r>.bin`` there (`benchmarks.profile_memory` reads them); otherwise nothing. torch's
+    modules that a first optimizer imports are imported before, so that their memory is not charged to a strategy."""
+    if not spec.get("memray"):
+        return contextlib.nullcontext()
+    import memray
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # the first optimizer imports torch._dynamo: not charged
+
+    return memray.Tracker(os.path.join(spec["memray"], f"rank{rank}.bin"), native_traces=False)
+
+
 def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.bench_sharding import STRATEGIES, _step  # (its builders; imported in the rank)
     from ddpkit.measure.timing import PhaseTimer
@@ -46,13 +61,14 @@ def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any
     batches = work.batches(spec["seed"], rank, spec["steps"], spec["batch"])
     dist.barrier()
     start = memory.rss_mb()  # the process before the model exists: imports, data, the process group
-    model = work.model(spec["seed"])
-    parameters = sum(p.numel() for p in model.parameters())  # (before a wrapper may shard them)
-    setup = STRATEGIES[spec["strategy"]][1](model)
-    timer = PhaseTimer()
-    for batch in batches:
-        _step(setup, work, batch, timer)
-    dist.barrier()
+    with _tracked(spec, rank):
+        model = work.model(spec["seed"])
+        parameters = sum(p.numel() for p in model.parameters())  # (before a wrapper may shard them)
+        setup = STRATEGIES[spec["strategy"]][1](model)
+        timer = PhaseTimer()
+        for batch in batches:
+            _step(setup, work, batch, timer)
+        dist.barrier()
     return {
         "start_rss_mb": start,
         "peak_rss_mb": memory.peak_rss_mb(),
