@@ -79,7 +79,7 @@ def show(result: dict[str, Any]) -> None:
             print(f"    {p:5.2f} P  {site}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default="ddp,oss_sdp", help="keys of benchmarks.bench_sharding.STRATEGIES")
     parser.add_argument("--world-size", type=int, default=2)
@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--top", type=int, default=8, help="sites shown per rank")
     parser.add_argument("--out", default="benchmarks/scratch/memray", help="folder for the ranks' memray files")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     results = [profile(strategy, args) for strategy in args.strategies.split(",")]
     for result in results:
         show(result)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gzip
+import importlib
 import io
 import itertools
 import json
@@ -1032,6 +1033,9 @@ def test_every_benchmark_help(capsys):
         assert f"python -m benchmarks {name}" in capsys.readouterr().out
 
 
+PROFILERS = ("benchmarks.profile_sharded", "benchmarks.profile_memory")  # developers' tools in benchmarks/
+
+
 def test_benchmark_commands_parse():
     """Every full-size command of benchmarks/README.md names a benchmark and options its parser accepts."""
     package = benchmarks_package()
@@ -1041,13 +1045,13 @@ def test_benchmark_commands_parse():
         if text in BENCH_COMMANDS:
             continue
         words = shlex.split(text.removeprefix("sudo "))
-        if words[:3] == ["python", "-m", "benchmarks.profile_sharded"]:  # the profiler: not a registered benchmark
+        if words[:2] == ["python", "-m"] and words[2] in PROFILERS:  # a profiler: not a registered benchmark
             sys.path.insert(0, str(ROOT))
             try:
-                from benchmarks.profile_sharded import build_parser
+                profiler = importlib.import_module(words[2])
             finally:
                 sys.path.remove(str(ROOT))
-            build_parser().parse_args(words[3:])
+            profiler.build_parser().parse_args(words[3:])
             continue
         assert words[:3] == ["python", "-m", "benchmarks"] and words[3] in modules, text
         parser = package.lib.cli.build_parser(words[3], modules[words[3]], quick="--quick" in words)
