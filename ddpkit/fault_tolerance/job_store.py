@@ -53,7 +53,7 @@ def check_job(store: Any, job_id: str | None, where: str) -> None:
     `where`. The first rank to reach a store nobody named (an etcd cluster's) names it, atomically (compare-and-set),
     so of two jobs meeting there only the first goes on."""
     mine = job_id or UNNAMED
-    theirs = _text(store.compare_set(JOB_KEY, "", mine))
+    theirs = store.compare_set(JOB_KEY, "", mine).decode()
     if theirs != mine:
 
         def say(name: str) -> str:
@@ -63,10 +63,6 @@ def check_job(store: Any, job_id: str | None, where: str) -> None:
             f"the store at {where} belongs to {say(theirs)}, and this rank was started for {say(mine)} (--job-id): "
             "give every rank of one job the same --job-id, and another job another --master-port (or etcd prefix)"
         )
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def refuse_plain_rank(address: str, port: int, timeout: float) -> None:

@@ -254,9 +254,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.eval_every is not None:
         check_int("eval_every", cfg.eval_every, 0)
     registry.check_workload_flags(cfg)
-    if registry.is_spec(cfg.model) or registry.is_spec(
-        cfg.data
-    ):  # imports torch and the factories: only once the flags are sound
+    # factories are called (torch imported) only once the flags are sound
+    if registry.is_spec(cfg.model) or registry.is_spec(cfg.data):
         from ddpkit.train.workloads.workload import check_factories
 
         check_factories(cfg)
