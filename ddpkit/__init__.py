@@ -43,14 +43,24 @@ def _launched_rank() -> bool:
 
 
 def _wake_when_launcher_dies() -> bool:
-    """In a launched rank (`_launched_rank`), arms SIGCONT as the parent-death signal at ddpkit's first import,
-    before torch's: a rank stopped (SIGSTOP, Ctrl-Z) while it starts, then orphaned by a killed launcher, is woken
-    and ends at its rank guard (`ddpkit.distributed.rank_guard`), which used to arm it only after torch's import,
-    seconds later, leaving such a rank (and the launcher's resource tracker) stopped forever. SIGCONT does nothing
-    to a running process. Returns whether it armed it."""
+    """In a launched process (`_launched_rank`), arms SIGCONT as the parent-death signal at ddpkit's first import,
+    before torch's, and in every process it forks at once (ddpkit's launcher has its ranks forked by a fork server,
+    itself a launched process, which ends with the launcher): a rank stopped (SIGSTOP, Ctrl-Z) while it starts,
+    then orphaned by a killed launcher, is woken and ends at its rank guard (`ddpkit.distributed.rank_guard`),
+    which used to arm it only after torch's import, seconds later, leaving such a rank (and the launcher's resource
+    tracker) stopped forever. SIGCONT does nothing to a running process. Returns whether it armed it."""
     import signal
 
-    return _launched_rank() and _set_parent_death_signal(signal.SIGCONT)
+    if not _launched_rank():
+        return False
+    server = _os.getpid()
+
+    def arm_in_child() -> None:
+        if _os.getppid() == server:  # (not in the grandchildren a rank forks itself: DataLoader workers)
+            _set_parent_death_signal(signal.SIGCONT)
+
+    _os.register_at_fork(after_in_child=arm_in_child)
+    return _set_parent_death_signal(signal.SIGCONT)
 
 
 _wake_when_launcher_dies()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_train_cli import DDPKIT, _env, procs  # noqa: F401  (fixture)
+from test_train_cli import DDPKIT, _env, descendants, procs  # noqa: F401  (fixture)
 
 from ddpkit.distributed.launch import free_port
 from ddpkit.train.settings.config import TrainConfig, validate
@@ -58,10 +58,10 @@ def _store(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=90))
 
 
-def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name: str):  # noqa: F811
+def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name: str, env=None):  # noqa: F811
     where = ["--nnodes", str(nodes), "--nproc-per-node", "1", "--node-rank", str(rank)]
     where += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-    return procs([*DDPKIT, "train", "--fault-tolerant", *where, *flags, "--out", out], name, env=ENV)
+    return procs([*DDPKIT, "train", "--fault-tolerant", *where, *flags, "--out", out], name, env=env or ENV)
 
 
 @pytest.mark.slow
@@ -244,11 +244,11 @@ def test_fault_tolerant_torchrun_across_machines_or_without_a_store_is_refused()
 
 
 def _rank_processes(launcher: int) -> list[int]:
-    """The ranks a `ddpkit train` launcher spawned (multiprocessing's spawn children, not its resource tracker)."""
+    """The ranks a `ddpkit train` launcher started (named ddpkit-local-N: not its fork server or resource tracker)."""
     found = []
-    for child in _children(launcher):
+    for child in descendants(launcher):
         with contextlib.suppress(OSError):
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if Path(f"/proc/{child}/comm").read_text().startswith("ddpkit-local-"):
                 found.append(child)
     return found
 
@@ -295,12 +295,19 @@ def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, pro
     port = free_port()
     flags = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency", "8", *SLOW_RUN]
     flags += ["--max-steps", "400"]
-    nodes = [_node(procs, port, r, 4, tmp_path / f"n{r}", *flags, name=f"node{r}") for r in range(4)]
+    hold = tmp_path / "hold"  # (tests/ft_factories.py: training waits while it exists)
+    env = {**ENV, "DDPKIT_TEST_HOLD_FILE": str(hold)}
+    nodes = [_node(procs, port, r, 4, tmp_path / f"n{r}", *flags, name=f"node{r}", env=env) for r in range(4)]
     store = _store(port)
     _wait_for_round(store, 10, 180)
     nodes[2].kill()
     nodes[3].kill()
-    back = [_node(procs, port, r, 4, tmp_path / f"n{r}-again", *flags, name=f"node{r}-again") for r in (2, 3)]
+    wait_until_dropped(store, 2, 60)
+    hold.touch()  # the survivors cannot finish before the restarted ranks (slow on a loaded machine) join
+    back = [_node(procs, port, r, 4, tmp_path / f"n{r}-again", *flags, name=f"node{r}-again", env=env) for r in (2, 3)]
+    for proc in back:
+        wait_for_output(proc, JOINING, 180)
+    hold.unlink()
     for proc in (nodes[0], nodes[1], *back):
         result = proc.wait(300)
         assert result.returncode == 0, result

@@ -3,10 +3,15 @@ a failure named with its traceback as text, a worker given by name."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from test_train_cli import _proc_table, descendants
 
 from ddpkit.distributed.launch import LaunchError
 from ddpkit.distributed.local_processes import resolve, spawn
@@ -16,6 +21,44 @@ def fails_on_rank_one(index: int, message: str) -> None:
     """A worker for `spawn`: rank 1 raises, rank 0 returns."""
     if index == 1:
         raise RuntimeError(message)
+
+
+def stops_itself(index: int) -> None:
+    """A worker for `spawn`: stops its own process (SIGSTOP) before anything else, as a Ctrl-Z could."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_rank_stopped_before_its_guard_is_woken_and_ends_when_the_launcher_is_killed():
+    """The parent-death signal is armed in each rank as the fork server forks it (the rank guard arms it again
+    later); a rank stopped before that, orphaned, would stay stopped forever, and its fork server with it."""
+    here = str(Path(__file__).resolve().parent)
+    code = f"from ddpkit.distributed.local_processes import spawn\nspawn('{__name__}:stops_itself', 1, ())\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            table = _proc_table()
+            family = descendants(launcher.pid, table)
+            stopped = [p for p in family if table[p][4] == "ddpkit-local-0" and table[p][1] == "T"]
+            if stopped:
+                break
+            assert time.monotonic() < deadline and launcher.poll() is None, "the rank never stopped itself"
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while (left := [p for p in family if p in _proc_table()]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"the stopped rank or its fork server outlived the killed launcher: {left}"
+    finally:
+        launcher.kill()
+        for pid in family if "family" in locals() else ():
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
 
 
 def test_the_launcher_of_a_built_in_job_imports_no_torch():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_cli import DDPKIT, LONG_RUN, wait_for, wait_gone, workers
+from test_train_cli import DDPKIT, LONG_RUN, _proc_table, wait_for, wait_gone, workers
 
 from ddpkit.distributed.env import job_timeout
 from ddpkit.distributed.groups import make_node_groups
@@ -170,18 +170,35 @@ def _loading_torch(pid):
         return False
 
 
-def test_a_rank_stopped_while_it_starts_ends_with_its_killed_launcher(tmp_path, procs):
-    """A rank stopped (SIGSTOP) while it imports torch, before its rank guard runs, then orphaned by a SIGKILLed
-    launcher: ddpkit's import armed the parent-death signal (SIGCONT), so it is woken and ends, and the launcher's
-    resource tracker with it; both used to stay, stopped and orphaned, forever."""
+def _fork_server(job):
+    """The fork server of `job`'s launcher (the process that imports torch once and forks the ranks), if it runs."""
+    table = _proc_table()
+    found = [p for p, t in job.watch() if p in table and table[p][3] == t and "forkserver" in table[p][2]]
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("target", ["fork server", "rank"])
+def test_a_process_stopped_while_the_ranks_start_ends_with_its_killed_launcher(tmp_path, procs, target):
+    """SIGSTOP, then SIGKILL to the launcher, while the ranks start: the fork server stopped while it imports torch,
+    or a rank stopped the moment it exists (before its rank guard runs). Each was armed with the parent-death
+    signal (SIGCONT) at once (ddpkit's import; the fork), so it is woken and ends, and the launcher's resource
+    tracker with it; such processes used to stay, stopped and orphaned, forever."""
     job, _ = start_job(procs, tmp_path, "startup", "--strategy", "ddp")
     deadline = time.monotonic() + 120
-    while not (ranks := workers(job)) or not _loading_torch(ranks[-1]):
-        assert time.monotonic() < deadline and job.popen.poll() is None, f"no rank began importing torch: {job}"
-        time.sleep(0.02)
-    os.kill(ranks[-1], signal.SIGSTOP)
+    while True:
+        assert time.monotonic() < deadline and job.popen.poll() is None, f"no {target} appeared: {job}"
+        if target == "rank" and (ranks := workers(job)):
+            victim = ranks[0]
+            break
+        server = _fork_server(job) if target == "fork server" else None
+        if server is not None and _loading_torch(server):
+            victim = server
+            break
+        time.sleep(0.01)
+    os.kill(victim, signal.SIGSTOP)
     os.kill(job.pid, signal.SIGKILL)
     job.popen.wait(10)
     left = wait_gone(job.seen, timeout=30)
     assert not left, f"processes outlived their launcher: {left}"
-    assert "its launcher is gone; stopping" in job.result().stderr
+    if target == "rank":
+        assert "its launcher is gone; stopping" in job.result().stderr

@@ -124,8 +124,8 @@ def _signal(pid, sig):
 
 
 def _proc_table():
-    """{pid: (parent pid, state, command line, start time)} of every process. A pid alone does not name a process:
-    pids are reused (pid_max is often 32768), a pid and its start time (in clock ticks since boot) do."""
+    """{pid: (parent pid, state, command line, start time, name)} of every process. A pid alone does not name a
+    process: pids are reused (pid_max is often 32768), a pid and its start time (in clock ticks since boot) do."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -136,7 +136,13 @@ def _proc_table():
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(fields[1]), fields[0], cmdline, int(fields[19]))
+        table[int(entry)] = (
+            int(fields[1]),
+            fields[0],
+            cmdline,
+            int(fields[19]),
+            stat[stat.index("(") + 1 : stat.rindex(")")],
+        )
     return table
 
 
@@ -157,10 +163,11 @@ def alive(processes):
 
 
 def workers(proc):
-    """The training processes `ddpkit train` spawned (not the multiprocessing resource tracker)."""
+    """The training processes `ddpkit train` started (named ddpkit-local-N; not the fork server or the resource
+    tracker)."""
     seen = proc.watch()
     table = _proc_table()
-    return sorted(p for p, t in seen if p in table and table[p][3] == t and "spawn_main" in table[p][2])
+    return sorted(p for p, t in seen if p in table and table[p][3] == t and table[p][4].startswith("ddpkit-local-"))
 
 
 @pytest.fixture

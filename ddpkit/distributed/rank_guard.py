@@ -51,16 +51,21 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
     import multiprocessing
     import select
 
-    spawner = multiprocessing.parent_process()  # set in processes `spawn` started; None under torchrun
-    parent = spawner.pid if spawner is not None and spawner.pid is not None else os.getppid()
+    spawner = multiprocessing.parent_process()  # the launcher, in processes ddpkit's `spawn` started
+    parent = os.getppid()  # torchrun's agent, or the fork server of ddpkit's launcher
+
+    def launcher_gone() -> bool:
+        """Whether the launcher ended: multiprocessing's pipe from it closed, or (under torchrun) the parent."""
+        return not spawner.is_alive() if spawner is not None else os.getppid() != parent
+
     caught = (signal.SIGTERM, signal.SIGHUP)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     for sig in caught:
         signal.signal(sig, lambda signum, frame: None)  # the watcher acts; the main thread goes on meanwhile
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    # wakes a stopped rank; the watcher then sees the parent gone (ddpkit's import armed it already in the ranks
-    # ddpkit's launcher spawned; torchrun's workers are armed here)
+    # wakes a stopped rank; the watcher then sees the launcher gone (armed already at the fork in the ranks of
+    # ddpkit's launcher, whose fork server ends with the launcher; torchrun's workers are armed here)
     _set_parent_death_signal(signal.SIGCONT)
 
     def finish(code: int, why: str) -> None:
@@ -76,7 +81,7 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
             numbers = [n for n in (os.read(read_end, 64) if ready else b"") if n in caught]
             if numbers:  # the parent-death signal can come before this process is given its new parent
                 time.sleep(0.1)
-            gone = os.getppid() != parent
+            gone = launcher_gone()
             if numbers:
                 finish(
                     128 + numbers[0], "its launcher is gone" if gone else f"{signal.Signals(numbers[0]).name} received"
@@ -84,6 +89,6 @@ def guard_rank(label: str, cleanup: Callable[[], Any]) -> None:
             if gone:
                 finish(1, "its launcher is gone")
 
-    if os.getppid() != parent:  # the parent ended before the death signal was armed
+    if launcher_gone():  # it ended before the death signal was armed
         finish(1, "its launcher is gone")
     threading.Thread(target=watch, name="ddpkit-rank-guard", daemon=True).start()
