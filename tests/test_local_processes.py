@@ -76,6 +76,26 @@ def test_the_launcher_of_a_built_in_job_imports_no_torch():
     assert done.stdout.startswith("0 "), f"the launcher imported torch: {done.stdout}"
 
 
+def test_the_modules_the_fork_server_imports_leave_cuda_alone():
+    """A process that has initialised CUDA (even only asking how many devices there are) cannot pass it on to the
+    ranks it forks: the fork server imports the workers' modules, so these must not touch CUDA at import."""
+    code = (
+        "import torch, torch.cuda\n"
+        "calls = []\n"
+        "torch._C._cuda_getDeviceCount = lambda: calls.append('_cuda_getDeviceCount') or 0\n"
+        "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device'):\n"
+        "    setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n))\n"
+        "from ddpkit.train.loop.launcher import RANK_MAIN\n"
+        "import importlib\n"
+        "for module in (RANK_MAIN.partition(':')[0], 'ddpkit.train.loop.bench'):\n"
+        "    importlib.import_module(module)\n"
+        "print(calls)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing a worker's module touched CUDA: {done.stdout}"
+
+
 def test_a_failed_rank_is_named_and_its_traceback_printed_as_text_in_debug_mode(monkeypatch, capfd):
     monkeypatch.setenv("DDPKIT_DEBUG", "1")
     with pytest.raises(LaunchError, match="local process 1 failed: process 1 terminated with exit code 1"):
