@@ -114,8 +114,6 @@ SGP = ["--strategy", "slowmo", "--slowmo-base", "sgp", "--slowmo-frequency", "12
 
 
 @pytest.mark.slow
-# DDP's kill and rejoin also runs in the torchrun test below; its own run is in the long tier (CI time)
-@pytest.mark.long  # CI time: tests/test_manager.py loses and regains ranks in threads in the default tier
 @pytest.mark.parametrize("strategy", [DDP, SGP], ids=["ddp", "sgp"])
 def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path, procs, strategy):  # noqa: F811
     """Per step: DDP's gradient average, and SGP's gossip (its last round averages exactly: replicas end equal)."""
@@ -156,7 +154,6 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time: tests/test_manager.py checks agreement and never-joined in threads, default tier
 def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(tmp_path, procs):  # noqa: F811
     """Two jobs side by side: in one, rank 1 has another --lr (every rank is refused at the first round, naming
     the flag and the ranks); in the other, the third rank of --world-size 3 never starts (the others train, say
@@ -196,7 +193,6 @@ def _wait_for_worker(agent: int, other_than: int | None, timeout: float) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time: torchrun stays in the default tier through tests/test_train_cli.py
 def test_under_torchrun_a_lost_worker_is_restarted_by_torchrun_and_rejoins(tmp_path, procs):  # noqa: F811
     """One torchrun per machine (--nnodes 1 --max-restarts 1) meeting at `ddpkit store`: torchrun starts the killed
     worker again, it rejoins from live state; the other machine's worker never stops."""
@@ -275,7 +271,6 @@ def test_when_every_rank_is_gone_node_0s_launcher_ends_within_the_heartbeat_sile
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time: tests/test_manager.py and tests/test_membership.py check the minimum in the default tier
 def test_fewer_live_ranks_than_min_replicas_end_the_job_with_a_clear_error(tmp_path, procs):  # noqa: F811
     port = free_port()
     flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "2000", "--min-replicas", "2"]
@@ -290,7 +285,7 @@ def test_fewer_live_ranks_than_min_replicas_end_the_job_with_a_clear_error(tmp_p
     assert time.monotonic() - killed < 2 * 2 + 15  # two quorum timeouts, and the processes' exit
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, procs):  # noqa: F811
     port = free_port()
     flags = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency", "8", *SLOW_RUN]

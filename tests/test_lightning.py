@@ -199,7 +199,6 @@ def test_the_lightning_example_trains_and_splits_the_optimizer_state(tmp_path, e
         assert max(held) <= 1.1 * sum(held) / 2, held
 
 
-@pytest.mark.long
 def test_the_readme_snippet_trains(tmp_path):
     from test_readme import snippet
 

@@ -41,7 +41,7 @@ for step in range(4):
 """
 
 
-@pytest.mark.parametrize("case", [pytest.param("extra_step", marks=pytest.mark.long), "frozen"])
+@pytest.mark.parametrize("case", ["extra_step", "frozen"])
 def test_an_uncaught_mismatch_names_each_ranks_collective(tmp_path, case):
     script = tmp_path / "loop.py"
     script.write_text(LOOP)

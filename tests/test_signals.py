@@ -138,9 +138,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_sweeps_segments(tmp_path, 
         litter.unlink(missing_ok=True)
 
 
-# CI time: the stopped-while-training case is in the long tier; the start-up case below stops a rank where the
-# parent-death signal is armed earliest, so it covers the same wake-up
-@pytest.mark.parametrize("stopped_rank", [False, pytest.param(True, marks=pytest.mark.long)])
+@pytest.mark.parametrize("stopped_rank", [False, True])
 def test_sigkill_to_the_launcher_leaves_no_rank_running(tmp_path, procs, stopped_rank):
     """The launcher killed outright cannot stop anything: each rank notices its parent is gone (PR_SET_PDEATHSIG,
     and polling) and ends within a second or two, removing its own segment files (sharded uses them). A rank that

@@ -420,7 +420,6 @@ def test_resume_equals_uninterrupted(one_epoch, tmp_path, name):
 # ------------------------------------------------------------------------------------------- other launchers
 
 
-@pytest.mark.long  # (CI time: tests/test_readme.py runs the README's torchrun command in the default tier)
 def test_torchrun_with_a_toml_config_and_overriding_flags(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(
@@ -545,7 +544,6 @@ def two_hosts():
 
 
 @pytest.mark.netns
-@pytest.mark.long  # (CI time: tests/test_hierarchical_netns.py and test_train_cli's loopback machines stay)
 def test_two_hosts_in_network_namespaces(tmp_path, procs, two_hosts):
     common = ["--nnodes", "2", "--master-addr", "10.78.0.1", "--master-port", "29500", "--nproc-per-node", "1"]
     common += [*TRAIN, *variant_flags("slowmo")]
@@ -585,7 +583,6 @@ def listening(pid, port):
 
 
 @pytest.mark.netns
-@pytest.mark.long  # CI time (21 s): test_wrong_master_address_fails_within_the_timeout_naming_it stays
 def test_two_hosts_that_cannot_connect_fail_within_the_timeout(tmp_path, procs, two_hosts):
     """gloo told to use loopback (a misconfiguration) cannot reach the other host: both fail within the timeout
     (plus ddpkit's join grace), where gloo alone would wait five times the timeout on the master's side."""
@@ -699,8 +696,8 @@ def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
     assert result.seconds < timeout + 5 + SLACK, str(result)
 
 
-@pytest.mark.parametrize(  # (CI time: two of the three in the long tier)
-    "target", ["launcher", *(pytest.param(t, marks=pytest.mark.long) for t in ("group", "ignored"))]
+@pytest.mark.parametrize(  # (CI time: the process group's in the long tier)
+    "target", ["launcher", pytest.param("group", marks=pytest.mark.long), "ignored"]
 )
 def test_ctrl_c_stops_every_local_process(tmp_path, procs, target):
     """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C does; also to a launcher

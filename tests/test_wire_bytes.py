@@ -24,7 +24,7 @@ def namespace():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])  # (CI time: 4 in the long tier)
+@pytest.mark.parametrize("world", [2, 4])
 def test_sharded_sends_exactly_ddp_bytes_on_the_wire(namespace, world):
     """Over gloo (as between hosts) ShardedDataParallel + OSS puts DDP's bytes on the wire; on one host, signals."""
     probe = os.path.join(os.path.dirname(__file__), "wire_probe.py")
