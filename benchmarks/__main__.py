@@ -1,5 +1,6 @@
 """``python -m benchmarks``: lists the benchmarks; ``python -m benchmarks NAME [options]`` runs one;
-``python -m benchmarks all --quick`` runs every one at smoke size, each in its own process, with a progress bar.
+``python -m benchmarks all --quick`` runs every one at smoke size, each in its own process, with a progress bar
+(two at a time: a smoke run is not a measurement, so two may share the cores; full runs go one at a time).
 
 Every ``benchmarks/bench_<name>.py`` that defines ``QUESTION`` is a benchmark called ``<name>``: adding a file is
 all it takes to register one (see `benchmarks.lib.cli` for what the module defines). A run imports its own module
@@ -11,9 +12,11 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from benchmarks.lib.cli import main as run_one
 from benchmarks.lib.cli import progress
@@ -47,19 +50,51 @@ def listing(benchmarks: dict[str, ModuleType]) -> str:
     return "\n".join(lines)
 
 
+QUICK_AT_ONCE = 2
+"""How many benchmarks ``all --quick`` runs at once (each starts processes and waits on them: one alone left a
+core idle much of the time)."""
+
+
 def run_all(names: list[str], options: list[str]) -> int:
-    """Runs each benchmark as ``python -m benchmarks NAME <options>`` in a fresh process; reports failures."""
+    """Runs each benchmark as ``python -m benchmarks NAME <options>`` in a fresh process, `QUICK_AT_ONCE` at a time
+    with ``--quick`` (each one's output printed whole when it ends), else one after another; reports failures."""
+    at_once = QUICK_AT_ONCE if "--quick" in options else 1
     failed = []
-    for name in progress(names, desc="benchmarks"):
-        began = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "benchmarks", name, *options], cwd=HERE.parent)
-        status = "ok" if done.returncode == 0 else f"FAILED (exit status {done.returncode})"
+    waiting = list(names)
+    running: dict[str, tuple[subprocess.Popen, float, Any]] = {}
+    bar = progress(range(len(names)), desc="benchmarks")
+    next(bar, None)  # shows the bar at 0
+    while waiting or running:
+        while waiting and len(running) < at_once:
+            name = waiting.pop(0)
+            log = tempfile.TemporaryFile("w+") if at_once > 1 else None
+            command = [sys.executable, "-m", "benchmarks", name, *options]
+            proc = subprocess.Popen(command, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT if log else None)
+            running[name] = (proc, time.monotonic(), log)
+        name = _first_finished(running)
+        proc, began, log = running.pop(name)
+        if log is not None:
+            log.seek(0)
+            sys.stdout.write(log.read())
+            log.close()
+        status = "ok" if proc.returncode == 0 else f"FAILED (exit status {proc.returncode})"
         print(f"== {name}: {status} in {time.monotonic() - began:.0f} s", flush=True)
-        if done.returncode:
+        if proc.returncode:
             failed.append(name)
+        next(bar, None)
+    bar.close()
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _first_finished(running: dict[str, tuple[subprocess.Popen, float, Any]]) -> str:
+    """Waits until one of the `running` benchmarks has ended; returns its name."""
+    while True:
+        for name, (proc, _, _) in running.items():
+            if proc.poll() is not None:
+                return name
+        time.sleep(0.2)
 
 
 def main(argv: list[str]) -> int:

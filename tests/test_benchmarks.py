@@ -110,7 +110,8 @@ def test_only_a_run_at_the_defaults_or_with_record_changes_the_record(tmp_path, 
     assert runs == [1, 3, 10, 3, 1]
 
 
-QUICK_ALL_SECONDS = 1500  # every benchmark at smoke size: ~3 minutes on 2 idle cores, far longer under a load of 10
+# every benchmark at smoke size, two at once: ~2 minutes on 2 idle cores, far longer under load
+QUICK_ALL_SECONDS = 1500
 
 
 @pytest.mark.slow

@@ -633,7 +633,8 @@ def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs
     assert time.monotonic() - killed < timeout + 10, str(survivor)
     assert survivor.returncode == 1, str(survivor)
     assert "ddpkit: rank 0 failed:" in survivor.stderr, str(survivor)
-    assert re.search(r"closed by peer|remote worker|timed out|Connection reset", survivor.stderr), str(survivor)
+    # the peer's socket closed, or (a loaded machine: gloo sometimes reports the send, not the reset) timed out
+    assert re.search(r"closed by peer|remote worker|timed out|Connection reset", survivor.stderr, re.I), survivor
     assert "ddpkit: error: local process 0 failed" in survivor.stderr
     assert "Traceback" not in survivor.stderr
     dead = ranks[1].wait(30)

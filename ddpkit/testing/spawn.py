@@ -1,8 +1,9 @@
 """Run a function on N ranks in spawned processes, with a timeout and the failing rank's traceback.
 
 `run_distributed(fn, world_size, *args)` calls ``fn(rank, world_size, *args)`` on every rank of a gloo job and
-returns the per-rank results. Spawning a process costs about two seconds (importing torch), so by default the
-ranks are kept in a pool per (world size, backend) and reused by the next call; a call that fails in a way that
+returns the per-rank results. The ranks are forked by multiprocessing's fork server, which imports torch once (a
+fresh interpreter per rank imported it again, seconds each), and take the caller's environment as it is at the
+call. They are kept in a pool per (world size, backend) and reused by the next call; a call that fails in a way that
 may leave ranks stuck in a collective (one rank raised while others did not return, a timeout, a dead process)
 discards the pool, and the next call spawns a fresh one. ``fresh=True`` always uses new processes, and
 ``init=False`` leaves the process group uninitialised (to test what happens without one).
@@ -63,9 +64,12 @@ def _worker(
     tasks: Any,
     results: Any,
     device: str,
+    environment: dict[str, str],
 ) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(environment)
     torch.set_num_threads(1)  # N ranks share few cores; avoid oversubscription
     os.environ.setdefault("LOCAL_RANK", str(rank))
     if device == "cuda":
@@ -102,16 +106,18 @@ class _RankPool:
     """World-size processes that run tasks one at a time, all ranks together."""
 
     def __init__(self, world_size: int, backend: str, init: bool, pg_timeout: float, device: str) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])  # (torch with it; ignored once the fork server runs)
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="ddpkit-rdzv-")
         init_file = os.path.join(self._dir, "store") if init else None
+        env = dict(os.environ)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, backend, pg_timeout, self._tasks[r], self._results, device),
+                args=(r, world_size, init_file, backend, pg_timeout, self._tasks[r], self._results, device, env),
                 daemon=True,
             )
             for r in range(world_size)
