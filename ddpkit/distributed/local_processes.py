@@ -108,14 +108,20 @@ def _start(worker: str | Callable[..., Any], args: tuple, error_files: list[str]
     `processes` as soon as it runs (so that an interruption meanwhile stops those already started). The processes
     are forked by the fork server, which has the worker's module imported; each gets this process's environment as
     it is now (the fork server's own is this process's when it first started)."""
-    context = multiprocessing.get_context("forkserver")
-    if isinstance(worker, str):
+    context = multiprocessing.get_context(start_method())
+    if isinstance(worker, str) and context.get_start_method() == "forkserver":
         context.set_forkserver_preload([worker.partition(":")[0]])  # (before its first start; ignored after)
     environment = dict(os.environ)
     for index, error_file in enumerate(error_files):
         process = context.Process(target=_run_local_rank, args=(worker, index, args, error_file, environment))
         process.start()
         processes.append(process)
+
+
+def start_method() -> str:
+    """multiprocessing's fork server where the platform has one (Linux, macOS), else a fresh interpreter per
+    process (``spawn``: Windows)."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _run_local_rank(

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from ddpkit.distributed.local_processes import start_method
+
 _GRACE_SECONDS = 10.0
 
 
@@ -106,8 +108,9 @@ class _RankPool:
     """World-size processes that run tasks one at a time, all ranks together."""
 
     def __init__(self, world_size: int, backend: str, init: bool, pg_timeout: float, device: str) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])  # (torch with it; ignored once the fork server runs)
+        ctx = mp.get_context(start_method())
+        if ctx.get_start_method() == "forkserver":
+            ctx.set_forkserver_preload([__name__])  # (torch with it; ignored once the fork server runs)
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="ddpkit-rdzv-")
         init_file = os.path.join(self._dir, "store") if init else None
