@@ -119,13 +119,19 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
     """Per step: DDP's gradient average, and SGP's gossip (its last round averages exactly: replicas end equal)."""
     port = free_port()
     flags = [*strategy, *SLOW_RUN, "--max-steps", "360"]
-    survivor = _node(procs, port, 0, 2, tmp_path / "a", *flags, name="node0")
-    lost = _node(procs, port, 1, 2, tmp_path / "b", *flags, name="node1")
+    hold = tmp_path / "hold"  # (tests/ft_factories.py: training waits while it exists)
+    env = {**ENV, "DDPKIT_TEST_HOLD_FILE": str(hold)}
+    survivor = _node(procs, port, 0, 2, tmp_path / "a", *flags, name="node0", env=env)
+    lost = _node(procs, port, 1, 2, tmp_path / "b", *flags, name="node1", env=env)
     store = _store(port)
     _wait_for_round(store, 40, 120)
     lost.kill()  # SIGKILL to node 1's launcher and rank: its machine is gone
     killed_at = _latest_round(store)
-    back = _node(procs, port, 1, 2, tmp_path / "b2", *flags, name="node1-again")
+    wait_until_dropped(store, 1, 60)
+    hold.touch()  # the survivor cannot finish before the restart (slow on a loaded machine) joins
+    back = _node(procs, port, 1, 2, tmp_path / "b2", *flags, name="node1-again", env=env)
+    wait_for_output(back, JOINING, 180)
+    hold.unlink()
     for proc in (survivor, back):
         result = proc.wait(240)
         assert result.returncode == 0, result
