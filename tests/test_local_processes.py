@@ -71,9 +71,8 @@ def test_the_launcher_of_a_built_in_job_imports_no_torch():
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "print(len(loaded), loaded[:3])\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("0 "), f"the launcher imported torch: {done.stdout}"
+    printed = _python(code)
+    assert printed.startswith("0 "), f"the launcher imported torch: {printed}"
 
 
 def test_the_modules_the_fork_server_imports_leave_cuda_alone():
@@ -91,9 +90,15 @@ def test_the_modules_the_fork_server_imports_leave_cuda_alone():
         "    importlib.import_module(module)\n"
         "print(calls)\n"
     )
+    printed = _python(code)
+    assert printed.strip() == "[]", f"importing a worker's module touched CUDA: {printed}"
+
+
+def _python(code: str) -> str:
+    """What `code` printed, run in a fresh interpreter (which must succeed)."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", f"importing a worker's module touched CUDA: {done.stdout}"
+    return done.stdout
 
 
 def test_a_failed_rank_is_named_and_its_traceback_printed_as_text_in_debug_mode(monkeypatch, capfd):
