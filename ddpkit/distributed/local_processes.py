@@ -56,10 +56,10 @@ def spawn(
     local process, and so does SIGTERM or SIGHUP (what `kill`, `timeout` and schedulers send), after which this
     process exits with 128 + the signal's number. A process stopped (SIGSTOP, Ctrl-Z) for more than
     `stopped_limit` seconds (its peers on other machines have given up on it by then) is ended with the others and
-    named. Should this process be killed outright (SIGKILL), each rank notices its parent is gone and ends
-    (`guard_rank`), even one stopped at that moment: the ranks find this process's id in `LAUNCHER_PID_VARIABLE`
-    and arm their wake-up at ddpkit's import. Shared-memory files a killed rank left behind are removed once every
-    rank has ended.
+    named. Should this process be killed outright (SIGKILL), each rank notices its launcher is gone and ends
+    (`guard_rank`), even one stopped at that moment: the fork server finds this process's id in
+    `LAUNCHER_PID_VARIABLE`, arms its wake-up at ddpkit's import and each rank's at the fork, and ends with this
+    process. Shared-memory files a killed rank left behind are removed once every rank has ended.
     """
     quiet_torch_errors()
     from ddpkit.distributed.segment_files import sweep_stale
