@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_train_cli import DDPKIT, _env, descendants, procs  # noqa: F401  (fixture)
+from test_train_cli import DDPKIT, _env, _proc_table, descendants, procs  # noqa: F401  (fixture)
 
 from ddpkit.distributed.launch import free_port
+from ddpkit.distributed.local_processes import RANK_NAME_PREFIX
 from ddpkit.train.settings.config import TrainConfig, validate
 
 HERE = Path(__file__).resolve().parent
@@ -250,12 +251,8 @@ def test_fault_tolerant_torchrun_across_machines_or_without_a_store_is_refused()
 
 def _rank_processes(launcher: int) -> list[int]:
     """The ranks a `ddpkit train` launcher started (named ddpkit-local-N: not its fork server or resource tracker)."""
-    found = []
-    for child in descendants(launcher):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{child}/comm").read_text().startswith("ddpkit-local-"):
-                found.append(child)
-    return found
+    table = _proc_table()
+    return [p for p in descendants(launcher, table) if table[p][4].startswith(RANK_NAME_PREFIX)]
 
 
 @pytest.mark.long  # 31 s of waiting for the heartbeat's silence

@@ -14,7 +14,7 @@ import pytest
 from test_train_cli import _proc_table, descendants
 
 from ddpkit.distributed.launch import LaunchError
-from ddpkit.distributed.local_processes import resolve, spawn
+from ddpkit.distributed.local_processes import RANK_NAME_PREFIX, resolve, spawn
 
 
 def fails_on_rank_one(index: int, message: str) -> None:
@@ -35,12 +35,13 @@ def test_a_rank_stopped_before_its_guard_is_woken_and_ends_when_the_launcher_is_
     code = f"from ddpkit.distributed.local_processes import spawn\nspawn('{__name__}:stops_itself', 1, ())\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    family: set[int] = set()
     try:
         deadline = time.monotonic() + 60
         while True:
             table = _proc_table()
             family = descendants(launcher.pid, table)
-            stopped = [p for p in family if table[p][4] == "ddpkit-local-0" and table[p][1] == "T"]
+            stopped = [p for p in family if table[p][4] == f"{RANK_NAME_PREFIX}0" and table[p][1] == "T"]
             if stopped:
                 break
             assert time.monotonic() < deadline and launcher.poll() is None, "the rank never stopped itself"
@@ -53,7 +54,7 @@ def test_a_rank_stopped_before_its_guard_is_woken_and_ends_when_the_launcher_is_
         assert not left, f"the stopped rank or its fork server outlived the killed launcher: {left}"
     finally:
         launcher.kill()
-        for pid in family if "family" in locals() else ():
+        for pid in family:
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
                     os.kill(pid, sig)

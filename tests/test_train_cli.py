@@ -32,6 +32,7 @@ import torch
 from pooled_train import Result
 
 from ddpkit.distributed.launch import TORCHRUN_VARIABLES, free_port
+from ddpkit.distributed.local_processes import RANK_NAME_PREFIX
 from ddpkit.train.settings.config import STRATEGIES
 
 pytestmark = pytest.mark.slow
@@ -167,7 +168,7 @@ def workers(proc):
     tracker)."""
     seen = proc.watch()
     table = _proc_table()
-    return sorted(p for p, t in seen if p in table and table[p][3] == t and table[p][4].startswith("ddpkit-local-"))
+    return sorted(p for p, t in seen if p in table and table[p][3] == t and table[p][4].startswith(RANK_NAME_PREFIX))
 
 
 @pytest.fixture

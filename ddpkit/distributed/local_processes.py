@@ -108,9 +108,7 @@ def _start(worker: str | Callable[..., Any], args: tuple, error_files: list[str]
     `processes` as soon as it runs (so that an interruption meanwhile stops those already started). The processes
     are forked by the fork server, which has the worker's module imported; each gets this process's environment as
     it is now (the fork server's own is this process's when it first started)."""
-    context = multiprocessing.get_context(start_method())
-    if isinstance(worker, str) and context.get_start_method() == "forkserver":
-        context.set_forkserver_preload([worker.partition(":")[0]])  # (before its first start; ignored after)
+    context = start_context(worker.partition(":")[0] if isinstance(worker, str) else None)
     environment = dict(os.environ)
     for index, error_file in enumerate(error_files):
         process = context.Process(target=_run_local_rank, args=(worker, index, args, error_file, environment))
@@ -118,10 +116,27 @@ def _start(worker: str | Callable[..., Any], args: tuple, error_files: list[str]
         processes.append(process)
 
 
-def start_method() -> str:
-    """multiprocessing's fork server where the platform has one (Linux, macOS), else a fresh interpreter per
-    process (``spawn``: Windows)."""
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+RANK_NAME_PREFIX = "ddpkit-local-"
+"""A local rank's process name (``ps -e``, ``top``, /proc/PID/comm) is this and its index."""
+
+
+def start_context(preload: str | None, context_of: Callable[[str], Any] = multiprocessing.get_context) -> Any:
+    """The multiprocessing context that starts local processes: the fork server where the platform has one
+    (Linux, macOS), importing module `preload` (if given) before its first start, else a fresh interpreter per
+    process (``spawn``: Windows). `context_of` makes it (torch.multiprocessing's ``get_context`` for processes
+    that pass tensors)."""
+    forkserver = "forkserver" in multiprocessing.get_all_start_methods()
+    context = context_of("forkserver" if forkserver else "spawn")
+    if forkserver and preload is not None:
+        context.set_forkserver_preload([preload])  # (ignored once the fork server runs)
+    return context
+
+
+def adopt_environment(environment: dict[str, str]) -> None:
+    """Makes this process's environment `environment`: a forked process starts with the fork server's, which is
+    its starter's as it was when the fork server started."""
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def _run_local_rank(
@@ -131,10 +146,9 @@ def _run_local_rank(
     takes the name ``ddpkit-local-<index>`` (what ``ps`` and ``top`` show) and runs the worker; an exception's
     traceback goes to `error_file` (as text) and the process exits with 1; Ctrl-C (KeyboardInterrupt) ends it
     quietly, as its launcher reports the interruption."""
-    os.environ.clear()
-    os.environ.update(environment)
+    adopt_environment(environment)
     _release_fork_server()
-    _name_process(f"ddpkit-local-{index}")
+    _name_process(f"{RANK_NAME_PREFIX}{index}")
     try:
         resolve(worker)(index, *args)
     except KeyboardInterrupt:

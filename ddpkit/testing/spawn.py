@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ddpkit.distributed.local_processes import start_method
+from ddpkit.distributed.local_processes import adopt_environment, start_context
 
 _GRACE_SECONDS = 10.0
 
@@ -70,8 +70,7 @@ def _worker(
 ) -> None:
     import torch.distributed as dist
 
-    os.environ.clear()
-    os.environ.update(environment)
+    adopt_environment(environment)
     torch.set_num_threads(1)  # N ranks share few cores; avoid oversubscription
     os.environ.setdefault("LOCAL_RANK", str(rank))
     if device == "cuda":
@@ -108,9 +107,7 @@ class _RankPool:
     """World-size processes that run tasks one at a time, all ranks together."""
 
     def __init__(self, world_size: int, backend: str, init: bool, pg_timeout: float, device: str) -> None:
-        ctx = mp.get_context(start_method())
-        if ctx.get_start_method() == "forkserver":
-            ctx.set_forkserver_preload([__name__])  # (torch with it; ignored once the fork server runs)
+        ctx = start_context(__name__, mp.get_context)  # (torch imported with this module, once)
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="ddpkit-rdzv-")
         init_file = os.path.join(self._dir, "store") if init else None
