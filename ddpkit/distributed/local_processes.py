@@ -116,19 +116,24 @@ def _start(worker: str | Callable[..., Any], args: tuple, error_files: list[str]
         processes.append(process)
 
 
+PRELOADED_WITH_TORCH = ("torch._dynamo",)
+"""Modules the fork server imports after a worker's module: every torch optimizer's constructor imports
+torch._dynamo (about 2 s of CPU), which each rank would otherwise pay again. Importing it touches no CUDA device
+(tests/test_local_processes.py checks), so the forked ranks can still use CUDA."""
+
 RANK_NAME_PREFIX = "ddpkit-local-"
 """A local rank's process name (``ps -e``, ``top``, /proc/PID/comm) is this and its index."""
 
 
 def start_context(preload: str | None, context_of: Callable[[str], Any] = multiprocessing.get_context) -> Any:
     """The multiprocessing context that starts local processes: the fork server where the platform has one
-    (Linux, macOS), importing module `preload` (if given) before its first start, else a fresh interpreter per
-    process (``spawn``: Windows). `context_of` makes it (torch.multiprocessing's ``get_context`` for processes
-    that pass tensors)."""
+    (Linux, macOS), importing module `preload` (if given; with `PRELOADED_WITH_TORCH`) before its first start,
+    else a fresh interpreter per process (``spawn``: Windows). `context_of` makes it (torch.multiprocessing's
+    ``get_context`` for processes that pass tensors)."""
     forkserver = "forkserver" in multiprocessing.get_all_start_methods()
     context = context_of("forkserver" if forkserver else "spawn")
     if forkserver and preload is not None:
-        context.set_forkserver_preload([preload])  # (ignored once the fork server runs)
+        context.set_forkserver_preload([preload, *PRELOADED_WITH_TORCH])  # (ignored once the fork server runs)
     return context
 
 
