@@ -43,8 +43,21 @@ def _manager(rank: int, port: int, settings: dict) -> Manager:
     return manager
 
 
+REPLACEMENT_UP = "test/replacement-up"
+
+
+def _hold(port: int, settings: dict, round_: int) -> None:
+    """At round `settings["hold_at"]` a survivor waits until the replacement runs (it says so in the store), so
+    that on a loaded machine the replacement still finds rounds to join (its start, a fresh interpreter, can take
+    longer than the rounds left)."""
+    if settings.get("hold_at") == round_:
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120)).wait([REPLACEMENT_UP])
+
+
 def _begin(manager: Manager, settings: dict) -> None:
-    if not settings.get("rejoin", False):
+    if settings.get("rejoin", False):
+        manager.store.set(REPLACEMENT_UP, "1")
+    else:
         manager.start()
         assert manager.should_commit()
 
@@ -79,6 +92,7 @@ def _worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
         _begin(manager, settings)
         while manager.next_round < settings["rounds"]:
             r = manager.next_round
+            _hold(port, settings, r)
             if settings.get("die_at") == r:
                 _die(out, (rank, rejoin, log, "died"))
             flat += _progress(rank, r)
@@ -105,7 +119,8 @@ def _lose_rank_2_and_replace_it(settings: dict, after_round: int, worker=_worker
     ctx = mp.get_context("spawn")
     store = _store()
     out = ctx.Queue()
-    faults = {2: {"die_at": 3}, 1: {"fail_at": 2}}
+    hold = {"hold_at": settings["rounds"] - 8}  # the survivors wait there for the replacement to run
+    faults = {0: hold, 2: {"die_at": 3}, 1: {"fail_at": 2, **hold}}
     procs = [_start(ctx, r, store.port, {**settings, **faults.get(r, {})}, out, worker) for r in range(3)]
     deadline = time.monotonic() + 120
     while int(store.get("ddpkit/ft/latest") if store.check(["ddpkit/ft/latest"]) else -1) < after_round:
@@ -235,6 +250,7 @@ def _gossip_worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
     _begin(manager, settings)
     while manager.next_round < settings["rounds"]:
         r = manager.next_round
+        _hold(port, settings, r)
         if settings.get("die_at") == r:
             _die(out, (rank, rejoin, log, "died"))
         flat += torch.tensor([_progress(rank, r), 1.0])
