@@ -698,9 +698,7 @@ def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
     assert result.seconds < timeout + 5 + SLACK, str(result)
 
 
-@pytest.mark.parametrize(  # (CI time: the process group's in the long tier)
-    "target", ["launcher", pytest.param("group", marks=pytest.mark.long), "ignored"]
-)
+@pytest.mark.parametrize("target", ["launcher", "group", "ignored"])
 def test_ctrl_c_stops_every_local_process(tmp_path, procs, target):
     """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C does; also to a launcher
     started with SIGINT ignored, as a shell starts background jobs (it could not be stopped so: issue 23 defect 9)."""
