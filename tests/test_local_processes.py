@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_cli import _proc_table, descendants
+from test_train_cli import _proc_table, alive, descendants
 
 from ddpkit.distributed.launch import LaunchError
 from ddpkit.distributed.local_processes import RANK_NAME_PREFIX, resolve, spawn
@@ -35,13 +35,13 @@ def test_a_rank_stopped_before_its_guard_is_woken_and_ends_when_the_launcher_is_
     code = f"from ddpkit.distributed.local_processes import spawn\nspawn('{__name__}:stops_itself', 1, ())\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
-    family: set[int] = set()
+    family: set[tuple[int, int]] = set()  # (pid, start time): a pid alone may be reused
     try:
         deadline = time.monotonic() + 60
         while True:
             table = _proc_table()
-            family = descendants(launcher.pid, table)
-            stopped = [p for p in family if table[p][4] == f"{RANK_NAME_PREFIX}0" and table[p][1] == "T"]
+            family = {(p, table[p][3]) for p in descendants(launcher.pid, table)}
+            stopped = [p for p, _ in family if table[p][4] == f"{RANK_NAME_PREFIX}0" and table[p][1] == "T"]
             if stopped:
                 break
             assert time.monotonic() < deadline and launcher.poll() is None, "the rank never stopped itself"
@@ -49,12 +49,14 @@ def test_a_rank_stopped_before_its_guard_is_woken_and_ends_when_the_launcher_is_
         launcher.kill()
         launcher.wait(10)
         deadline = time.monotonic() + 30  # (each of them needs the CPU for a moment: at load, seconds)
-        while (left := _alive(family)) and time.monotonic() < deadline:
+        while (left := alive(family)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not left, f"the stopped rank or its fork server outlived the killed launcher: {left}"
+        table = _proc_table()
+        states = {p: table[p][1:5:3] for p, _ in left if p in table}  # (state, name)
+        assert not left, f"the stopped rank or its fork server outlived the killed launcher: {states}"
     finally:
         launcher.kill()
-        for pid in family:
+        for pid, _ in alive(family):
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
                     os.kill(pid, sig)
@@ -74,13 +76,6 @@ def test_the_launcher_of_a_built_in_job_imports_no_torch():
     )
     printed = _python(code)
     assert printed.startswith("0 "), f"the launcher imported torch: {printed}"
-
-
-def _alive(pids: set[int]) -> dict[int, tuple[str, str]]:
-    """The state and name of each of `pids` that still runs (a zombie has ended: its parent has not yet read its
-    exit status, and an orphan's new parent, init, reads it when it gets to it)."""
-    table = _proc_table()
-    return {p: (table[p][1], table[p][4]) for p in pids if p in table and table[p][1] != "Z"}
 
 
 def test_the_modules_the_fork_server_imports_leave_cuda_alone():

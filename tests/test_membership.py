@@ -46,12 +46,12 @@ def _manager(rank: int, port: int, settings: dict) -> Manager:
 REPLACEMENT_UP = "test/replacement-up"
 
 
-def _hold(port: int, settings: dict, round_: int) -> None:
+def _hold(manager: Manager, settings: dict, round_: int) -> None:
     """At round `settings["hold_at"]` a survivor waits until the replacement runs (it says so in the store), so
     that on a loaded machine the replacement still finds rounds to join (its start, a fresh interpreter, can take
     longer than the rounds left)."""
     if settings.get("hold_at") == round_:
-        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120)).wait([REPLACEMENT_UP])
+        manager.store.wait([REPLACEMENT_UP], timedelta(seconds=120))
 
 
 def _begin(manager: Manager, settings: dict) -> None:
@@ -92,7 +92,7 @@ def _worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
         _begin(manager, settings)
         while manager.next_round < settings["rounds"]:
             r = manager.next_round
-            _hold(port, settings, r)
+            _hold(manager, settings, r)
             if settings.get("die_at") == r:
                 _die(out, (rank, rejoin, log, "died"))
             flat += _progress(rank, r)
@@ -250,7 +250,7 @@ def _gossip_worker(rank: int, port: int, settings: dict, out: mp.Queue) -> None:
     _begin(manager, settings)
     while manager.next_round < settings["rounds"]:
         r = manager.next_round
-        _hold(port, settings, r)
+        _hold(manager, settings, r)
         if settings.get("die_at") == r:
             _die(out, (rank, rejoin, log, "died"))
         flat += torch.tensor([_progress(rank, r), 1.0])

@@ -42,12 +42,14 @@ def _own_group() -> Path | None:
     return group
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest process (the main one, each xdist worker) takes its own group when the option is given."""
+    config._cpu_group = _own_group() if config.getoption("--cpu-per-test") else None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    path = item.config.getoption("--cpu-per-test")
-    group = getattr(item.config, "_cpu_group", None) if path else None
-    if path and group is None and not hasattr(item.config, "_cpu_group"):
-        group = item.config._cpu_group = _own_group()
+    path, group = item.config.getoption("--cpu-per-test"), item.config._cpu_group
     if group is None:
         yield
         return
