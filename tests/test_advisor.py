@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_processes
 
 from ddpkit.measure import advisor
 from ddpkit.measure.advisor import Link, advise, fit_link, link_from_mbit, predict_seconds
@@ -177,9 +177,7 @@ def test_bench_command_with_factories_and_a_link(tmp_path):
     argv = ["--model", "test_factories:regression_model", "--data", "test_factories:regression_data"]
     argv += ["--strategies", "ddp,slowmo", "--link-mbit", "100", "--max-steps", "6", "--timeout", "60"]
     argv += ["--out", str(tmp_path / "bench")]  # bench.json and bench.png go there
-    done = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "bench", *argv], env=env, capture_output=True, text=True, timeout=240
-    )
+    done = warm_processes.run([sys.executable, "-m", "ddpkit", "bench", *argv], env, os.getcwd(), 240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "predicted for 100 Mbit/s" in done.stdout and "recommendation: " in done.stdout
     import json

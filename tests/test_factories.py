@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_processes
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -213,9 +213,7 @@ def test_train_from_factories_at_two_processes(tmp_path):
     argv = ["--model", SPEC + "regression_model", "--data", SPEC + "regression_data", "--strategy", "ddp"]
     argv += ["--optimizer", "sgd", "--lr", "0.05", "--batch-size", "8", "--max-steps", "12", "--no-progress"]
     argv += ["--nproc-per-node", "2", "--out", str(tmp_path), "--timeout", "60"]
-    done = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "train", *argv], env=env, capture_output=True, text=True, timeout=240
-    )
+    done = warm_processes.run([sys.executable, "-m", "ddpkit", "train", *argv], env, os.getcwd(), 240)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
     assert summary["steps"] == 12 and summary["replicas_equal"] and summary["world_size"] == 2
@@ -263,8 +261,6 @@ def test_a_data_factory_that_differs_between_ranks_is_refused(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     argv = ["--model", SPEC + "plain_model", "--data", SPEC + "per_process_data", "--loss", "mse"]
     argv += ["--max-steps", "2", "--no-progress", "--nproc-per-node", "2", "--timeout", "60"]
-    done = subprocess.run(
-        [sys.executable, "-m", "ddpkit", "train", *argv], env=env, capture_output=True, text=True, timeout=240
-    )
+    done = warm_processes.run([sys.executable, "-m", "ddpkit", "train", *argv], env, os.getcwd(), 240)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "disagree" in done.stderr and "data" in done.stderr and "items " in done.stderr, done.stderr

@@ -9,11 +9,11 @@ timeout is short, so both fail, and the uncaught failure must print, before its 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_processes
 
 from ddpkit.distributed.launch import free_port
 
@@ -51,8 +51,8 @@ def test_an_uncaught_mismatch_names_each_ranks_collective(tmp_path, case):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER", "LOCAL"))}
         env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script), case], env=env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        out, err = tmp_path / f"rank{rank}.out", tmp_path / f"rank{rank}.err"
+        procs.append(warm_processes.popen([sys.executable, script, case], out, err, env, tmp_path))
     try:
         errors = [p.communicate(timeout=120)[1] for p in procs]
     finally:

@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ import pooled_train
 import pytest
 import test_fault_tolerant_etcd as _etcd_docs  # (its commands of docs/fault-tolerance.md)
 import torch
+import warm_processes
 from pooled_train import working_directory
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -717,18 +719,18 @@ def executable(words: list[str]) -> list[str]:
     return [sys.executable, "-m", modules[words[0]], *words[1:]] if words[0] in modules else words
 
 
-def start(words: list[str], tmp_path: Path) -> subprocess.Popen:
-    """Starts a command in tmp_path; leading NAME=value words set its environment, as in a shell."""
+def start(words: list[str], tmp_path: Path) -> warm_processes.Command:
+    """Starts a command in tmp_path (forked warm where it can be: `warm_processes`), its output and errors in one
+    file; leading NAME=value words set its environment, as in a shell."""
     env = environment(tmp_path)
     while re.fullmatch(r"[A-Z_]+=.*", words[0]):
         name, value = words[0].split("=", 1)
         env[name], words = value, words[1:]
-    return subprocess.Popen(
-        executable(words), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log = tmp_path / f"command-{uuid.uuid4().hex[:8]}.log"
+    return warm_processes.popen(executable(words), log, log, env, tmp_path)
 
 
-def finish(procs: list[subprocess.Popen]) -> list[str]:
+def finish(procs: list[warm_processes.Command]) -> list[str]:
     """Waits for every process; returns their output, failing with it if one did not exit 0."""
     outputs = []
     try:

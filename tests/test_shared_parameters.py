@@ -9,10 +9,12 @@ per host).
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
+import warm_processes
 from torch import nn
 
 from ddpkit.nn import ShardedDataParallel
@@ -82,7 +84,6 @@ def test_ddpkit_train_shared_parameters_gives_the_same_steps_and_is_refused_wher
     """`ddpkit train --shared-parameters` trains bit for bit as without it (the training on the pooled ranks,
     tests/pooled_train.py), and the command refuses the flag, naming it, where no OSS shares parameters."""
     import csv
-    import subprocess
 
     import pooled_train
     from test_train_cli import DDPKIT, _env
@@ -95,8 +96,8 @@ def test_ddpkit_train_shared_parameters_gives_the_same_steps_and_is_refused_wher
         with open(out / "steps.csv") as f:
             rows.append([r["loss"] for r in csv.DictReader(f)])
     assert rows[0] == rows[1] and len(rows[0]) == 8  # bit for bit
-    refused = subprocess.run([*DDPKIT, "train", "--strategy", "ddp", "--shared-parameters"], env=_env(),
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    words = [*DDPKIT, "train", "--strategy", "ddp", "--shared-parameters"]
+    refused = warm_processes.run(words, _env(), os.getcwd(), 60)
     assert refused.returncode != 0 and "--shared-parameters is an option of OSS" in refused.stderr
     for words, env, needle in (
         (["--strategy", "oss", "--shared-parameters", "--device", "cuda"], {}, "cannot act on GPUs"),

@@ -43,9 +43,9 @@ def segment_files(pids):
     return [n for n in names if (m := pattern.fullmatch(n)) and int(m.group(1)) in pids]
 
 
-def start_job(procs, tmp_path, name, *flags):
+def start_job(procs, tmp_path, name, *flags, warm=True):
     out = tmp_path / name
-    job = procs([*DDPKIT, "train", *RUN, "--out", out, *flags], name)
+    job = procs([*DDPKIT, "train", *RUN, "--out", out, *flags], name, warm=warm)
     return job, out
 
 
@@ -180,8 +180,9 @@ def test_a_process_stopped_while_the_ranks_start_ends_with_its_killed_launcher(t
     """SIGSTOP, then SIGKILL to the launcher, while the ranks start: the fork server stopped while it imports torch,
     or a rank stopped the moment it exists (before its rank guard runs). Each was armed with the parent-death
     signal (SIGCONT) at once (ddpkit's import; the fork), so it is woken and ends, and the launcher's resource
-    tracker with it; such processes used to stay, stopped and orphaned, forever."""
-    job, _ = start_job(procs, tmp_path, "startup", "--strategy", "ddp")
+    tracker with it; such processes used to stay, stopped and orphaned, forever. (Started cold: its start-up is
+    the point.)"""
+    job, _ = start_job(procs, tmp_path, "startup", "--strategy", "ddp", warm=False)
     deadline = time.monotonic() + 120
     while True:
         assert time.monotonic() < deadline and job.popen.poll() is None, f"no {target} appeared: {job}"

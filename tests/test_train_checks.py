@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm_processes
 from torch import nn
 
 from ddpkit.distributed.agreement import RanksDisagree
@@ -206,17 +206,15 @@ def test_two_commands_with_different_flags_fail_on_both_before_training(tmp_path
     flags = [["--rank", "0", "--lr", "0.01", "--out", str(tmp_path / "out")], ["--rank", "1"]]
     procs = []
     for rank, extra in enumerate(flags):
-        log = open(tmp_path / f"rank{rank}.err", "w")
-        procs.append((subprocess.Popen([*command, *common, *extra], stdout=subprocess.DEVNULL, stderr=log,
-                                       env=_env(), cwd=ROOT, start_new_session=True), log))  # fmt: skip
+        log = tmp_path / f"rank{rank}.err"
+        procs.append((warm_processes.popen([*command, *common, *extra], os.devnull, log, _env(), ROOT), log))
     start = time.monotonic()
     try:
         codes = [p.wait(timeout=180) for p, _ in procs]
     finally:
-        for p, log in procs:
+        for p, _ in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
-            log.close()
     errors = [(tmp_path / f"rank{r}.err").read_text() for r in (0, 1)]
     assert codes == [1, 1], errors
     for rank, err in enumerate(errors):

@@ -29,6 +29,7 @@ import numpy as np
 import pooled_train
 import pytest
 import torch
+import warm_processes
 from pooled_train import Result
 
 from ddpkit.distributed.launch import TORCHRUN_VARIABLES, free_port
@@ -69,18 +70,17 @@ def _env(**extra):
 
 
 class Proc:
-    """A command in its own session; output goes to files (no pipe can fill up)."""
+    """A command in its own session (forked warm where it can be: `warm_processes`); output goes to files (no
+    pipe can fill up)."""
 
-    def __init__(self, args, log_dir, name, env=None, cwd=None):
+    def __init__(self, args, log_dir, name, env=None, cwd=None, warm=True):
         self.name = name
         self.out_path = Path(log_dir) / f"{name}.out"
         self.err_path = Path(log_dir) / f"{name}.err"
         self.start = time.monotonic()
-        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.popen = subprocess.Popen(
-                [str(a) for a in args], stdout=out, stderr=err, env=env or _env(), cwd=cwd or ROOT,
-                start_new_session=True,
-            )  # fmt: skip
+        self.out_path.write_text("")
+        self.err_path.write_text("")
+        self.popen = warm_processes.popen(args, self.out_path, self.err_path, env or _env(), cwd or ROOT, warm)
         self.pid = self.popen.pid
         self.seen: set[tuple[int, int]] = set()  # (pid, start time) of every descendant ever seen: none may outlive
 
@@ -148,13 +148,15 @@ def _proc_table():
 
 
 def descendants(pid, table=None):
+    """The processes below `pid`, without the tests' own spare fork server (`warm_processes.SPARE_NAME`), which
+    ends with the command."""
     table = _proc_table() if table is None else table
     found, frontier = set(), {pid}
     while frontier:
         children = {p for p, (ppid, *_) in table.items() if ppid in frontier} - found
         found |= children
         frontier = children
-    return found
+    return {p for p in found if table[p][4] != warm_processes.SPARE_NAME}
 
 
 def alive(processes):

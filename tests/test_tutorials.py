@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,7 @@ def test_the_fault_tolerant_loop_tutorial(tmp_path):
         crashing = launch("python train_ft.py --rank 1 --world-size 2 --crash-at 300")
         crashed, _ = crashing.communicate(timeout=TIMEOUT)
         assert crashing.returncode == 1 and "rank 1: step 250, 2 member(s)" in crashed, crashed
+        _wait_for_line(rank0, "rank 1 left")  # as a person restarts it: after rank 0 went on alone
         out0, out1 = finish([rank0, launch("python train_ft.py --rank 1 --world-size 2")])
         said, _ = store.communicate(timeout=30)  # every replica called finish(): the store ends by itself
         assert store.returncode == 0 and "job finished; its store stops" in said, said
@@ -59,6 +61,13 @@ def test_the_fault_tolerant_loop_tutorial(tmp_path):
     assert last[0] and last[1], (out0, out1)
     assert last[0].group(2) == last[1].group(2), (out0, out1)  # the same parameters on both
     assert float(last[0].group(1)) > 0.85, out0
+
+
+def _wait_for_line(command, text: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while text not in command.output():
+        assert command.poll() is None and time.monotonic() < deadline, f"no {text!r} in:\n{command.output()}"
+        time.sleep(0.1)
 
 
 def test_the_diloco_tutorial(tmp_path):
