@@ -83,7 +83,7 @@ def _rank(local: int, host: int, master: str, port: str, ifname: str, queue: mp.
 
 def main() -> None:
     host, master, port, ifname = int(sys.argv[1]), sys.argv[2], sys.argv[3], _interface()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # (ranks forked from one interpreter that imported torch)
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(local, host, master, port, ifname, queue)) for local in range(PER_HOST)]
     for p in procs:

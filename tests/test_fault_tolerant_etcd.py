@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_fault_tolerant_train import ENV, SLOW_RUN, _node, _steps, _store, _summary, _wait_for_round
+from test_fault_tolerant_train import ENV, SLOW_RUN, _node, _steps, _store, _summary, _wait_for_round, wait_for_output
 from test_train_cli import DDPKIT, procs  # noqa: F401  (fixture)
 
 from ddpkit.distributed.launch import free_port
@@ -43,7 +43,6 @@ def _machine(procs, url: str, node: int, nodes: int, per_node: int, out: Path, *
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 40 s; tests/test_manager.py loses rank 0 and an etcd member in threads in the default tier
 def test_machine_0_and_an_etcd_member_lost_the_others_train_on_and_machine_0_comes_back(tmp_path, procs, etcd):  # noqa: F811
     url = etcd.url("cli-ddp")
     flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "400"]
@@ -52,6 +51,7 @@ def test_machine_0_and_an_etcd_member_lost_the_others_train_on_and_machine_0_com
     _wait_for_etcd_round(watcher, 30, 120)
     nodes[0].kill()  # machine 0: its launcher and its rank (with etcd it hosts nothing of the job's)
     etcd.kill(0)  # and one of the three etcd members
+    wait_for_output(nodes[1], "rank 0 left", 120)  # the others train on without it, then it comes back
     again = _machine(procs, url, 0, 3, 1, tmp_path / "n0-again", *flags, name="node0-again")
     for proc in [*nodes[1:], again]:
         result = proc.wait(180)
@@ -68,7 +68,6 @@ def test_machine_0_and_an_etcd_member_lost_the_others_train_on_and_machine_0_com
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 50 s; tests/test_replica_membership.py loses a replica in threads in the default tier
 def test_a_sharded_jobs_machine_0_lost_on_etcd_the_other_machine_trains_on(tmp_path, procs, etcd):  # noqa: F811
     """Two machines of two processes (ZeRO-2 inside a machine): machine 0 is lost. With the embedded store this
     ended the job; on etcd machine 1 trains on alone and machine 0, started again, rejoins."""
@@ -78,6 +77,7 @@ def test_a_sharded_jobs_machine_0_lost_on_etcd_the_other_machine_trains_on(tmp_p
     other = _machine(procs, url, 1, 2, 2, tmp_path / "b", *flags, name="machine1")
     _wait_for_etcd_round(EtcdStore(url), 30, 120)
     first.kill()
+    wait_for_output(other, "rank 0 left", 120)  # machine 1 trains on alone, then machine 0 comes back
     back = _machine(procs, url, 0, 2, 2, tmp_path / "a2", *flags, name="machine0-again")
     for proc in (other, back):
         result = proc.wait(240)
@@ -91,7 +91,6 @@ def test_a_sharded_jobs_machine_0_lost_on_etcd_the_other_machine_trains_on(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time (30-40 s at load); tests/test_manager.py loses the embedded store in threads
 def test_without_etcd_losing_machine_0_ends_every_survivor_naming_the_store(tmp_path, procs):  # noqa: F811
     """The embedded store lives on machine 0: once it is lost, no survivor trains alone (the job split in two
     that way before); each ends non-zero within the round's timeouts with a message naming the etcd option."""

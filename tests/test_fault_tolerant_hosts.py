@@ -147,7 +147,6 @@ def _run_all(procs, hosts, out: Path, flags: list[str], *, kill: int | None = No
     return started
 
 
-@pytest.mark.long  # 75 s (DDP) and 150 s (SlowMo): the default run's budget goes to the one-host tests
 @pytest.mark.parametrize("mode", ["ddp", "slowmo"])
 def test_a_lost_host_of_four_costs_seconds_and_comes_back_bit_identical(tmp_path, procs, four_hosts, mode):  # noqa: F811
     shm_before = set(os.listdir("/dev/shm"))

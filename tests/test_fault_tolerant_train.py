@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import warm_processes
 from test_train_cli import DDPKIT, _env, _proc_table, descendants, procs  # noqa: F401  (fixture)
 
 from ddpkit.distributed.launch import free_port
@@ -186,8 +187,10 @@ def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(t
 
 
 def _children(pid: int) -> list[int]:
+    """`pid`'s child processes, without the tests' spare fork server (`warm_processes.SPARE_NAME`)."""
     path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.exists() else []
+    children = [int(c) for c in path.read_text().split()] if path.exists() else []
+    return [c for c in children if not warm_processes.is_spare(c)]
 
 
 def _wait_for_worker(agent: int, other_than: int | None, timeout: float) -> int:
@@ -292,7 +295,6 @@ def test_fewer_live_ranks_than_min_replicas_end_the_job_with_a_clear_error(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time (88-91 s at load): CI ran 1169 s of its 1200 with it
 def test_four_ranks_lose_two_at_once_and_get_them_back_with_slowmo(tmp_path, procs):  # noqa: F811
     port = free_port()
     flags = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency", "8", *SLOW_RUN]
@@ -390,7 +392,6 @@ def test_sharded_replicas_of_two_machines_train_as_plain_sharded_training(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time: tests/test_replica_membership.py loses and restarts a replica in threads
 def test_a_lost_machine_of_sharded_replicas_restarts_and_every_process_rejoins(tmp_path, procs):  # noqa: F811
     port = free_port()
     flags = [*SHARDED, *SLOW_RUN, "--max-steps", "240", "--quorum-timeout", "3"]

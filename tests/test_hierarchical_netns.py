@@ -4,11 +4,11 @@ counter, against torch DDP in the same job (`hier_probe.py`)."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
+import warm_processes
 from test_train_cli import DDPKIT, LONG_RUN, procs, two_hosts, wait_for, wait_gone, workers  # noqa: F401
 
 from ddpkit.distributed.launch import free_port
@@ -17,18 +17,14 @@ pytestmark = pytest.mark.netns
 
 
 @pytest.mark.long  # (CI time: tests/test_hierarchical.py checks the same bytes on fake hosts in the default tier)
-def test_each_host_sends_at_most_ddps_bytes_and_the_same_parameters(two_hosts):  # noqa: F811
+def test_each_host_sends_at_most_ddps_bytes_and_the_same_parameters(two_hosts, tmp_path):  # noqa: F811
     probe = os.path.join(os.path.dirname(__file__), "hier_probe.py")
     port = str(free_port())
-    hosts = [
-        subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, probe, str(i), "10.78.0.1", port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i, ns in enumerate(two_hosts)
-    ]
+    hosts = []
+    for i, ns in enumerate(two_hosts):
+        command = ["ip", "netns", "exec", ns, sys.executable, probe, str(i), "10.78.0.1", port]
+        logs = (tmp_path / f"host{i}.out", tmp_path / f"host{i}.err")
+        hosts.append(warm_processes.popen(command, *logs, dict(os.environ), os.getcwd()))
     outputs = []
     for host in hosts:
         out, err = host.communicate(timeout=300)

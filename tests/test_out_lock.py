@@ -8,7 +8,6 @@ import pytest
 from test_train_cli import DDPKIT, LONG_RUN, procs, wait_for  # noqa: F401  (fixture)
 
 
-@pytest.mark.long  # CI time (48-75 s at load): CI ran 1169 s of its 1200 with it
 def test_a_second_job_on_the_same_out_is_refused_while_the_first_runs(tmp_path, procs):  # noqa: F811
     out = tmp_path / "run"
     flags = [*LONG_RUN, "--timeout", "20", "--checkpoint-every", "5", "--out", out]

@@ -87,8 +87,7 @@ def test_node_groups_inherit_the_job_timeout_and_segments_go_on_every_exit():
         assert gone and shared
 
 
-# CI time (31-39 s each): both in the long tier; test_train_cli.py's stalled rank stays in the default tier
-@pytest.mark.long
+# (each stops one rank of a two-process job; test_train_cli.py stalls one on another machine)
 @pytest.mark.parametrize("pair", [("ddp", "slowmo"), ("oss", "sharded")])
 def test_a_stopped_rank_ends_every_other_rank_within_the_timeout(tmp_path, procs, pair):
     """SIGSTOP to rank 1: rank 0 fails with ddpkit's message within --timeout (SlowMo's node and master groups

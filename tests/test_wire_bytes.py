@@ -7,6 +7,7 @@ import sys
 import uuid
 
 import pytest
+import warm_processes
 
 pytestmark = pytest.mark.netns
 
@@ -28,12 +29,8 @@ def namespace():
 def test_sharded_sends_exactly_ddp_bytes_on_the_wire(namespace, world):
     """Over gloo (as between hosts) ShardedDataParallel + OSS puts DDP's bytes on the wire; on one host, signals."""
     probe = os.path.join(os.path.dirname(__file__), "wire_probe.py")
-    done = subprocess.run(
-        ["ip", "netns", "exec", namespace, sys.executable, probe, str(world)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    command = ["ip", "netns", "exec", namespace, sys.executable, probe, str(world)]
+    done = warm_processes.run(command, dict(os.environ), os.getcwd(), 180)
     assert done.returncode == 0, done.stderr[-3000:]
     print(done.stdout)
     result = json.loads(done.stdout.strip().splitlines()[-1])

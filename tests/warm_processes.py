@@ -480,6 +480,14 @@ FORK_SERVER_NAME = os.path.basename(sys.executable)[:15]
 """A fork server's name, as a fresh interpreter's would be."""
 
 
+def is_spare(pid: int) -> bool:
+    """Whether process `pid` is a spare (not a process the command started)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == SPARE_NAME
+    except OSError:
+        return False
+
+
 def _name_process(name: str) -> None:
     import ctypes
 
