@@ -17,6 +17,7 @@ command's own start-up passes ``warm=False``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import selectors
@@ -138,6 +139,7 @@ def _warm_address(extra: tuple[str, ...] = ()) -> str:
     ends with this process (it reads its stdin)."""
     if extra not in _servers:
         folder = tempfile.mkdtemp(prefix="ddpkit-warm-")
+        atexit.register(shutil.rmtree, folder, True)
         address = os.path.join(folder, "socket")
         environment = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", *COLD_VARIABLES)}
         environment.update(QUIET_TORCH)
@@ -313,17 +315,28 @@ def _run(request: dict[str, Any]) -> None:
 
 
 def _enter_network_namespace(name: str) -> None:
-    """Moves this process into the network namespace ``ip netns`` calls `name` (what ``ip netns exec`` does for
-    the network; its other changes, a private /sys and /etc/netns files, no command here needs)."""
+    """What ``ip netns exec NAME`` does before it runs a command: moves this process into the network namespace
+    ``ip netns`` calls `name`, and into a mount namespace of its own where /sys is mounted again, so that
+    /sys/class/net shows that namespace's interfaces (the probes read their byte counters there). Its bind mounts of
+    /etc/netns/NAME files no command here needs."""
     import ctypes
 
-    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet, clone_newns, ms_rec, ms_slave, mnt_detach = 0x40000000, 0x00020000, 0x4000, 0x80000, 2
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"{what} for the network namespace {name}")
+
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into the network namespace {name}")
+        check(libc.setns(fd, clone_newnet), "setns")
     finally:
         os.close(fd)
+    check(libc.unshare(clone_newns), "unshare of the mount namespace")
+    check(libc.mount(b"none", b"/", None, ms_rec | ms_slave, None), "making / a slave mount")
+    check(libc.umount2(b"/sys", mnt_detach), "unmounting /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mounting /sys")
 
 
 def _redirect(stdout: str, stderr: str) -> None:
@@ -385,7 +398,6 @@ def _flush() -> None:
 def _exit(code: int) -> None:
     """Ends the process as the interpreter's shutdown would: non-daemon threads joined, atexit handlers run,
     output flushed."""
-    import atexit
     import threading
 
     try:
