@@ -343,8 +343,9 @@ def wait_for_output(proc, text: str, timeout: float) -> None:
 JOINING = "joins the fault-tolerant job under way"
 
 
-def wait_until_dropped(store: dist.TCPStore, replica: int, timeout: float) -> None:
-    """Waits until the job's latest round no longer has `replica` among its members (the others noticed the loss)."""
+def wait_until_dropped(store: dist.Store, replica: int, timeout: float) -> None:
+    """Waits until the job's latest round no longer has `replica` among its members (the others noticed the loss);
+    `store` is the job's (a TCPStore or an EtcdStore)."""
     deadline = time.monotonic() + timeout
     while True:
         key = f"ddpkit/ft/r{_latest_round(store)}/members"

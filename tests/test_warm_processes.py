@@ -20,7 +20,7 @@ SCRIPT = """
 import json, os, sys
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "marker": os.environ.get("WARM_TEST_MARKER"),
                   "path": sys.path[:2], "session": os.getsid(0) == os.getpid(), "name": __name__,
-                  "mod": __import__("warm_helper_module").VALUE}))
+                  "mod": __import__("warm_helper_module").VALUE, "threads": __import__("torch").get_num_threads()}))
 sys.stdout.flush()
 mode = sys.argv[1]
 if mode == "exit":
@@ -43,7 +43,7 @@ def script(tmp_path):
 
 
 def _start(script: Path, mode: str, warm: bool, tmp_path: Path) -> warm_processes.Command:
-    env = _env(WARM_TEST_MARKER="set", PYTHONPATH=str(tmp_path / "lib"))
+    env = _env(WARM_TEST_MARKER="set", PYTHONPATH=str(tmp_path / "lib"), OMP_NUM_THREADS="1")
     name = f"{mode}-{'warm' if warm else 'cold'}"
     return warm_processes.popen(
         [sys.executable, script, mode, "x y"], tmp_path / f"{name}.out", tmp_path / f"{name}.err", env, tmp_path, warm
@@ -63,7 +63,7 @@ def test_a_warm_command_sees_and_leaves_what_a_cold_one_does(tmp_path, script, m
     assert code == {"ok": 0, "exit": 3, "raise": 1}[mode] and raised == (mode == "raise")
     assert printed["argv"] == [mode, "x y"] and printed["cwd"] == str(tmp_path) and printed["marker"] == "set"
     assert printed["path"] == [str(tmp_path), str(tmp_path / "lib")] and printed["session"]
-    assert printed["name"] == "__main__" and printed["mod"] == "from PYTHONPATH"
+    assert printed["name"] == "__main__" and printed["mod"] == "from PYTHONPATH" and printed["threads"] == 1
 
 
 def test_a_warm_command_killed_by_a_signal_reports_it_as_popen_does(tmp_path, script):

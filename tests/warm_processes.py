@@ -308,10 +308,21 @@ def _run(request: dict[str, Any]) -> None:
         sys.path[:] = [request["path0"] or os.getcwd(), *wanted, *base]
         sys.argv[:] = request["argv"]
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _threads_as_at_load()
         _fork_helpers_instead_of_starting_them()
         code = _main(request)
     finally:
         _exit(code)
+
+
+def _threads_as_at_load() -> None:
+    """OMP_NUM_THREADS as torch's OpenMP runtime reads it when it loads (in a fresh interpreter, after the command
+    set it): the warm interpreter loaded it without. Sets the count only; no thread starts here."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def _enter_network_namespace(name: str) -> None:
