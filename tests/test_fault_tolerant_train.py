@@ -67,7 +67,6 @@ def _node(procs, port: int, rank: int, nodes: int, out: Path, *flags: str, name:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time; the default tier checks the same rounds in threads (tests/test_fault_tolerant_sync.py)
 def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_compressed_diloco_and_fp16(tmp_path, procs):  # noqa: F811
     slowmo = ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05"]
     runs = {"ddp": ["--strategy", "ddp", "--lr", "0.01"], "slowmo": [*slowmo, "--localsgd-frequency", "3"]}

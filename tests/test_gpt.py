@@ -154,7 +154,6 @@ def _train_every_strategy(rank: int, world_size: int) -> dict[str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_gpt_on_stdlib_text_every_strategy_at_two_processes():
     from ddpkit.testing import run_distributed
 

@@ -16,7 +16,6 @@ from ddpkit.distributed.launch import free_port
 pytestmark = pytest.mark.netns
 
 
-@pytest.mark.long  # (CI time: tests/test_hierarchical.py checks the same bytes on fake hosts in the default tier)
 def test_each_host_sends_at_most_ddps_bytes_and_the_same_parameters(two_hosts, tmp_path):  # noqa: F811
     probe = os.path.join(os.path.dirname(__file__), "hier_probe.py")
     port = str(free_port())

@@ -187,7 +187,6 @@ def test_slowmo_averaging_every_step_without_slow_momentum_is_ddp(runs):
         assert got["sent_bytes"] > 0  # it averaged, through ddpkit
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("extra", [[], ["--min-split-numel", "1"]], ids=["whole-tensors", "split"])
 def test_the_lightning_example_trains_and_splits_the_optimizer_state(tmp_path, extra):
     example = HERE.parent / "examples" / "lightning_digits.py"

@@ -871,7 +871,6 @@ def test_the_toml_example_trains_to_a_useful_accuracy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 24 s; tests/test_train_cli.py runs ddpkit train under torchrun in the default tier
 def test_torchrun_lines(tmp_path):
     plain = command("torchrun --nproc-per-node 4 -m ddpkit train")
     out = run_command(argv(plain, "train", port=str(free_port())), tmp_path)
@@ -935,7 +934,6 @@ def test_slow_link_training_on_two_machines(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_bench_compares_every_strategy(tmp_path):
     """The README's `ddpkit bench` line on a small MLP (one hidden layer of 64: its sizes are known here): the
     table of every strategy against DDP, the JSON rows, the recommendation and the plot."""
@@ -973,7 +971,6 @@ def test_bench_compares_every_strategy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long
 @pytest.mark.parametrize("line", [c for c, runner in COMMANDS.items() if runner == "test_bench_line"])
 def test_bench_line(tmp_path, line):
     write_mypkg(tmp_path)
@@ -984,7 +981,6 @@ def test_bench_line(tmp_path, line):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 27 s; tests/test_train_cli.py runs `ddpkit train` on two hosts in the default tier
 def test_bench_on_two_hosts(tmp_path):
     text = command("ddpkit bench --hosts 10.0.0.1,10.0.0.2 --node-rank 0 --model gpt")
     port = str(free_port())  # (--node-rank 1 there)

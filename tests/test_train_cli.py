@@ -645,7 +645,6 @@ def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs
     assert not wait_gone(ranks[0].seen | ranks[1].seen), "processes outlived the job"
 
 
-@pytest.mark.long
 def test_a_stopped_rank_on_another_machine_is_ended_by_its_launcher(tmp_path, procs):
     """Two machines on loopback; rank 1's process is stopped (SIGSTOP): rank 0's machine fails within --timeout,
     and rank 1's launcher, whose only rank never ends by itself, ends it once it has been stopped past --timeout

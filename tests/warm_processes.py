@@ -5,14 +5,16 @@ of it importing torch (and torch._dynamo, which every optimizer's constructor im
 fault-tolerant launcher once more. One helper process per pytest worker (the *warm interpreter*) imports those
 modules once; each command a test starts is forked from it and then runs exactly as the command would: in its own
 session, with the test's environment, working directory, arguments and import path, its output in the test's
-files. Its fork server (multiprocessing's, which ddpkit's launcher starts for its ranks) is forked from the
-command instead of started as a fresh interpreter that imports torch again; it is still the command's child, in its
-session, and arms the launcher-death wake-up as ddpkit's import does in a launched fork server. So the process tree,
-signals, exit statuses and every line of ddpkit's code are those of the real command; only the imports are done.
+files. Its fork server (multiprocessing's, which ddpkit's launcher starts for its ranks) is a spare the command
+forked before it ran anything, instead of a fresh interpreter that imports torch again: still the command's child,
+in its session, arming the launcher-death wake-up as ddpkit's import does in a launched fork server. So the process
+tree, signals, exit statuses and every line of ddpkit's code are those of the real command; only the imports are
+done. Under ``ip netns exec`` the command enters the namespace (and a mount namespace with its own /sys) itself.
 
 What cannot be served warm is started cold (`popen` decides): anything but ``ddpkit``/``python -m MODULE``/
 ``python SCRIPT``, and debug runs (torch reads its C++ logging settings at import). A test that is about a
-command's own start-up passes ``warm=False``.
+command's own start-up passes ``warm=False``. Processes that a command starts by executing an interpreter
+(torchrun's workers, Slurm's tasks) are cold.
 """
 
 from __future__ import annotations
@@ -255,8 +257,8 @@ def _serve(address: str, extra: list[str]) -> None:
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
-                    listener.close()
-                    connection.close()
+                    for held in (listener, connection, *running.values()):
+                        held.close()
                     _run(request)  # never returns
                 connection.sendall(f"{pid}\n".encode())
                 running[pid] = connection
