@@ -257,7 +257,6 @@ def _rank_processes(launcher: int) -> list[int]:
     return [p for p in descendants(launcher, table) if table[p][4].startswith(RANK_NAME_PREFIX)]
 
 
-@pytest.mark.long  # 31 s of waiting for the heartbeat's silence
 def test_when_every_rank_is_gone_node_0s_launcher_ends_within_the_heartbeat_silence(tmp_path, procs):  # noqa: F811
     """Node 0's launcher hosts the store for the other machines' ranks; once no rank anywhere is alive (here: its
     own rank and the other machine killed) it ends with an error within the heartbeat silence (20 s), instead of

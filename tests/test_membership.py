@@ -182,7 +182,6 @@ def _store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 
 
-@pytest.mark.long  # CI time: tests/test_manager.py runs the same schedule in threads against torch's SGD
 def test_a_lost_rank_is_dropped_survivors_train_on_and_its_replacement_heals():
     """Also: round 1 fails on rank 1 alone (an injected error), and is dropped on every member."""
     started = time.monotonic()
@@ -197,7 +196,6 @@ def test_a_lost_rank_is_dropped_survivors_train_on_and_its_replacement_heals():
     assert time.monotonic() - started < 160
 
 
-@pytest.mark.long  # CI time: tests/test_manager.py runs the same schedule in threads
 def test_a_stalled_rank_is_dropped_and_returns():
     ctx = mp.get_context("spawn")
     store = _store()

@@ -661,7 +661,7 @@ def test_the_simulation_tells_the_variants_apart():
         assert (_simulate(cfg, 4, 1, variant=variant)[0] - expected).abs().max().item() > 1e-4, variant
 
 
-@pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.long), 2])  # (CI time: 4 in the long tier)
+@pytest.mark.parametrize("world", [4, 2])
 def test_sgp_matches_the_simulation_at_every_step(world):
     from ddpkit.testing import run_distributed
 
