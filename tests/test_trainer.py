@@ -500,7 +500,8 @@ def test_backend_choice():
 
 
 def test_gloo_uses_the_interface_that_routes_to_the_master(monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # (so that the end of the test restores the value before it:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")  # a "lo" left behind sent later commands on two hosts to 127.0.0.1)
     assert launch.route_source_address("127.0.0.1", 29500) == "127.0.0.1"  # no packet is sent
     assert launch.interface_with_address("127.0.0.1") == "lo"
     assert launch.interface_with_address("203.0.113.77") is None  # TEST-NET-3: on no interface here
