@@ -74,7 +74,7 @@ def _train(out: Path, world: int, names: list[str], resume: Path | None = None) 
     _torchrun(world, HERE / "lightning_runs.py", out, ",".join(names), **env)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2procs", "4procs"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.long)], ids=["2procs", "4procs"])
 def runs(request, tmp_path_factory):
     """Every run's records at this world size. At 4 processes the resumed runs start from a checkpoint that a
     2-process job wrote (resuming at another device count)."""
