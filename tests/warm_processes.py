@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpkit.distributed.local_processes import _name_process  # (imports no torch)
+
 PRELOADED = (
     "torch",
     "torch._dynamo",
@@ -511,12 +513,6 @@ def is_spare(pid: int) -> bool:
         return Path(f"/proc/{pid}/comm").read_text().strip() == SPARE_NAME
     except OSError:
         return False
-
-
-def _name_process(name: str) -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
 
 
 def _exec_helper(code: str) -> None:
