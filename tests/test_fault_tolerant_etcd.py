@@ -51,11 +51,16 @@ def _machine(procs, url: str, node: int, nodes: int, per_node: int, out: Path, *
     return procs([*DDPKIT, "train", "--fault-tolerant", *where, *flags, "--out", out], name, env=ENV)
 
 
+LATE_SURVIVOR_ROOM = ["--quorum-timeout", "5"]
+"""A survivor that notices a lost machine late (seconds after the others, on a loaded machine) is still in the next
+round: with SLOW_RUN's 2 s it was left out of it, and rejoined, in one CI run (the rule working, not the test's
+subject)."""
+
+
 @pytest.mark.slow
-@pytest.mark.long  # failed in CI at load: a survivor, late after the failed round, was left out of the next one
 def test_machine_0_and_an_etcd_member_lost_the_others_train_on_and_machine_0_comes_back(tmp_path, procs, etcd):  # noqa: F811
     url = etcd.url("cli-ddp")
-    flags = ["--strategy", "ddp", *SLOW_RUN, "--max-steps", "400"]
+    flags = ["--strategy", "ddp", *SLOW_RUN, *LATE_SURVIVOR_ROOM, "--max-steps", "400"]
     nodes = [_machine(procs, url, r, 3, 1, tmp_path / f"n{r}", *flags, name=f"node{r}") for r in range(3)]
     watcher = EtcdStore(url)
     _wait_for_etcd_round(watcher, 30, 120)
@@ -78,12 +83,11 @@ def test_machine_0_and_an_etcd_member_lost_the_others_train_on_and_machine_0_com
 
 
 @pytest.mark.slow
-@pytest.mark.long  # failed once in four runs of this file at -n 2 (after the test above; not investigated)
 def test_a_sharded_jobs_machine_0_lost_on_etcd_the_other_machine_trains_on(tmp_path, procs, etcd):  # noqa: F811
     """Two machines of two processes (ZeRO-2 inside a machine): machine 0 is lost. With the embedded store this
     ended the job; on etcd machine 1 trains on alone and machine 0, started again, rejoins."""
     url = etcd.url("cli-sharded")
-    flags = ["--strategy", "sharded", "--optimizer", "adam", *SLOW_RUN, "--max-steps", "700", "--quorum-timeout", "3"]
+    flags = ["--strategy", "sharded", "--optimizer", "adam", *SLOW_RUN, "--max-steps", "700", *LATE_SURVIVOR_ROOM]
     first = _machine(procs, url, 0, 2, 2, tmp_path / "a", *flags, name="machine0")
     other = _machine(procs, url, 1, 2, 2, tmp_path / "b", *flags, name="machine1")
     _wait_for_etcd_round(EtcdStore(url), 30, 120)

@@ -111,11 +111,13 @@ def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_compressed_diloco_
 
 
 DDP = ["--strategy", "ddp"]
+LOSS_BOUND = 15
+"""Seconds within which a lost rank must be dropped with SLOW_RUN's --quorum-timeout 2: room for a machine at load
+15, a quarter of its --timeout 60 (the bound the quorum timeout exists to beat)."""
 SGP = ["--strategy", "slowmo", "--slowmo-base", "sgp", "--slowmo-frequency", "12"]
 
 
 @pytest.mark.slow
-@pytest.mark.long  # failed in CI at load (more than one uncommitted step): back in the long tier until fixed
 @pytest.mark.parametrize("strategy", [DDP, SGP], ids=["ddp", "sgp"])
 def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path, procs, strategy):  # noqa: F811
     """Per step: DDP's gradient average, and SGP's gossip (its last round averages exactly: replicas end equal)."""
@@ -144,12 +146,15 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
     joined = [e for e in events if e["joined"] == [1]]
     assert len(left) == 1 and len(joined) == 1, events
     assert killed_at - 2 <= left[0]["round"] <= killed_at + 3, (killed_at, events)
-    assert left[0]["waited_seconds"] < 2 + 1.5  # one --quorum-timeout, not --timeout
+    # the loss cost one --quorum-timeout (2 s) plus what a loaded machine adds, never --timeout (60 s)
+    assert left[0]["waited_seconds"] < LOSS_BOUND, events
     # what the change held training up: the failed step's commit and the next quorum, a --quorum-timeout each
-    assert 1.5 < sum(e["blocked_seconds"] for e in events) < 2 * 2 + 2, events
+    assert 1.5 < sum(e["blocked_seconds"] for e in events) < 2 * LOSS_BOUND, events
     assert joined[0]["round"] > left[0]["round"] and joined[0]["members"] == [0, 1]
     failed = [e for e in events if e["committed"] is False]
-    assert len(failed) <= 1  # at most the step during which rank 1 died, dropped on every member
+    # at most the step during which rank 1 died and the next one, whose quorum (formed in the background while
+    # that step computed) may still have counted it: each dropped on every member
+    assert len(failed) <= 2, events
     assert summary["final_members"] == [0, 1] and summary["replicas_equal"], summary["parameter_digests"]
     # the two commands found each other on this machine through the store and split its cores
     assert summary["settings"]["threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)
@@ -162,7 +167,6 @@ def test_a_lost_rank_is_dropped_and_its_restart_rejoins_from_live_state(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.long  # failed in CI at load: back in the long tier until the cause is known
 def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(tmp_path, procs):  # noqa: F811
     """Two jobs side by side: in one, rank 1 has another --lr (every rank is refused at the first round, naming
     the flag and the ranks); in the other, the third rank of --world-size 3 never starts (the others train, say
@@ -171,7 +175,8 @@ def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(t
     port_a, port_b = free_port(), free_port()
     a = [_node(procs, port_a, r, 2, tmp_path / f"a{r}", *flags, *(["--lr", "0.2"] if r else []), name=f"a{r}")
          for r in range(2)]  # fmt: skip
-    b = [_node(procs, port_b, r, 3, tmp_path / f"b{r}", *flags, "--timeout", "6", name=f"b{r}") for r in range(2)]
+    # (--timeout also bounds how long rank 0 waits for rank 1 to start: room for a loaded machine)
+    b = [_node(procs, port_b, r, 3, tmp_path / f"b{r}", *flags, "--timeout", "15", name=f"b{r}") for r in range(2)]
     for proc in a:
         result = proc.wait(120)
         assert result.returncode == 1, result
@@ -204,7 +209,6 @@ def _wait_for_worker(agent: int, other_than: int | None, timeout: float) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # races at load: the restarted worker can come after the survivor finished (no hold file yet)
 def test_under_torchrun_a_lost_worker_is_restarted_by_torchrun_and_rejoins(tmp_path, procs):  # noqa: F811
     """One torchrun per machine (--nnodes 1 --max-restarts 1) meeting at `ddpkit store`: torchrun starts the killed
     worker again, it rejoins from live state; the other machine's worker never stops."""
@@ -214,13 +218,18 @@ def test_under_torchrun_a_lost_worker_is_restarted_by_torchrun_and_rejoins(tmp_p
     flags += ["--master-port", str(port)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     torchrun += ["--max-restarts", "1", "-m", "ddpkit", "train", "--fault-tolerant", *flags]
-    agents = [procs([*torchrun, "--node-rank", str(k), "--out", tmp_path / f"m{k}"], f"torchrun{k}", env=ENV)
+    hold = tmp_path / "hold"  # (tests/ft_factories.py: training waits while it exists)
+    env = {**ENV, "DDPKIT_TEST_HOLD_FILE": str(hold)}
+    agents = [procs([*torchrun, "--node-rank", str(k), "--out", tmp_path / f"m{k}"], f"torchrun{k}", env=env)
               for k in range(2)]  # fmt: skip
     store = _store(port)
     _wait_for_round(store, 40, 120)
     worker = _wait_for_worker(agents[1].popen.pid, None, 10)
     os.kill(worker, signal.SIGKILL)  # the worker only: its torchrun starts it again
+    hold.touch()  # machine 0 cannot finish before the restarted worker (a cold start, slow at load) joins
     _wait_for_worker(agents[1].popen.pid, worker, 60)
+    wait_for_output(agents[1], JOINING, 180)
+    hold.unlink()
     for proc in (*agents, store_proc):
         result = proc.wait(240)
         assert result.returncode == 0, result

@@ -322,7 +322,7 @@ SNIPPETS: dict[str, str] = {  # a line of code found in exactly one Python block
     "slowmo_base_algorithm=SlowMoBaseAlgorithm.SGP": "test_slowmo_snippets",
     "distributed_callbacks(model)": "test_torchbearer_snippet",
     'L.Trainer(strategy="ddpkit_sharded", accelerator="cpu"': (
-        "tests/test_lightning.py::test_the_readme_snippet_trains (long tier)"
+        "tests/test_lightning.py::test_the_readme_snippet_trains"
     ),
     "counting_allreduce_hook)": "test_comm_stats_snippet",
     "if manager.should_commit():  # False on every member": (

@@ -299,24 +299,36 @@ def _run(request: dict[str, Any]) -> None:
     import path) and runs it as the interpreter would, then exits with its status."""
     code = 1
     try:
-        os.setsid()
-        if "netns" in request:
-            _enter_network_namespace(request["netns"])
-        os.chdir(request["cwd"])
-        _redirect(request["stdout"], request["stderr"])
-        pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        base = [p for p in sys.path[1:] if p not in pythonpath]
-        os.environ.clear()
-        os.environ.update(request["env"])
-        wanted = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [request["path0"] or os.getcwd(), *wanted, *base]
-        sys.argv[:] = request["argv"]
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        _threads_as_at_load()
-        _fork_helpers_instead_of_starting_them()
+        try:
+            _become_the_command(request)
+        except BaseException:  # (an error of this module's, not the command's: said in the command's stderr file)
+            import traceback
+
+            with open(request["stderr"], "a") as err:
+                err.write(f"tests/warm_processes.py could not start the command:\n{traceback.format_exc()}")
+            raise
         code = _main(request)
     finally:
         _exit(code)
+
+
+def _become_the_command(request: dict[str, Any]) -> None:
+    """Everything but running it: session, namespace, directory, output, environment, import path, arguments."""
+    os.setsid()
+    if "netns" in request:
+        _enter_network_namespace(request["netns"])
+    os.chdir(request["cwd"])
+    _redirect(request["stdout"], request["stderr"])
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    base = [p for p in sys.path[1:] if p not in pythonpath]
+    os.environ.clear()
+    os.environ.update(request["env"])
+    wanted = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [request["path0"] or os.getcwd(), *wanted, *base]
+    sys.argv[:] = request["argv"]
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _threads_as_at_load()
+    _fork_helpers_instead_of_starting_them()
 
 
 def _threads_as_at_load() -> None:
@@ -464,11 +476,15 @@ def _fork_helpers_instead_of_starting_them() -> None:
 def _fork_spare() -> tuple[socket.socket, int]:
     """Forks the process that becomes the command's fork server; returns the socket that reaches it and its pid."""
     here, there = socket.socketpair()
+    import threading
+
+    own_name = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+    _name_process(SPARE_NAME)  # before the fork: the spare is never seen under the command's name
     pid = os.fork()
     if pid == 0:
         here.close()
-        _name_process(SPARE_NAME)
         _become_fork_server(there)
+    _name_process(own_name)
     there.close()
     return here, pid
 
