@@ -74,18 +74,25 @@ def _train(out: Path, world: int, names: list[str], resume: Path | None = None) 
     _torchrun(world, HERE / "lightning_runs.py", out, ",".join(names), **env)
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.long)], ids=["2procs", "4procs"])
+_saved_by_two_processes: dict[str, Path] = {}  # checkpoint name -> the file the 2-process runs saved
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2procs", "4procs"])
 def runs(request, tmp_path_factory):
     """Every run's records at this world size. At 4 processes the resumed runs start from a checkpoint that a
-    2-process job wrote (resuming at another device count)."""
+    2-process job wrote (resuming at another device count): the 2-process runs' own, when they ran first."""
     world, out = request.param, tmp_path_factory.mktemp(f"lightning{request.param}")
     names = [f"{strategy}:{setting}" for strategy, settings in RUNS.items() for setting in settings] + CHECKPOINTS
     resume = None
     if world != 2:
-        (out / "two").mkdir()
-        _train(out / "two", 2, ["ddpkit_sharded:adam-save-after-1"])
-        resume = out / "two" / "ddpkit_sharded.ckpt"
+        resume = _saved_by_two_processes.get("ddpkit_sharded")
+        if resume is None:
+            (out / "two").mkdir()
+            _train(out / "two", 2, ["ddpkit_sharded:adam-save-after-1"])
+            resume = out / "two" / "ddpkit_sharded.ckpt"
     _train(out, world, names, resume)
+    if world == 2:  # (written by its ddpkit_sharded:adam-save-after-1 run, read by its resumed runs only)
+        _saved_by_two_processes["ddpkit_sharded"] = out / "ddpkit_sharded.ckpt"
     return {name: [json.loads((out / f"{name.replace('/', '-')}.rank{r}.json").read_text()) for r in range(world)]
             for name in names}  # fmt: skip
 
