@@ -110,12 +110,12 @@ def test_only_a_run_at_the_defaults_or_with_record_changes_the_record(tmp_path, 
     assert runs == [1, 3, 10, 3, 1]
 
 
-# every benchmark at smoke size, two at once: ~2 minutes on 2 idle cores, far longer under load
+# every benchmark at smoke size, two at once: 80 s alone on 2 idle cores (150 s of CPU), far longer under load
 QUICK_ALL_SECONDS = 1500
 
 
 @pytest.mark.slow
-@pytest.mark.long
+@pytest.mark.long  # the one test CI leaves out: with it CI would come within minutes of its 20 on a slower day
 @pytest.mark.timeout(QUICK_ALL_SECONDS + 120)  # beyond the suite's 300 s, which this test always needed
 def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     began = time.time()

@@ -123,7 +123,6 @@ def reference_run(tmp_path, procs, left, rejoined):
     return reference
 
 
-@pytest.mark.long  # CI time (72 s at -n 2 on idle cores; torchrun starts its workers cold)
 def test_a_lost_host_leaves_the_job_running_and_rejoins_when_it_comes_back(tmp_path, procs, two_hosts):
     out = tmp_path / "shared-out"  # both "hosts" see this folder, as on a cluster's shared filesystem
     host_a, host_b = two_hosts
