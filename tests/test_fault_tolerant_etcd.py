@@ -58,6 +58,8 @@ subject)."""
 
 
 @pytest.mark.slow
+@pytest.mark.long  # failed in CI at b346959 with --quorum-timeout 5: survivor rank 1 was late by over 5 s after the
+# lost round (perhaps its etcd client failing over from the killed member: not investigated), dropped, and rejoined
 def test_machine_0_and_an_etcd_member_lost_the_others_train_on_and_machine_0_comes_back(tmp_path, procs, etcd):  # noqa: F811
     url = etcd.url("cli-ddp")
     flags = ["--strategy", "ddp", *SLOW_RUN, *LATE_SURVIVOR_ROOM, "--max-steps", "400"]
