@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import ctypes
 import json
 import os
 import signal
@@ -25,13 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import warm_processes
 from test_fault_tolerant_train import JOINING, _wait_for_round, wait_for_output, wait_until_dropped
 from test_train_cli import DDPKIT, _env, procs  # noqa: F401  (fixture)
 
 HERE = Path(__file__).resolve().parent
 ENV = _env(PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
 PORT = 29560
-CLONE_NEWNET = 0x40000000
 STEPS = 300
 RUN = ["--model", "ft_factories:slow_mlp", "--epochs", "40", "--batch-size", "16", "--max-steps", str(STEPS)]
 RUN += ["--no-progress", "--quorum-timeout", "2", "--timeout", "60", "--eval-every", "0"]
@@ -58,16 +57,10 @@ def four_hosts():
 
 def _in_namespace(namespace: str, make):
     """`make()` called on a thread that entered `namespace`'s network (a socket it opens stays there)."""
-    libc = ctypes.CDLL(None, use_errno=True)
     made: dict[str, object] = {}
 
     def enter_and_make() -> None:
-        fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
-        try:
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns into {namespace}")
-        finally:
-            os.close(fd)
+        warm_processes.join_network_namespace(namespace)
         made["value"] = make()
 
     thread = threading.Thread(target=enter_and_make)

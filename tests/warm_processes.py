@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,23 @@ def _threads_as_at_load() -> None:
         torch.set_num_threads(int(threads))
 
 
+def join_network_namespace(name: str) -> None:
+    """Moves the calling thread into the network namespace ``ip netns`` calls `name` (what ``ip netns exec`` does
+    first; the sockets the thread opens afterwards live there)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the network namespace {name}")
+    finally:
+        os.close(fd)
+
+
+CLONE_NEWNET = 0x40000000
+
+
 def _enter_network_namespace(name: str) -> None:
     """What ``ip netns exec NAME`` does before it runs a command: moves this process into the network namespace
     ``ip netns`` calls `name`, and into a mount namespace of its own where /sys is mounted again, so that
@@ -349,17 +367,13 @@ def _enter_network_namespace(name: str) -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    clone_newnet, clone_newns, ms_rec, ms_slave, mnt_detach = 0x40000000, 0x00020000, 0x4000, 0x80000, 2
+    clone_newns, ms_rec, ms_slave, mnt_detach = 0x00020000, 0x4000, 0x80000, 2
 
     def check(result: int, what: str) -> None:
         if result != 0:
             raise OSError(ctypes.get_errno(), f"{what} for the network namespace {name}")
 
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        check(libc.setns(fd, clone_newnet), "setns")
-    finally:
-        os.close(fd)
+    join_network_namespace(name)
     check(libc.unshare(clone_newns), "unshare of the mount namespace")
     check(libc.mount(b"none", b"/", None, ms_rec | ms_slave, None), "making / a slave mount")
     check(libc.umount2(b"/sys", mnt_detach), "unmounting /sys")
@@ -425,8 +439,6 @@ def _flush() -> None:
 def _exit(code: int) -> None:
     """Ends the process as the interpreter's shutdown would: non-daemon threads joined, atexit handlers run,
     output flushed."""
-    import threading
-
     try:
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
@@ -476,8 +488,6 @@ def _fork_helpers_instead_of_starting_them() -> None:
 def _fork_spare() -> tuple[socket.socket, int]:
     """Forks the process that becomes the command's fork server; returns the socket that reaches it and its pid."""
     here, there = socket.socketpair()
-    import threading
-
     own_name = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
     _name_process(SPARE_NAME)  # before the fork: the spare is never seen under the command's name
     pid = os.fork()
