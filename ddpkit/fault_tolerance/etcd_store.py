@@ -219,6 +219,12 @@ class EtcdStore(dist.Store):
             raise dist.DistStoreError(f"EtcdStore.get: key {key!r} was deleted while it was read")
         return _unb64(entry.get("value", ""))
 
+    def get_if_present(self, key: str) -> bytes | None:
+        """The value of `key`, or None when it does not exist, in one request without waiting (a key on a lease
+        may vanish between a `check` and a `get`: `ddpkit.fault_tolerance.liveness` reads beats this way)."""
+        entry = self._range(key)
+        return None if entry is None else _unb64(entry.get("value", ""))
+
     def check(self, keys: list[str]) -> bool:
         return all(self._range(key) is not None for key in keys)
 

@@ -94,13 +94,11 @@ class Liveness:
         them beats, or was first seen less than `stale_after` ago)."""
         if not ranks:
             return False
-        keys = [alive_key(self.prefix, r) for r in ranks]
-        present = [(r, k) for r, k in zip(ranks, keys, strict=True) if store.check([k])]
+        present = _beat_counters(store, self.prefix, ranks)
         if not present:
             return True
         now, stale = self.clock.monotonic(), True
-        values = store.multi_get([k for _, k in present])
-        for (rank, _), value in zip(present, values, strict=True):
+        for rank, value in present.items():
             old = self._seen.get(rank)
             if old is None or old[0] != value:
                 self._seen[rank] = (value, now)
@@ -108,3 +106,15 @@ class Liveness:
             elif now - old[1] < self.stale_after:
                 stale = False
         return stale
+
+
+def _beat_counters(store: Any, prefix: str, ranks: list[int]) -> dict[int, bytes]:
+    """The beat counters of those of `ranks` whose key exists, by rank. A leased key (etcd) may run out at any
+    moment, between a look at it and a read of it too: there each key is read in one request that says whether it
+    exists (`get_if_present`). Other stores' counters are never deleted: a look, then one read of those present."""
+    keys = {rank: alive_key(prefix, rank) for rank in ranks}
+    if callable(getattr(store, "get_if_present", None)):
+        values = {rank: store.get_if_present(key) for rank, key in keys.items()}
+        return {rank: value for rank, value in values.items() if value is not None}
+    present = [rank for rank, key in keys.items() if store.check([key])]
+    return dict(zip(present, store.multi_get([keys[r] for r in present]), strict=True)) if present else {}
