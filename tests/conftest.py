@@ -27,6 +27,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 LONGEST_FILES = [
     "test_train_cli.py",
     "test_fault_tolerant_train.py",
+    "test_benchmarks.py",
     "test_readme.py",
     "test_tutorials.py",
     "test_lightning.py",

@@ -115,7 +115,6 @@ QUICK_ALL_SECONDS = 1500
 
 
 @pytest.mark.slow
-@pytest.mark.long  # CI time: with it CI would come within a minute or two of its 20 on a slower CI machine
 @pytest.mark.timeout(QUICK_ALL_SECONDS + 120)  # beyond the suite's 300 s, which this test always needed
 def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     began = time.time()
