@@ -1031,7 +1031,11 @@ def test_every_benchmark_help(capsys):
         assert f"python -m benchmarks {name}" in capsys.readouterr().out
 
 
-PROFILERS = ("benchmarks.profile_sharded", "benchmarks.profile_memory")  # developers' tools in benchmarks/
+PROFILERS = (
+    "benchmarks.profile_sharded",
+    "benchmarks.profile_memory",
+    "benchmarks.probe_allocator",
+)  # developers' tools in benchmarks/
 
 
 def test_benchmark_commands_parse():

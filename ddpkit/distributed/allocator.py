@@ -6,6 +6,14 @@ from its heap and a process's resident size stays at its highest: a rank that fr
 own (`ShardedDataParallel`) still counts them. `return_freed_memory` fixes that size (1 MiB by default), so every
 large tensor is mapped alone and unmapped when freed. Cost: the pages of a new large tensor are faulted in again.
 It changes this process only; ``MALLOC_MMAP_THRESHOLD_`` in the environment does the same before Python starts.
+
+Why a process keeps so much: PyTorch asks for CPU tensors 64-byte aligned (``posix_memalign``), for which glibc
+takes a block plus the worst-case padding from its heap and gives the unused pieces back; a freed block of a tensor's
+exact size then cannot serve the next tensor of that size, and the heap grows past what is live
+(``python -m benchmarks.probe_allocator`` shows it without torch). The cost of mapping blocks alone is their page
+faults; ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment (glibc 2.35 or later, with the kernel's
+transparent huge pages enabled) makes those mappings use huge pages, with far fewer faults. That setting is read when
+the process starts, so only the environment of a launcher (``ddpkit train``, ``torchrun``) can give it.
 """
 
 from __future__ import annotations
