@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
 
 # the import registers ddpkit_sharded, ddpkit_oss and ddpkit_slowmo with Lightning
+from ddpkit.distributed.launch import leave
 from ddpkit.integrations.lightning import DDPKitOSSStrategy, DDPKitShardedStrategy
 from ddpkit.train.workloads.data import digits
 from ddpkit.train.workloads.models import mlp
@@ -58,6 +59,11 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def main() -> None:
+    train(parse_args())  # the trainer, its strategy and the model are gone when it returns
+    leave()  # then the process group: left alive, gloo can abort the process at interpreter exit
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="ddpkit_sharded", help="ddpkit_sharded, ddpkit_oss, ddpkit_slowmo, ddp")
     parser.add_argument("--devices", type=int, default=2, help="CPU processes")
@@ -74,13 +80,17 @@ def main() -> None:
         "with ddpkit_sharded a cut tensor keeps a full-size gradient on every rank",
     )
     args = parser.parse_args()
+    if args.min_split_numel is not None and args.strategy not in ("ddpkit_sharded", "ddpkit_oss"):
+        parser.error(f"--min-split-numel needs --strategy ddpkit_sharded or ddpkit_oss, not {args.strategy}")
+    return args
+
+
+def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     data = digits()
     strategy: str | Strategy = args.strategy
     if args.min_split_numel is not None:
         classes = {"ddpkit_sharded": DDPKitShardedStrategy, "ddpkit_oss": DDPKitOSSStrategy}
-        if args.strategy not in classes:
-            parser.error(f"--min-split-numel needs --strategy ddpkit_sharded or ddpkit_oss, not {args.strategy}")
         strategy = classes[args.strategy](oss_kwargs={"min_split_numel": args.min_split_numel})
     trainer = L.Trainer(
         accelerator="cpu",
