@@ -214,10 +214,10 @@ class EtcdStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        entry = self._range(key)
-        if entry is None:  # deleted between the wait and the read
+        value = self.get_if_present(key)
+        if value is None:  # deleted between the wait and the read
             raise dist.DistStoreError(f"EtcdStore.get: key {key!r} was deleted while it was read")
-        return _unb64(entry.get("value", ""))
+        return value
 
     def get_if_present(self, key: str) -> bytes | None:
         """The value of `key`, or None when it does not exist, in one request without waiting (a key on a lease
