@@ -234,7 +234,8 @@ def table(report: dict[str, Any]) -> str:
             cells.append([*cell, num(r["state_p"])])
         out.append(markdown(header, cells))
         out.append("allocators: default = glibc as it comes; mmap = ddpkit.distributed.allocator.return_freed_memory "
-                   "(large blocks mapped alone, given back when freed)")  # fmt: skip
+                   "(blocks of 1 MiB or more mapped alone, given back when freed); mapped = ddpkit train's "
+                   "--allocator mapped (blocks of 8 MiB or more mapped alone, in huge pages)")  # fmt: skip
     limits = ", ".join(f"{num(v)} P at {s} ranks" for s, v in figures["limits"].items())
     out.append(f"ZeRO-2's limit with Adam (P + 3P/N per rank): {limits}")
     if figures["largest"]:
@@ -304,7 +305,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cold", action="store_true",
                         help="no warm-up jobs first (files read for the first time are then charged to the job that "
                              "reads them: a smoke test, not a measurement)")  # fmt: skip
-    parser.add_argument("--allocators", default="default,mmap", help="allocator settings to measure: default, mmap")
+    parser.add_argument(
+        "--allocators", default="default,mmap", help="allocator settings to measure: default, mmap, mapped"
+    )
     parser.add_argument("--search-allocator", default="mmap", help="the allocator setting of the search")
     parser.add_argument("--hosts", type=int, default=1,
                         help="network-namespace hosts each job's ranks are spread over, evenly (2: every world size "

@@ -156,6 +156,12 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     where.add_argument("--backend", choices=cfgmod.BACKENDS, help="auto: nccl with a GPU per local process, else gloo")
     where.add_argument("--device", choices=cfgmod.DEVICES, help="auto: cuda with nccl, else cpu; cuda with gloo too")
     where.add_argument("--timeout", type=float, help="seconds before a stuck rendezvous/collective fails")
+    where.add_argument(
+        "--allocator",
+        choices=cfgmod.ALLOCATORS,
+        help="mapped: CPU blocks of 8 MiB or more get mappings of their own, in huge pages, and are returned when "
+        "freed (less memory for ZeRO-2); default: glibc as it comes; auto (default): mapped for --strategy sharded",
+    )
 
 
 def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:

@@ -491,6 +491,32 @@ def test_world_size_rank_host_two_commands_on_tiny_mnist(tmp_path, procs):
     assert settings["threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
+def test_sharded_ranks_map_large_blocks_in_huge_pages_where_the_machine_has_them(tmp_path):
+    """--allocator auto with --strategy sharded: the launcher starts its ranks with glibc's huge pages for mappings
+    and each maps blocks of 8 MiB or more alone, as the run's record says; with ddp nothing changes. (Started cold:
+    a warm command's spare fork server started before the launcher set its ranks' environment.)"""
+    huge = machine_has_huge_pages_for_glibc()
+    for strategy, mapped in (("sharded", huge), ("ddp", False)):
+        out = tmp_path / strategy
+        flags = [*TRAIN, "--nproc-per-node", "2", "--strategy", strategy, "--max-steps", "2", "--no-checkpoints"]
+        flags += ["--out", out]
+        result = run([*DDPKIT, "train", *flags], 240, tmp_path, strategy, warm=False)
+        assert result.returncode == 0, str(result)
+        settings = json.loads((out / "metrics.json").read_text())["summary"]["settings"]
+        expected = {"large_blocks_mapped_from_bytes": 8 * 2**20 if mapped else None, "huge_pages": mapped}
+        assert settings["allocator"] == expected, strategy
+
+
+def machine_has_huge_pages_for_glibc():
+    """glibc 2.35 or later (its glibc.malloc.hugetlb tunable) and the kernel's transparent huge pages on."""
+    try:
+        major, minor = map(int, os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except (ValueError, OSError, AttributeError, IndexError):
+        return False
+    return (major, minor) >= (2, 35) and ("[always]" in mode or "[madvise]" in mode)
+
+
 def test_torchbearer_example_at_two_processes(tmp_path, procs):
     pytest.importorskip("torchbearer")
     port = free_port()

@@ -10,6 +10,9 @@ forked before it ran anything, instead of a fresh interpreter that imports torch
 in its session, arming the launcher-death wake-up as ddpkit's import does in a launched fork server. So the process
 tree, signals, exit statuses and every line of ddpkit's code are those of the real command; only the imports are
 done. Under ``ip netns exec`` the command enters the namespace (and a mount namespace with its own /sys) itself.
+One difference: glibc reads its settings when a process starts, so what a launcher puts in its ranks' environment for
+glibc (``ddpkit train``'s huge pages for ``--strategy sharded``) reaches a cold command's ranks but not a warm one's,
+whose spare fork server started before (tests/test_train_cli.py checks it on a cold command).
 
 What cannot be served warm is started cold (`popen` decides): anything but ``ddpkit``/``python -m MODULE``/
 ``python SCRIPT``, and debug runs (torch reads its C++ logging settings at import). A test that is about a

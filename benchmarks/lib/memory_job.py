@@ -4,7 +4,9 @@
 each), each builds the workload's model and the strategy (the sharding benchmark's builders: the code users run),
 trains `steps` steps and reports its own figures; the command prints them as one JSON line. The spec: strategy,
 world_size, workload ("mlp" with `depth` layers of `width`, or "gpt" with `layers` and `width`), steps, batch, seed,
-and `allocator` ("default": glibc as it comes; "mmap": `ddpkit.distributed.allocator.return_freed_memory`); with
+and `allocator` ("default": glibc as it comes; "mmap": `ddpkit.distributed.allocator.return_freed_memory`;
+"mapped": what ``ddpkit train --allocator mapped`` does, huge pages in the ranks' environment and blocks of 8 MiB or
+more mapped alone); with
 `memray` (a folder) each rank records its allocations there (`benchmarks.profile_memory`). With
 `host` (index, per_host, init, ifname) the command is one host of a job on namespace hosts: it runs that host's
 ranks, which join the job's process group at `init` (bench_memory's ``--hosts``).
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.lib import memory, workloads
-from ddpkit.distributed.allocator import return_freed_memory
+from ddpkit.distributed.allocator import huge_pages_environment, map_large_blocks, return_freed_memory
 from ddpkit.measure.timing import optimizer_state_bytes
 from ddpkit.testing import run_distributed
 
@@ -57,6 +59,8 @@ def rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any
     torch.set_num_threads(1)
     if spec.get("allocator") == "mmap":  # freed large blocks go back to the system (ddpkit.distributed.allocator)
         return_freed_memory()
+    if spec.get("allocator") == "mapped":  # (the ranks started with huge pages: main)
+        map_large_blocks()
     work = build_workload(spec)
     batches = work.batches(spec["seed"], rank, spec["steps"], spec["batch"])
     dist.barrier()
@@ -107,6 +111,8 @@ def _on_this_host(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
+    if spec.get("allocator") == "mapped":  # the ranks start with this environment, as `ddpkit train`'s do
+        os.environ.update(huge_pages_environment(os.environ))
     if "host" in spec:
         ranks = _on_this_host(spec)
     else:

@@ -14,23 +14,222 @@ exact size then cannot serve the next tensor of that size, and the heap grows pa
 faults; ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment (glibc 2.35 or later, with the kernel's
 transparent huge pages enabled) makes those mappings use huge pages, with far fewer faults. That setting is read when
 the process starts, so only the environment of a launcher (``ddpkit train``, ``torchrun``) can give it.
+
+``ddpkit train`` does both for ``--strategy sharded`` where the machine allows (``--allocator auto``): its launcher
+puts the huge-page setting in its ranks' environment (`huge_pages_environment`) and each rank maps blocks of
+`LARGE_BLOCK_BYTES` or more alone (`map_large_blocks`). The threshold is high so that a model's activations, which
+are allocated and freed every step and which the heap reuses cheaply, mostly stay below it, while the gradients and
+optimizer temporaries of large layers, the blocks ZeRO-2 frees, go above.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import re
+from collections.abc import Mapping
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
+LARGE_BLOCK_BYTES = 8 * 2**20
+"""Blocks of this size or more are mapped alone by `map_large_blocks` (and so by ``ddpkit train --allocator``)."""
+
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
+"""glibc's tunable (2.35 and later) that gives its mappings transparent huge pages; value 1."""
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+"""The kernel's transparent huge page mode: "[always] madvise never" names the one in force in brackets."""
+
+
+_mapped_from: int | None = None  # the threshold this process set (`in_effect` reports it)
+
 
 def return_freed_memory(threshold_bytes: int = 2**20) -> bool:
-    """Makes blocks of at least `threshold_bytes` mapped alone (and so returned when freed); False where the C
-    library is not glibc (nothing changes)."""
+    """Makes glibc map blocks of `threshold_bytes` or more alone, so that freeing one returns its pages at once.
+
+    Calls ``mallopt(M_MMAP_THRESHOLD, threshold_bytes)``, which also stops glibc from raising that threshold by
+    itself. Affects this process's later allocations only; a page of a new large block is faulted in on first use.
+
+    Args:
+        threshold_bytes: the smallest block size mapped alone.
+
+    Returns:
+        True when glibc took the setting; False where the C library is not glibc (nothing changes).
+
+    Example:
+        >>> from ddpkit.distributed.allocator import return_freed_memory
+        >>> return_freed_memory(8 * 2**20)  # in each rank, before the model is built
+        True
+    """
+    global _mapped_from
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):
         return False
-    return bool(mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)))
+    done = bool(mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)))
+    if done:
+        _mapped_from = threshold_bytes
+    return done
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """The version of this process's C library when it is glibc.
+
+    Returns:
+        (major, minor), such as (2, 36); None where the C library is not glibc.
+    """
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"
+    except (AttributeError, ValueError, OSError):
+        return None
+    found = re.fullmatch(r"glibc (\d+)\.(\d+).*", text or "")
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def transparent_huge_pages(setting: str = THP_SETTING) -> str:
+    """The kernel's transparent huge page mode.
+
+    Args:
+        setting: the file that names it (the kernel's sysfs entry by default).
+
+    Returns:
+        "always", "madvise" or "never"; "" where the file cannot be read (not Linux).
+    """
+    try:
+        with open(setting) as f:
+            found = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return ""
+    return found[1] if found else ""
+
+
+def huge_pages_available() -> bool:
+    """Whether glibc can give its mappings transparent huge pages on this machine (`huge_pages_possible` with
+    this process's glibc and the kernel's mode).
+
+    Returns:
+        True with glibc 2.35 or later and the kernel's transparent huge pages "always" or "madvise".
+    """
+    return huge_pages_possible(glibc_version(), transparent_huge_pages())
+
+
+def huge_pages_possible(version: tuple[int, int] | None, mode: str) -> bool:
+    """Whether glibc `version` under the kernel's transparent huge page `mode` can give mappings huge pages.
+
+    Args:
+        version: glibc's (major, minor), as `glibc_version` gives it; None: not glibc.
+        mode: the kernel's mode, as `transparent_huge_pages` gives it.
+
+    Returns:
+        True with glibc 2.35 or later (the first with ``glibc.malloc.hugetlb``) and the mode "always" or "madvise".
+    """
+    return version is not None and version >= (2, 35) and mode in ("always", "madvise")
+
+
+def _names_tunable(tunables: str, name: str) -> bool:
+    return any(item.split("=", 1)[0] == name for item in tunables.split(":"))
+
+
+def huge_pages_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a launcher adds to its processes' environment so that glibc maps large blocks in huge pages.
+
+    glibc reads its tunables when a process starts, so this must be in the environment the ranks start with.
+
+    Args:
+        environ: the environment the processes would start with (``os.environ`` in a launcher).
+
+    Returns:
+        ``{"GLIBC_TUNABLES": ...}`` with ``glibc.malloc.hugetlb=1`` after the tunables `environ` has already; empty
+        where huge pages are not available (`huge_pages_available`) or where `environ` chooses that tunable itself
+        (the user's setting wins).
+
+    Example:
+        >>> os.environ.update(huge_pages_environment(os.environ))  # in the launcher, before starting the ranks
+    """
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if not huge_pages_available() or _names_tunable(tunables, HUGE_PAGE_TUNABLE):
+        return {}
+    return {"GLIBC_TUNABLES": ":".join(item for item in (tunables, f"{HUGE_PAGE_TUNABLE}=1") if item)}
+
+
+def started_environment(path: str = "/proc/self/environ") -> dict[str, str]:
+    """The environment this process image started with: what glibc read its settings from.
+
+    A process forked by a fork server has the fork server's, whatever ``os.environ`` says now.
+
+    Args:
+        path: where the kernel shows it (``/proc/self/environ``).
+
+    Returns:
+        Name to value; empty where it cannot be read (not Linux).
+    """
+    try:
+        with open(path, "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return {}
+    pairs = (entry.decode(errors="replace").split("=", 1) for entry in entries if b"=" in entry)
+    return {name: value for name, value in pairs}
+
+
+def started_with_huge_pages(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process started with glibc's huge pages for its mappings.
+
+    Args:
+        environ: the environment the process started with (`started_environment` when None).
+
+    Returns:
+        True when its ``GLIBC_TUNABLES`` sets ``glibc.malloc.hugetlb`` to 1 or 2.
+    """
+    environ = started_environment() if environ is None else environ
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    return any(item in (f"{HUGE_PAGE_TUNABLE}=1", f"{HUGE_PAGE_TUNABLE}=2") for item in tunables.split(":"))
+
+
+def threshold_chosen_by_user(environ: Mapping[str, str]) -> bool:
+    """Whether an environment chooses glibc's mapping threshold itself.
+
+    Args:
+        environ: a process's starting environment.
+
+    Returns:
+        True when it sets ``MALLOC_MMAP_THRESHOLD_`` or the tunable ``glibc.malloc.mmap_threshold``.
+    """
+    return "MALLOC_MMAP_THRESHOLD_" in environ or _names_tunable(
+        environ.get("GLIBC_TUNABLES", ""), "glibc.malloc.mmap_threshold"
+    )
+
+
+def map_large_blocks(threshold_bytes: int = LARGE_BLOCK_BYTES, environ: Mapping[str, str] | None = None) -> bool:
+    """Makes this process map blocks of `threshold_bytes` or more alone, unless the user chose a threshold.
+
+    What each rank of ``ddpkit train --allocator mapped`` (and ``auto`` with ``--strategy sharded``) runs first:
+    `return_freed_memory` with a threshold high enough that activations mostly stay in the heap.
+
+    Args:
+        threshold_bytes: the smallest block size mapped alone.
+        environ: the process's starting environment (`started_environment` when None); a threshold set there stands.
+
+    Returns:
+        True when blocks of that size are now mapped alone; False where the user's threshold stands or the C library
+        is not glibc.
+    """
+    environ = started_environment() if environ is None else environ
+    if threshold_chosen_by_user(environ):
+        return False
+    return return_freed_memory(threshold_bytes)
+
+
+def in_effect() -> dict[str, object]:
+    """This process's allocator settings, for a run's record.
+
+    Returns:
+        ``large_blocks_mapped_from_bytes``: the threshold this process set, None for glibc's own moving threshold,
+        "environment" for the user's; ``huge_pages``: whether glibc's mappings get huge pages.
+    """
+    started = started_environment()
+    mapped_from: object = "environment" if threshold_chosen_by_user(started) else _mapped_from
+    return {"large_blocks_mapped_from_bytes": mapped_from, "huge_pages": started_with_huge_pages(started)}

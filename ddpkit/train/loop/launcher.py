@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 
+from ddpkit.distributed.allocator import huge_pages_environment
 from ddpkit.distributed.launch import (
     LaunchError,
     Placement,
@@ -77,6 +78,8 @@ def launch_training(cfg: TrainConfig) -> None:
         cfg, placement = fault_tolerant_under_torchrun(cfg, placement)
         run_placed(cfg, placement, started)
         exit_without_teardown()
+    if placement is None and cfg.maps_large_blocks:  # this process starts the ranks: they start with its environment
+        os.environ.update(huge_pages_environment(os.environ))
     if cfg.fault_tolerant:
         launch_fault_tolerant(cfg, started)
         return

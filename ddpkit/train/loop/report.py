@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.distributed import comm
+from ddpkit.distributed import allocator, comm
 from ddpkit.distributed.env import comm_device, group_size
 from ddpkit.distributed.objects import gather_objects
 from ddpkit.train.loop.strategies import optimizer_arguments, slowmo_node_size
@@ -101,6 +101,7 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str, parameters: in
         "backend": backend,
         "hosts": hosts,
         "threads_per_rank": torch.get_num_threads(),
+        "allocator": allocator.in_effect(),
         "torch_version": torch.__version__,
         "ddpkit_version": ddpkit.__version__,
     }

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed import ledger, segment_files
+from ddpkit.distributed import allocator, ledger, segment_files
 from ddpkit.distributed.launch import (
     LaunchError,
     Placement,
@@ -166,6 +166,23 @@ def process_main(local_rank: int, cfg: TrainConfig, master_port: int, started: f
     exit_without_teardown()  # done and the group left: torch's teardown at exit may abort (see its docstring)
 
 
+def use_allocator(cfg: TrainConfig, rank: int) -> None:
+    """Maps large blocks alone where `cfg` asks (`TrainConfig.maps_large_blocks`; ddpkit.distributed.allocator):
+    with ``auto`` only where this process started with glibc's huge pages (which `ddpkit train`'s launcher gives
+    where the machine has them), with ``mapped`` in any case, noting on rank 0 when the pages are small (slower)."""
+    if not cfg.maps_large_blocks:
+        return
+    huge = allocator.started_with_huge_pages()
+    if cfg.allocator == "auto" and not huge:
+        return
+    if allocator.map_large_blocks() and not huge and rank == 0:
+        say(
+            "ddpkit: note: --allocator mapped without huge pages: large blocks are faulted in 4 KiB pages each step, "
+            "which slows the steps (huge pages need glibc 2.35+, transparent huge pages 'always' or 'madvise', and "
+            "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the process starts: torchrun's environment, under torchrun)"
+        )
+
+
 def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = None) -> dict[str, Any] | None:
     """Joins, trains and leaves; any failure ends this process with a message naming the rank. `started`: when
     the command began (``time.time()``), for the summary's wall time; None: now.
@@ -177,6 +194,7 @@ def run_placed(cfg: TrainConfig, placement: Placement, started: float | None = N
     segment_files.sweep_stale(min_age=0)  # what a killed job on this host left, whatever this job's strategy
     faulthandler.enable()
     share_cores(cfg.nproc_per_node)  # until the job's layout is known
+    use_allocator(cfg, placement.rank)
     backend = pick_backend(cfg.backend, cfg.nproc_per_node, cfg.device)
     if cfg.fault_tolerant:
         return run_fault_tolerant(cfg, placement, started)

@@ -27,6 +27,7 @@ MODELS = tuple(registry.MODELS)  # or PACKAGE.MODULE:FACTORY
 LOSSES = registry.LOSSES
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+ALLOCATORS = ("auto", "default", "mapped")  # glibc's handling of large CPU blocks (ddpkit.distributed.allocator)
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}  # torch's own defaults for each optimizer
 SLOWMO_BASES = ("localsgd", "sgp")
@@ -100,6 +101,7 @@ class TrainConfig:
     backend: str = "auto"
     device: str = "auto"  # auto: CUDA with NCCL, else CPU; "cuda" with gloo puts the model on GPUs too
     timeout: float = 60.0
+    allocator: str = "auto"  # mapped: blocks of 8 MiB or more mapped alone, in huge pages; auto: so for sharded
     # keeping on through lost ranks (ddpkit.train.loop.fault_tolerant_run)
     fault_tolerant: bool = False
     min_replicas: int = 1
@@ -116,6 +118,12 @@ class TrainConfig:
     eval_every: int | None = None  # held-out evaluation every N optimizer steps and at each epoch's end; None:
     # about 15 per run (ddpkit.train.loop.run.default_eval_every); 0: at epoch ends only
     debug: bool = False  # tracebacks and torch's C++ stack traces (as DDPKIT_DEBUG=1)
+
+    @property
+    def maps_large_blocks(self) -> bool:
+        """Whether the ranks map large blocks alone: --allocator mapped, or auto with --strategy sharded (the
+        strategy that frees the gradients it does not own every step; ddpkit.distributed.allocator says why)."""
+        return self.allocator == "mapped" or (self.allocator == "auto" and self.strategy == "sharded")
 
     @property
     def world_size(self) -> int:
@@ -236,6 +244,7 @@ def validate(cfg: TrainConfig) -> None:
         ("amp", AMP_MODES),
         ("backend", BACKENDS),
         ("device", DEVICES),
+        ("allocator", ALLOCATORS),
         ("slowmo_base", SLOWMO_BASES),
         ("graph", SGP_GRAPHS),
         ("slowmo_compression", SLOWMO_COMPRESSIONS),
