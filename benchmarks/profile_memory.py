@@ -1,7 +1,7 @@
 """Where a strategy's memory is at its peak, by the code that allocated it: memray inside each rank of a memory job.
 
-``python -m benchmarks.profile_memory [--strategies ddp,oss_sdp] [--world-size 2] [--depth 12] [--width 2048]
-[--steps 3] [--out DIR]``
+``python -m benchmarks.profile_memory [--strategies ddp,oss_sdp] [--world-size 2] [--hosts 1] [--allocator default]
+[--depth 12] [--width 2048] [--steps 3] [--out DIR]``
 
 Not a registered benchmark (no ``QUESTION``): a profiler for the developer. Each strategy runs the memory
 benchmark's job (`benchmarks.lib.memory_job`: the same model, data and strategy builders as ``python -m benchmarks
@@ -56,12 +56,20 @@ def profile(strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(folder)
     spec = {"strategy": strategy, "world_size": args.world_size, "workload": "mlp", "depth": args.depth,
             "width": args.width, "steps": args.steps, "batch": args.batch, "seed": 0, "timeout": 900.0,
-            "allocator": "default", "memray": folder}  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "benchmarks.lib.memory_job", json.dumps(spec)], capture_output=True,
-                          text=True, timeout=1200)  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"{strategy}: the memory job failed: {done.stderr[-800:]}")
-    ranks = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])["ranks"]
+            "allocator": args.allocator, "memray": folder, "hosts": args.hosts}  # fmt: skip
+    if args.hosts == 1:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.lib.memory_job", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=1200)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{strategy}: the memory job failed: {done.stderr[-800:]}")
+        ranks = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])["ranks"]
+    else:  # the memory benchmark's namespace hosts (as root)
+        from benchmarks.bench_memory import _job
+
+        outcome, reports = _job(spec)
+        if reports is None:
+            raise RuntimeError(f"{strategy}: the memory job failed: {outcome.stderr[-800:]}")
+        ranks = reports["ranks"]
     p_bytes = 4 * ranks[0]["parameters"]
     result: dict[str, Any] = {"strategy": strategy, "p_mb": p_bytes / 2**20, "ranks": []}
     for rank in range(args.world_size):
@@ -87,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=2048, help="their width")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--hosts", type=int, default=1, help="network-namespace hosts the ranks are spread over (root)")
+    parser.add_argument("--allocator", default="default", help="the memory job's allocator: default, mmap, mapped")
     parser.add_argument("--top", type=int, default=8, help="sites shown per rank")
     parser.add_argument("--out", default="benchmarks/scratch/memray", help="folder for the ranks' memray files")
     return parser

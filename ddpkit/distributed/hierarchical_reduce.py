@@ -63,7 +63,10 @@ class _TwoStage:
     """One message's reduce in flight: stage 1 within the host, then (on the owner's lane) stage 2 across hosts."""
 
     def __init__(self, message: torch.Tensor, inner: object, start_outer: object | None, reducer: object) -> None:
-        self.message, self.inner, self.start_outer = message, inner, start_outer
+        # the message is kept only until stage 2 takes it: outside the owner's lane stage 1 holds what it needs
+        # (a mailbox copied it; a socket reduce holds it), so a rank that lets its gradient go frees it
+        self.message: torch.Tensor | None = message if start_outer is not None else None
+        self.inner, self.start_outer = inner, start_outer
         self.reducer = reducer  # starts stage 2 in launch order (`HierarchicalReduce.advance_through`)
         self.outer: object | None = None
         self.inner_done = False
@@ -81,6 +84,7 @@ class _TwoStage:
             return False
         self._finish_inner()
         self.outer = self.start_outer(self.message)  # type: ignore[operator]
+        self.message = None  # (stage 2 holds what it needs)
         return True
 
     def wait(self) -> bool:

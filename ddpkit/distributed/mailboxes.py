@@ -74,6 +74,7 @@ class _Collected:
         if self.works:
             self.owner.add_and_acknowledge(self.tensor, self.flags, self.tag)
             self.works = []
+        self.tensor = None  # type: ignore[assignment]  (added: the root's own holders keep its tensor as needed)
         return True
 
 
