@@ -30,7 +30,8 @@ import os
 import re
 from collections.abc import Mapping
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
+M_MMAP_THRESHOLD = -3
 
 LARGE_BLOCK_BYTES = 8 * 2**20
 """Blocks of this size or more are mapped alone by `map_large_blocks` (and so by ``ddpkit train --allocator``)."""
@@ -45,14 +46,19 @@ THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 _mapped_from: int | None = None  # the threshold this process set (`in_effect` reports it)
 
 
-def return_freed_memory(threshold_bytes: int = 2**20) -> bool:
+def return_freed_memory(threshold_bytes: int = 2**20, keep_top_bytes: int | None = None) -> bool:
     """Makes glibc map blocks of `threshold_bytes` or more alone, so that freeing one returns its pages at once.
 
     Calls ``mallopt(M_MMAP_THRESHOLD, threshold_bytes)``, which also stops glibc from raising that threshold by
-    itself. Affects this process's later allocations only; a page of a new large block is faulted in on first use.
+    itself, and from raising the free space it keeps at the top of its heap with it: that stays at 128 KiB unless
+    `keep_top_bytes` sets it (``M_TRIM_THRESHOLD``), so that blocks below the threshold freed and taken again every
+    step (activations) are not given back and faulted in again each time. Affects this process's later
+    allocations only; a page of a new large block is faulted in on first use.
 
     Args:
         threshold_bytes: the smallest block size mapped alone.
+        keep_top_bytes: the free space the heap keeps at its top before it gives memory back (None: glibc's
+            128 KiB).
 
     Returns:
         True when glibc took the setting; False where the C library is not glibc (nothing changes).
@@ -70,6 +76,8 @@ def return_freed_memory(threshold_bytes: int = 2**20) -> bool:
     except (OSError, AttributeError, TypeError):
         return False
     done = bool(mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)))
+    if done and keep_top_bytes is not None:
+        done = bool(mallopt(ctypes.c_int(M_TRIM_THRESHOLD), ctypes.c_int(keep_top_bytes)))
     if done:
         _mapped_from = threshold_bytes
     return done
@@ -207,7 +215,8 @@ def map_large_blocks(threshold_bytes: int = LARGE_BLOCK_BYTES, environ: Mapping[
     """Makes this process map blocks of `threshold_bytes` or more alone, unless the user chose a threshold.
 
     What each rank of ``ddpkit train --allocator mapped`` (and ``auto`` with ``--strategy sharded``) runs first:
-    `return_freed_memory` with a threshold high enough that activations mostly stay in the heap.
+    `return_freed_memory` with a threshold high enough that activations mostly stay in the heap, whose top keeps
+    twice the threshold free (the ratio glibc keeps when it moves the threshold itself).
 
     Args:
         threshold_bytes: the smallest block size mapped alone.
@@ -220,7 +229,7 @@ def map_large_blocks(threshold_bytes: int = LARGE_BLOCK_BYTES, environ: Mapping[
     environ = started_environment() if environ is None else environ
     if threshold_chosen_by_user(environ):
         return False
-    return return_freed_memory(threshold_bytes)
+    return return_freed_memory(threshold_bytes, keep_top_bytes=2 * threshold_bytes)  # (glibc's own ratio)
 
 
 def in_effect() -> dict[str, object]:
