@@ -6,6 +6,7 @@ to torch import it when called. Starting, watching and stopping the local proces
 
 from __future__ import annotations
 
+import atexit
 import errno
 import gc
 import os
@@ -14,6 +15,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -268,12 +270,83 @@ def process_group_backends(backend: str) -> str:
 
 def leave() -> None:
     """Leaves the process group; objects that still reference it (a DDP reducer in a reference cycle) are
-    collected first, so they do not outlive it."""
+    collected first, so they do not outlive it. (With torch 2.13 a destroyed default group may still live on, kept
+    by ``torch.distributed.nn.functional``'s default arguments; `quiesce` covers the exit then.)"""
     import torch.distributed as dist
 
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+
+
+QUIET_FOR_SECONDS = 0.02
+"""How long gloo's worker threads must stay asleep before the interpreter's teardown may begin (`quiesce`)."""
+QUIESCE_LIMIT_SECONDS = 1.0
+"""The most `quiesce` waits at exit; where it cannot see the threads (no /proc), it waits `QUIET_FOR_SECONDS`."""
+_QUIESCING: list[bool] = []  # whether `quiesce_at_exit` registered `quiesce` in this process
+
+
+def quiesce_at_exit() -> None:
+    """Runs `quiesce` when the interpreter exits normally, before its teardown (an ``atexit`` handler, registered
+    once). ddpkit's optimizers and wrappers call it when they are built."""
+    if not _QUIESCING:
+        _QUIESCING.append(True)
+        atexit.register(quiesce)
+
+
+def quiesce(limit: float = QUIESCE_LIMIT_SECONDS) -> None:
+    """Lets gloo's worker threads finish with the GIL free, so that none of them is still busy when the interpreter's
+    teardown begins; at most `limit` seconds.
+
+    The abort at exit ("terminate called without an active exception", SIGABRT, after every output was written)
+    comes from there: a gloo worker thread drops its collective once done; where Python already let go of the
+    collective's tensors (a temporary, a handle not kept), the last reference is the worker's, which must take the
+    GIL to free them. Once the interpreter's teardown has begun, a thread that takes the GIL is ended on the spot,
+    inside a C++ destructor, and the C++ runtime aborts the process (seen in the core dumps of such aborts). The
+    workers outlive the script whenever their process group does: one the script did not destroy, one still held
+    (a wrapper in a reference cycle, collected only in the teardown), and with torch 2.13 even a destroyed default
+    group once an optimizer was built after `init_process_group` (``torch.distributed.nn.functional``, imported
+    then, keeps the group as its functions' default argument until the teardown). So first leftover reference
+    cycles are collected (a group no longer held is destroyed now, its workers joined), then this waits, with the
+    GIL released, until every gloo worker thread has been asleep for `QUIET_FOR_SECONDS`. A collective a rank
+    started and never waited for, still waiting for a peer when the script ends, is not covered.
+
+    Args:
+        limit: the most seconds it waits.
+
+    Example:
+        >>> from ddpkit.distributed.launch import quiesce
+        >>> quiesce()  # the last line of a script that trains with torch's DDP alone (ddpkit's objects register it)
+    """
+    gc.collect()
+    quiet_since = time.monotonic()
+    deadline = quiet_since + limit
+    while True:
+        time.sleep(QUIET_FOR_SECONDS / 4)  # the GIL is free meanwhile
+        now = time.monotonic()
+        if _gloo_workers_busy():
+            quiet_since = now
+        if now - quiet_since >= QUIET_FOR_SECONDS or now >= deadline:
+            return
+
+
+def _gloo_workers_busy() -> bool:
+    """Whether one of gloo's worker threads in this process (``pt_gloo_runloop``) is running or waiting to run
+    (Linux ``/proc``); False where that cannot be read."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name, _, rest = stat.partition("(")[2].rpartition(")")
+        if name.startswith("pt_gloo") and rest.split()[:1] == ["R"]:
+            return True
+    return False
 
 
 def exit_without_teardown() -> NoReturn:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.algorithms.quantize import COMPRESSIONS, BlockCodec
-from ddpkit.distributed import comm, hosts, ledger, shared_memory
+from ddpkit.distributed import comm, hosts, launch, ledger, shared_memory
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.buckets import broadcast_coalesced
 from ddpkit.distributed.env import ProcessGroup, group_rank, group_size, require_initialized
@@ -171,6 +172,7 @@ class ShardedDataParallel(ModuleWrapper):
         super().__init__()
         require_initialized("ShardedDataParallel")
         ledger.explain_uncaught_failures()  # a collective failure names each rank's last collective
+        launch.quiesce_at_exit()  # gloo's threads done before the interpreter's teardown (its docstring)
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
         self.sharded_optimizers = _check_optimizers(sharded_optimizer)
@@ -231,6 +233,7 @@ class ShardedDataParallel(ModuleWrapper):
         self._sending: list[GradBucket] = []  # non-owned buckets launched whose transfer may still need their data
         self._warned_unused = False
         self._hooks: list[Any] = []
+        self._accumulators: dict[nn.Parameter, Any] = {}  # per parameter: the AccumulateGrad node its hook asks
         # Gradients left in place by the last reduce, with their identity and version then: an owner's average
         # ("average") or, with keep_bucketed_grads, a non-owner's own gradient ("local"). See `_keep_average_hook`.
         self._held: dict[nn.Parameter, tuple[int, int, HeldKind]] = {}
@@ -286,7 +289,10 @@ class ShardedDataParallel(ModuleWrapper):
             for p in bucket.params:
                 self._bucket_of.setdefault(p, []).append(bucket)
         self._held = {p: mark for p, mark in self._held.items() if p in self._bucket_of}  # frozen ones: forgotten
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        # The hooks hold the wrapper weakly (`_weakly`): held strongly, it could never be freed.
+        self._accumulators = {}
+        owner = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weakly(owner, "_on_grad_ready")) for p in self._bucket_of]
         self._hooks += [p.register_hook(self._keep_average_hook(p)) for p in self._bucket_of]
         self._trainable_signature = self._signature()
         ledger.set_context("ShardedDataParallel trainable parameters", self._describe_trainable())
@@ -385,20 +391,23 @@ class ShardedDataParallel(ModuleWrapper):
         counter tells whether ``.grad`` is still untouched since the reduce (a zero_grad() in place is a clear).
         """
 
-        with torch.enable_grad():
-            accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # the node that adds to param.grad
+        with torch.enable_grad():  # the node that adds to param.grad, kept by the wrapper, not by the hook: the
+            # node holds the parameter, so a hook of the parameter holding it would make a cycle never freed
+            self._accumulators[param] = param.view_as(param).grad_fn.next_functions[0][0]
+        owner = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            if not _will_accumulate(accumulator):  # torch.autograd.grad(..., params): .grad is left alone
-                return None
-            kind = self._untouched_since_reduce(param)
+            wrapper = owner()
+            if wrapper is None or not _will_accumulate(wrapper._accumulators[param]):  # torch.autograd.grad(...,
+                return None  # params): .grad is left alone
+            kind = wrapper._untouched_since_reduce(param)
             if kind == "local":
                 param.grad = None  # autograd then takes the new gradient as it is
-            if kind != "average" or self.world_size == 1:
+            if kind != "average" or wrapper.world_size == 1:
                 return None
             # A split parameter's held gradient is the average on this rank's piece and zero elsewhere, so the
             # same correction applies piece by piece.
-            return grad + (self.world_size - 1) * param.grad
+            return grad + (wrapper.world_size - 1) * param.grad
 
         return hook
 
@@ -645,6 +654,23 @@ _GRAD_REQUIRES_GRAD = (
 
 IN_FLIGHT = 2
 """Non-owned buckets a rank keeps in flight during backward before it waits for the oldest one's transfer."""
+
+
+def _weakly(owner: weakref.ref, method: str) -> Callable[..., None]:
+    """A hook that calls `method` of the wrapper `owner` refers to, while it lives.
+
+    torch keeps a parameter's post-accumulate-grad hooks where Python's cycle collector does not look, so a hook
+    holding the wrapper (which holds the parameter) would keep the wrapper, its optimizers and their process group
+    alive until the interpreter's teardown, past `destroy_process_group()` and `ddpkit.distributed.launch.leave()`;
+    gloo's worker threads then run into the teardown, where one that frees a tensor Python let go of aborts the
+    process ("terminate called without an active exception")."""
+
+    def call(*args: Any) -> None:
+        wrapper = owner()
+        if wrapper is not None:
+            getattr(wrapper, method)(*args)
+
+    return call
 
 
 def _will_accumulate(accumulator: Any) -> bool:

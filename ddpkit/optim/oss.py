@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ddpkit.distributed import comm, ledger, shared_memory
+from ddpkit.distributed import comm, launch, ledger, shared_memory
 from ddpkit.distributed.agreement import check_parameters_agree
 from ddpkit.distributed.env import ProcessGroup, comm_device, group_rank, group_size, require_initialized
 from ddpkit.distributed.objects import broadcast_object, gather_objects
@@ -148,6 +148,7 @@ class OSS(Optimizer):
     ) -> None:
         require_initialized("OSS")
         ledger.explain_uncaught_failures()  # a collective failure names each rank's last collective
+        launch.quiesce_at_exit()  # gloo's threads done before the interpreter's teardown (its docstring)
         if not (inspect.isclass(optim) and issubclass(optim, Optimizer)):
             raise TypeError(
                 f"OSS: optim must be a torch.optim.Optimizer subclass (e.g. torch.optim.Adam), got {optim!r}"
