@@ -229,6 +229,8 @@ class Membership:
         now = self.clock.monotonic
         arrival = now()
         live = self._live(round_)
+        if not live:  # before the arrival key: a member whose arrival anyone saw is listed by then (`_joined`)
+            self.store.append(self._key(round_, "joining"), f"{self.rank},")
         self.store.set(self._key(round_, "in", self.rank), "live" if live else "joining")
         self.store.append(self._key(round_, "arrived"), f"{self.rank},")  # who arrived, for O(members) reads
         previous = self._previous(round_)
@@ -281,14 +283,15 @@ class Membership:
         return self._decided(round_ - 1)
 
     def _joined(self, round_: int, members: list[int]) -> list[int]:
-        """The members of `round_` that arrived without live state (they said so on arrival). A member with no
-        arrival key never arrived: the round was decided by the previous commit (`predict_next`), whose members
-        all hold live state (read without waiting: a rank left out of such a round must not wait for keys that
-        are never written)."""
-        keys = [self._key(round_, "in", r) for r in members]
-        arrived = [(r, key) for r, key in zip(members, keys, strict=True) if self.store.check([key])]
-        states = self.store.multi_get([key for _, key in arrived]) if arrived else []
-        return [r for (r, _), state in zip(arrived, states, strict=True) if state != b"live"]
+        """The members of `round_` that arrived without live state: they listed themselves in the round's
+        ``joining`` key before writing their arrival (one read, whatever the number of members). A member that never
+        arrived (the round was decided by the previous commit, `predict_next`, whose members all hold live state)
+        is not listed."""
+        key = self._key(round_, "joining")
+        if not self.store.check([key]):
+            return []
+        listed = {int(r) for r in self.store.get(key).decode().split(",") if r}
+        return [r for r in members if r in listed]
 
     def _expected(self, round_: int, previous: list[int] | None) -> set[int]:
         base = set(previous) if previous is not None else set(range(self.max_world))
@@ -506,7 +509,7 @@ class Membership:
         arrived_key = self._key(round_, "arrived")
         arrived = store.get(arrived_key).decode().split(",") if store.check([arrived_key]) else []
         keys = [self._key(round_, "in", r) for r in arrived if r]
-        keys += [self._key(round_, part) for part in ("arrived", "joiners", "members", "reports", "verdict")]
+        keys += [self._key(round_, part) for part in ("arrived", "joining", "joiners", "members", "reports", "verdict")]
         keys += [self._group_key(round_, lane) + f"//0/{i}" for lane in range(self.lanes) for i in range(len(members))]
         for key in keys:
             store.delete_key(key)
