@@ -17,8 +17,9 @@ Per configuration: rounds after `--warmup`, the round's latency (from the first 
 member holding its verdict; median and 99th percentile over rounds), and the store operations each member made
 per round, counted by a wrapper around its store (every method call: a TCPStore ``wait`` on 256 keys is one
 operation). Also the deletions of old rounds' keys (`Membership.forget`, run by the round's first member in a job)
-per round, and the same at a larger ``max_world`` than members, to show that a round's work follows the members,
-not the configured maximum. Threads share this process's GIL and the machine's cores with the store: at 256 the
+per round, and the same at a larger ``max_world`` than members (the ranks never started announce that they left,
+as ranks that end do), to show that a round's work follows the members, not the configured maximum. Threads share
+this process's GIL and the machine's cores with the store: at 256 the
 latency is an upper bound of what 256 machines would see.
 """
 
@@ -90,7 +91,7 @@ def served(kind: str) -> Any:
     """A function that opens one client of a fresh store of `kind` ("tcp" or "etcd") per call, while it runs."""
     if kind == "tcp":
         port = free_port()
-        server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(60))
+        server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         try:
             yield lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         finally:
@@ -117,6 +118,9 @@ def measure(kind: str, members: int, max_world: int, steady: bool, rounds: int, 
             _NoGroup(stores[r], r, max_world, quorum_timeout=60.0, start_timeout=120.0, predict_next=steady)
             for r in range(members)
         ]
+        absent = connect()  # round 0 waits for every rank of the job: the ones never started say they left
+        for rank in range(members, max_world):
+            _NoGroup(absent, rank, max_world).announce_leave(0)
         entered = [[0.0] * members for _ in range(rounds)]
         done = [[0.0] * members for _ in range(rounds)]
         counted_from = threading.Barrier(members)
