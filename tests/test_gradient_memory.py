@@ -10,14 +10,13 @@ reference is the definition: the parameters each rank owns, from OSS's `owner_of
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import pytest
 import torch
 from torch import nn
 
-from ddpkit.distributed import comm
+from ddpkit.distributed import allocator, comm
 from ddpkit.nn import ShardedDataParallel
 from ddpkit.nn.sharded_ddp import IN_FLIGHT
 from ddpkit.optim import OSS
@@ -86,18 +85,11 @@ def test_a_rank_holds_its_pieces_of_cut_parameters_plus_the_ones_in_flight(share
         assert got["owned"] + 2 * got["one"] < got["all"]
 
 
-class _MallocInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]  # fmt: skip
-
-
 def in_use() -> int:
     """Bytes this process's C allocator has handed out and not had back (glibc's mallinfo2: heap and mappings):
     every tensor alive, whoever holds it, not only what ``p.grad`` names."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallocInfo
-    info = libc.mallinfo2()
+    info = allocator.malloc_info()
+    assert info is not None
     return info.uordblks + info.hblkhd
 
 
@@ -136,7 +128,7 @@ def _live_gradients_on_two_hosts(rank: int, world_size: int, ahead: int | None) 
         shared_memory.host_identity = original  # type: ignore[assignment]
 
 
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="counts through glibc's mallinfo2")
+@pytest.mark.skipif(allocator.malloc_info() is None, reason="counts through glibc's mallinfo2")
 def test_across_hosts_a_rank_keeps_only_what_its_lane_carries():
     """By default a rank outside a bucket's owner lane lets its gradient go once stage 1 took it; with
     `receives_ahead` also the host sums it carries across (its lane's buckets owned on the other host) go once their

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -44,6 +45,15 @@ THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 _mapped_from: int | None = None  # the threshold this process set (`in_effect` reports it)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """This process's C library (looked up once: `find_library` asks ``ldconfig``), None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
 
 
 def return_freed_memory(threshold_bytes: int = 2**20, keep_top_bytes: int | None = None) -> bool:
@@ -69,11 +79,8 @@ def return_freed_memory(threshold_bytes: int = 2**20, keep_top_bytes: int | None
         True
     """
     global _mapped_from
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     done = bool(mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)))
     if done and keep_top_bytes is not None:
@@ -137,8 +144,10 @@ def huge_pages_possible(version: tuple[int, int] | None, mode: str) -> bool:
     return version is not None and version >= (2, 35) and mode in ("always", "madvise")
 
 
-def _names_tunable(tunables: str, name: str) -> bool:
-    return any(item.split("=", 1)[0] == name for item in tunables.split(":"))
+def _tunables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The glibc tunables `environ` sets (``GLIBC_TUNABLES=name=value:name=value``), by name."""
+    pairs = (item.split("=", 1) for item in environ.get("GLIBC_TUNABLES", "").split(":") if item)
+    return {pair[0]: pair[1] if len(pair) > 1 else "" for pair in pairs}
 
 
 def huge_pages_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -157,9 +166,9 @@ def huge_pages_environment(environ: Mapping[str, str]) -> dict[str, str]:
     Example:
         >>> os.environ.update(huge_pages_environment(os.environ))  # in the launcher, before starting the ranks
     """
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if not huge_pages_available() or _names_tunable(tunables, HUGE_PAGE_TUNABLE):
+    if not huge_pages_available() or HUGE_PAGE_TUNABLE in _tunables(environ):
         return {}
+    tunables = environ.get("GLIBC_TUNABLES", "")
     return {"GLIBC_TUNABLES": ":".join(item for item in (tunables, f"{HUGE_PAGE_TUNABLE}=1") if item)}
 
 
@@ -193,8 +202,7 @@ def started_with_huge_pages(environ: Mapping[str, str] | None = None) -> bool:
         True when its ``GLIBC_TUNABLES`` sets ``glibc.malloc.hugetlb`` to 1 or 2.
     """
     environ = started_environment() if environ is None else environ
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    return any(item in (f"{HUGE_PAGE_TUNABLE}=1", f"{HUGE_PAGE_TUNABLE}=2") for item in tunables.split(":"))
+    return _tunables(environ).get(HUGE_PAGE_TUNABLE) in ("1", "2")
 
 
 def threshold_chosen_by_user(environ: Mapping[str, str]) -> bool:
@@ -206,9 +214,7 @@ def threshold_chosen_by_user(environ: Mapping[str, str]) -> bool:
     Returns:
         True when it sets ``MALLOC_MMAP_THRESHOLD_`` or the tunable ``glibc.malloc.mmap_threshold``.
     """
-    return "MALLOC_MMAP_THRESHOLD_" in environ or _names_tunable(
-        environ.get("GLIBC_TUNABLES", ""), "glibc.malloc.mmap_threshold"
-    )
+    return "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in _tunables(environ)
 
 
 def map_large_blocks(threshold_bytes: int = LARGE_BLOCK_BYTES, environ: Mapping[str, str] | None = None) -> bool:
@@ -242,3 +248,25 @@ def in_effect() -> dict[str, object]:
     started = started_environment()
     mapped_from: object = "environment" if threshold_chosen_by_user(started) else _mapped_from
     return {"large_blocks_mapped_from_bytes": mapped_from, "huge_pages": started_with_huge_pages(started)}
+
+
+class MallocInfo(ctypes.Structure):
+    """glibc's ``struct mallinfo2``: the heap's counters (``arena``: bytes of the heap; ``uordblks``: handed out from
+    it; ``hblkhd``: in blocks mapped alone)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+def malloc_info() -> MallocInfo | None:
+    """This process's allocator counters now (glibc's ``mallinfo2``, glibc 2.33 or later).
+
+    Returns:
+        The counters; None where the C library has no ``mallinfo2``.
+    """
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = MallocInfo
+    return mallinfo2()

@@ -172,10 +172,11 @@ def use_allocator(cfg: TrainConfig, rank: int) -> None:
     where the machine has them), with ``mapped`` in any case, noting on rank 0 when the pages are small (slower)."""
     if not cfg.maps_large_blocks:
         return
-    huge = allocator.started_with_huge_pages()
+    started = allocator.started_environment()  # (read once: what glibc read when this process started)
+    huge = allocator.started_with_huge_pages(started)
     if cfg.allocator == "auto" and not huge:
         return
-    if allocator.map_large_blocks() and not huge and rank == 0:
+    if allocator.map_large_blocks(environ=started) and not huge and rank == 0:
         say(
             "ddpkit: note: --allocator mapped without huge pages: large blocks are faulted in 4 KiB pages each step, "
             "which slows the steps (huge pages need glibc 2.35+, transparent huge pages 'always' or 'madvise', and "
