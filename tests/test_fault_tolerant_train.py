@@ -492,6 +492,37 @@ def test_a_rank_of_another_job_at_the_same_address_is_refused_by_name(tmp_path):
     assert store.get(job_store.JOB_KEY) == b"alpha" and not store.check([job_store.PREFIX + "latest"])
 
 
+def test_a_job_with_a_secret_trains_and_a_rank_without_it_or_with_another_is_refused_by_name(tmp_path, procs):  # noqa: F811
+    """Both machines of a job given DDPKIT_JOB_SECRET train as without it (the same losses: tags change no number);
+    a third command pointed at that job's store (held in its first steps), without the secret or with another, is
+    refused at once, naming the variable."""
+    from ddpkit.fault_tolerance.job_secret import SignedStore
+
+    secret, hold = "the job's secret, 32 bytes long", tmp_path / "hold"
+    hold.touch()
+    flags = [*DDP, *SHORT, "--model", "ft_factories:slow_mlp"]
+    env = {**ENV, "DDPKIT_JOB_SECRET": secret, "DDPKIT_TEST_HOLD_FILE": str(hold)}
+    port = free_port()
+    nodes = [_node(procs, port, r, 2, tmp_path / "signed", *flags, name=f"signed{r}", env=env) for r in range(2)]
+    _wait_for_round(SignedStore(_store(port), secret.encode()), 0, 120)  # (a reader with the secret)
+    where = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
+    command = [*DDPKIT, "train", "--fault-tolerant", *where, "--master-port", str(port), *SHORT]
+    for name, env, says in (("without", ENV, "belongs to a job with a secret, and this rank was started without one"),
+                            ("another", {**ENV, "DDPKIT_JOB_SECRET": "another secret of 32 bytes long"},
+                             "was written by a job with another secret, or without one")):  # fmt: skip
+        result = procs([*command, "--out", tmp_path / name], name, env=env).wait(60)
+        assert result.returncode == 1 and says in result.stderr, result
+        assert "DDPKIT_JOB_SECRET" in result.stderr and result.seconds < 30, result
+    hold.unlink()
+    for node in nodes:
+        result = node.wait(180)
+        assert result.returncode == 0, result
+    plain = procs([*DDPKIT, "train", "--fault-tolerant", *flags, "--out", tmp_path / "plain"], "plain", env=ENV)
+    assert plain.wait(180).returncode == 0
+    for a, b in zip(_steps(tmp_path / "plain"), _steps(tmp_path / "signed"), strict=True):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), abs=1e-6), (a, b)
+
+
 def test_a_rank_that_finds_no_store_is_told_why_that_may_be():
     """A process started again after its job ended (node 0's store gone) got the transport's raw timeout."""
     from ddpkit.distributed.launch import LaunchError

@@ -607,3 +607,20 @@ def test_finish_tells_the_store_the_job_is_over_and_a_late_rank_is_told_so():
     late = Manager(store, 1, 2, quorum_timeout=5, report=None)
     with pytest.raises(JobFinished):
         late.start_round()
+
+
+def test_with_a_job_secret_every_store_value_is_tagged_and_a_heal_still_equals_the_reference():
+    """The README loop with rank 2 late, every rank's store a SignedStore over one HashStore: the job trains as
+    without a secret (the reference), the joiner is healed from a tagged payload, and the rounds' keys in the store
+    carry tags (read raw, a decision is not plain JSON)."""
+    from ddpkit.fault_tolerance.job_secret import MARK, SignedStore
+
+    raw = dist.HashStore()
+    results, managers = _run(3, late={2: 6}, client=lambda: SignedStore(raw, b"a secret of 16 bytes or more"))
+    assert {rank: results[rank][0] for rank in range(3)} == {0: "done", 1: "done", 2: "done"}, results
+    assert managers[2].rejoined == 1
+    reference = _reference([managers[r].log for r in range(3)])
+    for rank in range(3):
+        for got, want in zip(results[rank][1], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert raw.get("ddpkit/ft/latest").startswith(MARK) and raw.get("ddpkit/ft/settings").startswith(MARK)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.fault_tolerance.job_secret import SignedStore
+
 SIDE_TIMEOUT = 10.0  # seconds a side connection waits to connect, and for any call
 
 
@@ -48,6 +50,8 @@ def side_connection(store: Any, timeout: float = SIDE_TIMEOUT) -> Any:
     Returns:
         The new connection (or `store` itself).
     """
+    if isinstance(store, SignedStore):
+        return SignedStore(side_connection(store.inner, timeout), store.secret)
     if isinstance(store, dist.TCPStore):
         return brief_client(store.host, store.port, timeout)
     return store.clone() if hasattr(store, "clone") else store

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ddpkit.distributed.launch import LaunchError
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
 from ddpkit.fault_tolerance.connections import brief_client
+from ddpkit.fault_tolerance.job_secret import MARK, SECRET_FILE_VARIABLE, SECRET_VARIABLE, UnsignedValue, protect
 from ddpkit.fault_tolerance.liveness import Liveness
 from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL, latest_members
 
@@ -39,10 +40,13 @@ JOB_KEY = "ddpkit/job"  # the job's name (--job-id; UNNAMED without one): a rank
 UNNAMED = "(unnamed)"
 
 
-def host(port: int, timeout: float, job_id: str | None = None) -> dist.TCPStore:
+def host(port: int, timeout: float, job_id: str | None = None) -> Any:
     """Starts the job's store on `port` of every address of this machine (the launcher of node 0 calls it),
-    marked as a fault-tolerant job's (`MODE_KEY`) and as job `job_id`'s (`JOB_KEY`: None, an unnamed job's)."""
-    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    marked as a fault-tolerant job's (`MODE_KEY`) and as job `job_id`'s (`JOB_KEY`: None, an unnamed job's).
+    Returns the server's own client: a `ddpkit.fault_tolerance.job_secret.SignedStore` when the environment gives
+    the job a secret. Raises ValueError when that secret is malformed."""
+    server = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    store = protect(server)
     store.set(MODE_KEY, FAULT_TOLERANT)
     store.set(JOB_KEY, job_id or UNNAMED)
     return store
@@ -51,9 +55,20 @@ def host(port: int, timeout: float, job_id: str | None = None) -> dist.TCPStore:
 def check_job(store: Any, job_id: str | None, where: str) -> None:
     """Refuses (LaunchError) a rank of job `job_id` (None: unnamed) that reached the store of another job at
     `where`. The first rank to reach a store nobody named (an etcd cluster's) names it, atomically (compare-and-set),
-    so of two jobs meeting there only the first goes on."""
+    so of two jobs meeting there only the first goes on. A rank whose job secret (`job_secret`) is not the store's,
+    or who has none where the store's values are tagged (or the reverse), is refused too."""
     mine = job_id or UNNAMED
-    theirs = store.compare_set(JOB_KEY, "", mine).decode()
+    try:
+        answer = store.compare_set(JOB_KEY, "", mine)
+    except UnsignedValue as exc:
+        raise LaunchError(f"the store at {where} was written by a job with another secret, or without one: this rank "
+                          f"cannot read it ({exc})") from exc  # fmt: skip
+    if answer.startswith(MARK):
+        raise LaunchError(
+            f"the store at {where} belongs to a job with a secret, and this rank was started without one: give it "
+            f"the job's {SECRET_VARIABLE} or {SECRET_FILE_VARIABLE}"
+        )
+    theirs = answer.decode()
     if theirs != mine:
 
         def say(name: str) -> str:
@@ -71,7 +86,7 @@ def refuse_plain_rank(address: str, port: int, timeout: float) -> None:
     whole --timeout for peers that never join a plain group)."""
     try:  # best effort: a store not up yet, or not reachable, is the join's to wait for and report
         client = brief_client(address, port, min(timeout, PROBE_SECONDS))
-        marked = client.check([MODE_KEY]) and client.get(MODE_KEY).decode() == FAULT_TOLERANT
+        marked = client.check([MODE_KEY])  # (its value may be tagged: job_secret)
     except (OSError, dist.DistError):
         return
     if marked:

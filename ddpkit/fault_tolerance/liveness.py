@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
+from ddpkit.fault_tolerance.job_secret import unsigned
 
 INTERVAL = 0.25  # seconds between a rank's beats
 STALE_AFTER = 2.0  # seconds without a beat after which a rank counts as gone (at most the quorum timeout)
@@ -49,6 +50,7 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self, store: Any, key: str) -> None:
+        store = unsigned(store)  # (beats are counters: not tagged, `ddpkit.fault_tolerance.job_secret`)
         leased = callable(getattr(store, "keep_alive", None))  # a store with leases (etcd)
         lease, beats = None, 0
         while not self._stop.is_set():
@@ -112,7 +114,7 @@ def _beat_counters(store: Any, prefix: str, ranks: list[int]) -> dict[int, bytes
     """The beat counters of those of `ranks` whose key exists, by rank. A leased key (etcd) may run out at any
     moment, between a look at it and a read of it too: there each key is read in one request that says whether it
     exists (`get_if_present`). Other stores' counters are never deleted: a look, then one read of those present."""
-    keys = {rank: alive_key(prefix, rank) for rank in ranks}
+    keys, store = {rank: alive_key(prefix, rank) for rank in ranks}, unsigned(store)
     if callable(getattr(store, "get_if_present", None)):
         values = {rank: store.get_if_present(key) for rank, key in keys.items()}
         return {rank: value for rank, value in values.items() if value is not None}

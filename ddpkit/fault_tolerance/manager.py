@@ -68,10 +68,11 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.rank_guard import say
-from ddpkit.fault_tolerance import job_store, store_agreement
+from ddpkit.fault_tolerance import job_secret, job_store, store_agreement
 from ddpkit.fault_tolerance.connections import side_connection
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.failures import is_peer_failure, is_store_loss
+from ddpkit.fault_tolerance.job_secret import unsigned
 from ddpkit.fault_tolerance.liveness import STALE_AFTER, Heartbeat, Liveness
 from ddpkit.fault_tolerance.membership import (
     DEFAULT_PREFIX,
@@ -137,7 +138,7 @@ def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
     store's connection broke; None otherwise."""
     if not is_store_loss(exc):
         return None
-    store = manager.store
+    store = unsigned(manager.store)
     where = store.url if isinstance(store, EtcdStore) else None
     if where is None and hasattr(store, "host"):
         where = f"{store.host}:{store.port}"
@@ -202,7 +203,8 @@ class Manager:
     Args:
         store: a client of the job's store: a ``torch.distributed`` Store (TCPStore; HashStore for ranks that are
             threads of one process) or `ddpkit.fault_tolerance.etcd_store.EtcdStore`, which any one machine may
-            be lost with.
+            be lost with. Given a job secret (``DDPKIT_JOB_SECRET``), it is wrapped in a
+            `ddpkit.fault_tolerance.job_secret.SignedStore`: values and heals are authenticated.
         rank: this rank's id, in ``[0, max_world)``, the same when it is started again.
         max_world: the job's largest number of ranks.
         min_replicas: the fewest members a round may have; with fewer, every rank stops with `TooFewReplicas`.
@@ -219,7 +221,7 @@ class Manager:
             `ddpkit.fault_tolerance.replica_membership`); None: the process is the replica.
 
     Raises:
-        ValueError: `rank`, `min_replicas` or `quorum_timeout` out of range.
+        ValueError: `rank`, `min_replicas` or `quorum_timeout` out of range, or the job's secret is malformed.
 
     Example:
         As in the module doc, for a rank of three on the job's TCPStore::
@@ -250,6 +252,7 @@ class Manager:
         report: Callable[[str], None] | None = say,
         replica: Replica | None = None,
     ) -> None:
+        store = job_secret.protect(store)  # (with the job's secret: its values tagged)
         membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
                                 start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
         membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
@@ -600,7 +603,7 @@ class Manager:
     def _reconnect(self) -> bool:
         """A new connection to the job's store in place of one that broke (`store.clone()`); False when none can be
         made (the store is gone, or cut off)."""
-        if not hasattr(self.store, "clone") or isinstance(self.store, EtcdStore):
+        if not hasattr(self.store, "clone") or isinstance(unsigned(self.store), EtcdStore):
             return False  # (an etcd client tried every member for its whole timeout already)
         try:  # a TCPStore's clone retries a refused connection for the store's whole timeout: first the store must
             # answer a call on a side connection (a machine that is going down may still accept a connection)

@@ -32,7 +32,7 @@ decided one; the quorum tells the others it `joined`, and the members send it th
 group (`heal_object`: sent point to point from the lowest member that was in the previous quorum to each joiner
 alone).
 
-What it costs when nothing fails: per round the commit's 3-4 store round trips per member (about 100 us each
+What it costs when nothing fails: per round the commit's 3-5 store round trips per member (about 100 us each
 from Python on one host) and no new connection; a round's first member deletes the keys of the round
 `KEPT_ROUNDS` before (`forget`, in the background: one delete per key, max_world + 4 + the group's). Memory:
 the store keeps a few bytes per rank for `KEPT_ROUNDS` rounds.
@@ -54,6 +54,7 @@ from ddpkit.distributed.comm import nbytes
 from ddpkit.distributed.stats import comm_stats, wire_bytes
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
 from ddpkit.fault_tolerance.connections import side_connection
+from ddpkit.fault_tolerance.job_secret import seal, secret_of, unseal
 
 DEFAULT_PREFIX = "ddpkit/ft/"
 FIRST_WAIT = 1.0  # seconds a quorum waits for everyone before it asks whether those missing still beat
@@ -117,6 +118,11 @@ class Quorum:
     next_decided: bool = False  # its commit decided the next round too: the same members (module doc, step 4)
     waited: float = 0.0
     _membership: Membership | None = field(default=None, repr=False)
+
+    @property
+    def secret(self) -> bytes | None:
+        """The job's secret its messages are tagged with (`ddpkit.fault_tolerance.job_secret`); None: untagged."""
+        return None if self._membership is None else secret_of(self._membership.store)
 
     @property
     def is_member(self) -> bool:
@@ -410,25 +416,32 @@ class Membership:
     # -- commit ----------------------------------------------------------------------------------------------------
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
-        """Module doc, step 4: the round's verdict, the same on every member. Each member reports in one atomic
-        addition to the round's counter (1 for success, n + 1 for failure: the sum says how many reported and how
-        many failed); the member whose report is the n-th writes the verdict, "1" only if none failed, and a member
-        that failed writes "0" at once. The others wait for it; one that waits `quorum_timeout` in vain (a member
-        died or stalled without failing anywhere else) writes "0". The first verdict written (compare-and-set) is
-        everyone's: 2-3 store round trips per member."""
-        n = len(quorum.members)
+        """Module doc, step 4: the round's verdict, the same on every member. A member that failed writes "0" at
+        once (compare-and-set: a dead member never reports). One that succeeded writes its own report key, then
+        looks whether every member's is there (one request for all of them): the member that sees them all (the
+        last to report, or one that raced it) reads them (their tags are checked where the job has a secret) and
+        proposes "1"; the others wait for the verdict, and one that waits `quorum_timeout` in vain (a member died
+        or stalled without failing anywhere else) writes "0". The first verdict written is everyone's: 3-5 store
+        round trips per member, none contended (no shared counter: a store's compare-and-swap retries grow with
+        the members)."""
         verdict_key = self._key(quorum.round, "verdict")
-        total = self.store.add(self._key(quorum.round, "reports"), 1 if ok else n + 1)
-        failed, succeeded = divmod(total, n + 1)
-        if not ok:  # the round failed: nobody need wait for the others' reports (a dead member never sends one)
-            verdict = self.store.compare_set(verdict_key, "", "0")
-        elif failed + succeeded == n:
-            verdict = self.store.compare_set(verdict_key, "", "0" if failed else self._success_verdict(quorum))
+        if not ok:  # and no report of its own: nobody sees every report, nobody proposes "1"
+            return self._take_verdict(quorum, self.store.compare_set(verdict_key, "", "0"))
+        self.store.set(self._key(quorum.round, "report", self.rank), "1")
+        reports = [self._key(quorum.round, "report", r) for r in quorum.members]
+        if self.store.check(reports) and self._reports_genuine(reports):
+            verdict = self.store.compare_set(verdict_key, "", self._success_verdict(quorum))
             if verdict == b"1+":  # this report's writer won the verdict: it writes the next round it promised
                 self._decide_next(quorum)
         else:
             verdict = self._await_verdict(quorum)
         return self._take_verdict(quorum, verdict)
+
+    def _reports_genuine(self, reports: list[str]) -> bool:
+        """Whether the `reports` keys, all present, were written by members: read (one request) and their tags
+        checked where the job has a secret (`UnsignedValue` on a forged one); without a secret their presence is
+        all there is to know (a failed member writes no report)."""
+        return secret_of(self.store) is None or all(value == b"1" for value in self.store.multi_get(reports))
 
     def read_verdict(self, quorum: Quorum) -> bool:
         """`quorum`'s verdict as the store holds it, for a member whose own report may or may not have landed (its
@@ -509,7 +522,8 @@ class Membership:
         arrived_key = self._key(round_, "arrived")
         arrived = store.get(arrived_key).decode().split(",") if store.check([arrived_key]) else []
         keys = [self._key(round_, "in", r) for r in arrived if r]
-        keys += [self._key(round_, part) for part in ("arrived", "joining", "joiners", "members", "reports", "verdict")]
+        keys += [self._key(round_, "report", r) for r in members]
+        keys += [self._key(round_, part) for part in ("arrived", "joining", "joiners", "members", "verdict")]
         keys += [self._group_key(round_, lane) + f"//0/{i}" for lane in range(self.lanes) for i in range(len(members))]
         for key in keys:
             store.delete_key(key)
@@ -550,7 +564,7 @@ def heal_object(quorum: Quorum, obj: Callable[[], Any] | None) -> Any:
     tag = (quorum.round % (1 << 20)) + (1 << 21)  # (apart from `quorum_exchange`'s tags)
     if quorum.index == root:
         assert obj is not None, "heal_object: the heal source must give the live state"
-        payload = wire_format.encode(obj())
+        payload = seal(wire_format.encode(obj()), quorum.secret, f"heal of round {quorum.round}")
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         works = []
         for joiner in joiners:
@@ -565,26 +579,37 @@ def heal_object(quorum: Quorum, obj: Callable[[], Any] | None) -> Any:
     quorum.group.recv([length], root, tag).wait()
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
     quorum.group.recv([payload], root, tag + 1).wait()
-    return wire_format.decode(payload)
+    return wire_format.decode(unseal(payload, quorum.secret, f"heal of round {quorum.round}"))
 
 
 def broadcast_object_from(quorum: Quorum, obj: Any, root: int) -> Any:
     """`obj` (what `wire_format` sends) as member index `root` has it, on every member (a collective of the members)."""
     assert quorum.index is not None
-    return broadcast_object_over(quorum.group, quorum.index, len(quorum.members), obj, root, "quorum")
+    return broadcast_object_over(quorum.group, quorum.index, len(quorum.members), obj, root, "quorum",
+                                 (quorum.secret, f"broadcast of round {quorum.round}"))  # fmt: skip
 
 
-def broadcast_object_over(group: Any, index: int, size: int, obj: Any, root: int, label: str | None) -> Any:
+def broadcast_object_over(
+    group: Any,
+    index: int,
+    size: int,
+    obj: Any,
+    root: int,
+    label: str | None,
+    signed: tuple[bytes | None, str] = (None, ""),
+) -> Any:
     """`obj` (what `wire_format` sends) as rank `root` of `group` has it, on every rank of it: `group` is a ProcessGroup
     object of `size` ranks, this process its rank `index` (called directly, so it need not be registered). Two
-    broadcasts, the length then the bytes, counted in `comm_stats` under `label` (None: not counted)."""
-    payload = wire_format.encode(obj) if index == root else torch.empty(0, dtype=torch.uint8)
+    broadcasts, the length then the bytes, counted in `comm_stats` under `label` (None: not counted). `signed`: the
+    job's secret and what the message is, to tag it (`job_secret.seal`; no secret: untagged)."""
+    secret, context = signed
+    payload = seal(wire_format.encode(obj), secret, context) if index == root else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     _broadcast(group, index, size, length, root, label)
     if index != root:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     _broadcast(group, index, size, payload, root, label)
-    return wire_format.decode(payload)  # (a copy on the root too)
+    return wire_format.decode(unseal(payload, secret, context))  # (a copy on the root too)
 
 
 def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.fault_tolerance.job_secret import secret_of
 from ddpkit.fault_tolerance.membership import Membership, Quorum, broadcast_object_over
 
 
@@ -38,11 +39,13 @@ from ddpkit.fault_tolerance.membership import Membership, Quorum, broadcast_obje
 class Replica:
     """This process's place in its replica: `lane` (its index among the replica's `lanes` processes; lane 0
     leads) and `control`, a process group of the replica's processes (a ``torch.distributed`` ProcessGroup
-    object: collectives are called on it directly, so it need not be registered with a default group)."""
+    object: collectives are called on it directly, so it need not be registered with a default group), and the
+    job's `secret` its messages are tagged with (`ddpkit.fault_tolerance.job_secret`; None: untagged)."""
 
     lane: int
     lanes: int
     control: Any
+    secret: bytes | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.lane < self.lanes:
@@ -55,7 +58,9 @@ class Replica:
     def share(self, obj: Any) -> Any:
         """The leader's `obj` on every lane (`broadcast_object_over` the control group: its length, its bytes; the
         machine's own control traffic, not counted with the rounds' bytes)."""
-        return broadcast_object_over(self.control, self.lane, self.lanes, obj, 0, None)
+        return broadcast_object_over(
+            self.control, self.lane, self.lanes, obj, 0, None, (self.secret, "replica control")
+        )
 
     def all_ok(self, ok: bool) -> bool:
         """Whether every lane's `ok` is True (one all-reduce of a flag over the control group)."""
@@ -77,7 +82,7 @@ def join_replica(store: Any, prefix: str, replica: int, lane: int, lanes: int, t
                             timeout=timedelta(seconds=timeout))  # fmt: skip
     control = dist.ProcessGroupGloo(dist.PrefixStore(where + "control", store), lane, lanes,
                                     timedelta(seconds=control_timeout))  # fmt: skip
-    return Replica(lane, lanes, control)
+    return Replica(lane, lanes, control, secret_of(store))
 
 
 class ReplicaMembership:

@@ -27,7 +27,7 @@ from ddpkit.distributed import threads
 from ddpkit.distributed.launch import Placement, choose_gloo_interface
 from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import say, tell
-from ddpkit.fault_tolerance import job_store
+from ddpkit.fault_tolerance import job_secret, job_store
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.manager import FellBehind, Manager
 from ddpkit.fault_tolerance.membership import Quorum
@@ -156,8 +156,9 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
 
 
 def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
-    """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port; a
-    LaunchError if it is another job's (`job_store.check_job`). Across machines, the rounds' gloo groups advertise
+    """The job's store: the etcd cluster of --store, else node 0's TCPStore at --master-addr/--master-port, signed
+    with the job's secret if the environment gives one (`job_secret`); a LaunchError if it is another job's
+    (`job_store.check_job`) or was written without this secret. Across machines, the rounds' gloo groups advertise
     the address that routes towards the store (the other machines')."""
     if cfg.store is not None:
         store = EtcdStore(cfg.store, cfg.timeout)
@@ -168,6 +169,7 @@ def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
         choose_gloo_interface(host, port)
     if cfg.store is None:
         store = job_store.connect(host, port, cfg.timeout)
+    store = job_secret.protect(store)  # (with DDPKIT_JOB_SECRET: every value tagged and checked)
     job_store.check_job(store, cfg.job_id, cfg.store or f"{host}:{port}")
     return store
 
