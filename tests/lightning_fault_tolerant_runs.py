@@ -65,7 +65,7 @@ class Watch:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int, epoch: int, module: torch.nn.Module) -> None:
-        self.steps.append({"step": step, "epoch": epoch, "digest": digest(module)})
+        self.steps.append({"step": step, "epoch": epoch, "digest": digest(module), "forming": self.manager.forming})
         if self.args.wait_for_joiner is None or step < self.args.wait_for_joiner:
             return
         started = Path(self.args.out, "joiner-started")

@@ -102,14 +102,15 @@ def _round_0(stores: list, world: int) -> list:
 
 
 def test_with_a_secret_a_forged_report_cannot_commit_a_round_for_a_member_that_did_not_report():
-    """The commit's reports are signed keys, one per member (a shared counter, which `add` keeps untagged, would let
-    anyone who reaches the store add the missing member's report): rank 0 sees rank 1's forged report, refuses it,
-    and no verdict is written; rank 1's own report then commits the round."""
+    """The commit's reports are signed keys, one per member; the count of reports (`add`: untagged) only says when
+    to read them. Someone without the secret writes rank 1's report and adds to the count: rank 0 reads the forged
+    report, refuses it, and no verdict is written; rank 1's own report then commits the round."""
     raw = dist.HashStore()
     raw.set_timeout(timedelta(seconds=20))
     quorums = _round_0([SignedStore(raw, SECRET) for _ in range(2)], 2)
     key = quorums[0]._membership._key(0, "report", 1)
     raw.set(key, "1")
+    raw.add(quorums[0]._membership._key(0, "reported"), 1)  # and the count of reports, which is not tagged
     with pytest.raises(UnsignedValue, match=f"the value of '{key}' in the job's store has no tag"):
         quorums[0].commit(True)
     assert not raw.check([quorums[0]._membership._key(0, "verdict")])

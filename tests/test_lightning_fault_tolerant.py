@@ -76,6 +76,8 @@ def test_a_replica_killed_in_a_round_rejoins_and_ends_equal(tmp_path, mode):
     assert tail and tail[0][0] > DIE_AT, tail  # (it resumes past the round it died in, not from step 0)
     assert tail == [(s["step"], s["epoch"], s["digest"]) for s in first["steps"]][-len(tail) :]
     assert torch.equal(torch.tensor(first["params"]), torch.tensor(back["params"]))
+    # after every step, the next step's quorum was being formed in the background (taken after its backward)
+    assert all(s["forming"] for s in first["steps"] + back["steps"]), first["steps"]
 
 
 def test_the_strategies_refuse_what_they_cannot_do(tmp_path):

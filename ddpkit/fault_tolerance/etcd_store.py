@@ -289,10 +289,20 @@ class EtcdStore(dist.Store):
         answer = self._post("/v3/kv/range", {**self._job_range(), "count_only": True})
         return int(answer.get("count", 0))
 
+    def count_prefix(self, prefix: str) -> int:
+        """How many of this job's keys start with `prefix`, in one request that returns the count alone (a round's
+        reports: `ddpkit.fault_tolerance.membership`)."""
+        answer = self._post("/v3/kv/range", {**self._prefix_range(prefix), "count_only": True})
+        return int(answer.get("count", 0))
+
     def _job_range(self) -> dict[str, str]:
         """The gateway's range of every key of this job (the namespace as a prefix)."""
-        prefix = self.namespace.encode()
-        return {"key": _b64(prefix), "range_end": _b64(prefix[:-1] + bytes([prefix[-1] + 1]))}
+        return self._prefix_range("")
+
+    def _prefix_range(self, prefix: str) -> dict[str, str]:
+        """The gateway's range of this job's keys that start with `prefix`."""
+        start = (self.namespace + prefix).encode()
+        return {"key": _b64(start), "range_end": _b64(start[:-1] + bytes([start[-1] + 1]))}
 
     # -- leases (a rank's heartbeat: `ddpkit.fault_tolerance.liveness`) -------------------------------------------
 

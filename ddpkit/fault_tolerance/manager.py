@@ -401,6 +401,12 @@ class Manager:
             quorum = self.rejoin()
         return quorum
 
+    @property
+    def forming(self) -> bool:
+        """Whether the next round's quorum is being formed in the background (`start_round(background=True)`),
+        not yet taken."""
+        return self._pending is not None
+
     @_stops_if_store_lost
     def take(self) -> Quorum:
         """The quorum formed in the background (`start_round(background=True)`), entered (`round`)."""

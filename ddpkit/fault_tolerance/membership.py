@@ -417,19 +417,16 @@ class Membership:
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
         """Module doc, step 4: the round's verdict, the same on every member. A member that failed writes "0" at
-        once (compare-and-set: a dead member never reports). One that succeeded writes its own report key, then
-        looks whether every member's is there (one request for all of them): the member that sees them all (the
-        last to report, or one that raced it) reads them (their tags are checked where the job has a secret) and
-        proposes "1"; the others wait for the verdict, and one that waits `quorum_timeout` in vain (a member died
-        or stalled without failing anywhere else) writes "0". The first verdict written is everyone's: 3-5 store
-        round trips per member, none contended (no shared counter: a store's compare-and-swap retries grow with
-        the members)."""
+        once (compare-and-set: a dead member never reports). One that succeeded writes its own report key and
+        counts the reports (`_reported_last`): the member whose report was the last proposes "1"; the others wait
+        for the verdict, and one that waits `quorum_timeout` in vain (a member died or stalled without failing
+        anywhere else) writes "0". The first verdict written is everyone's: 3-5 store round trips per member, none
+        of them retried under contention."""
         verdict_key = self._key(quorum.round, "verdict")
         if not ok:  # and no report of its own: nobody sees every report, nobody proposes "1"
             return self._take_verdict(quorum, self.store.compare_set(verdict_key, "", "0"))
         self.store.set(self._key(quorum.round, "report", self.rank), "1")
-        reports = [self._key(quorum.round, "report", r) for r in quorum.members]
-        if self.store.check(reports) and self._reports_genuine(reports):
+        if self._reported_last(quorum):
             verdict = self.store.compare_set(verdict_key, "", self._success_verdict(quorum))
             if verdict == b"1+":  # this report's writer won the verdict: it writes the next round it promised
                 self._decide_next(quorum)
@@ -437,11 +434,27 @@ class Membership:
             verdict = self._await_verdict(quorum)
         return self._take_verdict(quorum, verdict)
 
-    def _reports_genuine(self, reports: list[str]) -> bool:
-        """Whether the `reports` keys, all present, were written by members: read (one request) and their tags
-        checked where the job has a secret (`UnsignedValue` on a forged one); without a secret their presence is
-        all there is to know (a failed member writes no report)."""
-        return secret_of(self.store) is None or all(value == b"1" for value in self.store.multi_get(reports))
+    def _reported_last(self, quorum: Quorum) -> bool:
+        """Whether every member's report is in, as this member's report made it: etcd counts the round's report
+        keys in one request (nobody contends); another store counts reports in one atomic counter (a TCPStore's
+        add is one request its server answers alone). Under a job secret the counts, which anyone reaching the
+        store could inflate, are only a trigger: the reports themselves are waited for and their tags checked."""
+        n, round_ = len(quorum.members), quorum.round
+        count_prefix = getattr(self.store, "count_prefix", None)
+        if callable(count_prefix):
+            seen = count_prefix(self._key(round_, "report") + "/")
+        else:
+            seen = self.store.add(self._key(round_, "reported"), 1)
+        if seen < n:
+            return False
+        if secret_of(self.store) is None:
+            return True
+        reports = [self._key(round_, "report", r) for r in quorum.members]
+        try:
+            self.store.wait(reports, timedelta(seconds=self.timeout))
+        except dist.DistStoreError:
+            return False  # (a member never reported: the verdict waited for next says so)
+        return all(value == b"1" for value in self.store.multi_get(reports))
 
     def read_verdict(self, quorum: Quorum) -> bool:
         """`quorum`'s verdict as the store holds it, for a member whose own report may or may not have landed (its
@@ -523,7 +536,9 @@ class Membership:
         arrived = store.get(arrived_key).decode().split(",") if store.check([arrived_key]) else []
         keys = [self._key(round_, "in", r) for r in arrived if r]
         keys += [self._key(round_, "report", r) for r in members]
-        keys += [self._key(round_, part) for part in ("arrived", "joining", "joiners", "members", "verdict")]
+        keys += [
+            self._key(round_, part) for part in ("arrived", "joining", "joiners", "members", "reported", "verdict")
+        ]
         keys += [self._group_key(round_, lane) + f"//0/{i}" for lane in range(self.lanes) for i in range(len(members))]
         for key in keys:
             store.delete_key(key)

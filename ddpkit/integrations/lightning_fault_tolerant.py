@@ -4,15 +4,19 @@
 Each process runs Lightning on one device and no process group spans the job: the ranks meet in rounds through
 the manager's store. Per optimizer step the strategy
 
-1. starts the manager's round before the training step: a process that starts late, or comes back after it was
-   lost, receives the live state from a member first (the module, the optimizers, the learning-rate schedulers
-   and, for the Trainer, Lightning's loop counters: epoch, batch and optimizer-step progress, so ``global_step``
-   and ``current_epoch`` equal the members' right after the heal);
+1. takes part in the manager's round: its quorum was formed in the background since the previous step's commit
+   (`Manager.start_round(background=True)`), while the batch loaded and, for the Trainer, while the training step
+   and backward computed; it is taken after backward (Trainer) or at the step's first training forward (Fabric,
+   whose forward and backward are your code's). A process that starts late, or comes back after it was lost,
+   receives the live state from a member first (the module, the optimizers, the learning-rate schedulers and, for
+   the Trainer, Lightning's loop counters: epoch, batch and optimizer-step progress, so ``global_step`` and
+   ``current_epoch`` equal the members' right after the heal); a replica left out of the round formed (it
+   stalled) takes the live state there, and the Trainer computes its training step again on it;
 2. averages the gradients over the round's members after backward (before gradient clipping and
    ``on_before_optimizer_step``, which then see the averaged gradients, as under DDP);
 3. steps the optimizer only if the round committed on every member: a round that failed anywhere (a member died
    during it) leaves every member's parameters and optimizer state as they were, and Lightning's loop goes on to
-   the next batch.
+   the next batch; then starts forming the next round's quorum in the background.
 
 Sends per step what `Manager.average_gradients` sends (one all-reduce of the gradients over the round's group)
 plus the quorum's store round trips, and the live state to joiners. Holds a flat copy of the gradients during the
@@ -43,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(needs) from exc
 
 from ddpkit.distributed.agreement import optimizer_settings
-from ddpkit.fault_tolerance.manager import Manager
+from ddpkit.fault_tolerance.manager import FellBehind, Manager
 
 __all__ = ["DDPKitFabricFaultTolerantStrategy", "DDPKitFaultTolerantStrategy"]
 
@@ -145,11 +149,22 @@ class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        self.manager.step = self.lightning_module.trainer.global_step  # events name Lightning's step
-        self.manager.start_round()  # a joiner takes the live state here, before its training step
-        result = closure()  # training_step and backward
-        self.manager.average_gradients(_trainable(self.lightning_module))
-        if not self.manager.should_commit():  # failed on some member: every member skips this step
+        manager = self.manager
+        manager.step = self.lightning_module.trainer.global_step  # events name Lightning's step
+        if manager.forming:  # the quorum forms while the training step and backward compute
+            result = closure()
+            try:
+                manager.current()
+            except FellBehind:  # left out of the round (this replica stalled): the live state, then compute again
+                manager.rejoin()
+                result = closure()
+        else:  # the first step, or after a round this process did not take part in: a joiner heals first
+            manager.start_round()
+            result = closure()  # training_step and backward
+        manager.average_gradients(_trainable(self.lightning_module))
+        committed = manager.should_commit()  # False when the round failed on some member: every member skips
+        manager.start_round(background=True)  # the next step's quorum, while its batch loads and computes
+        if not committed:
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
@@ -205,16 +220,28 @@ class DDPKitFabricFaultTolerantStrategy(FabricSingleDeviceStrategy):
         return super().setup_optimizer(optimizer)
 
     def open_round(self) -> None:
-        """Starts the manager's round unless one is open (called by the module's training forward)."""
-        if not self._round_open:
-            self.manager.start_round()
-            self._round_open = True
+        """Enters the manager's round unless one is open (called by the module's training forward): the one
+        formed in the background since the last step (a replica left out of it takes the live state there), else
+        a round formed now (the first step)."""
+        if self._round_open:
+            return
+        manager = self.manager
+        if manager.forming:
+            try:
+                manager.current()
+            except FellBehind:  # left out of the round (this replica stalled): the live state, before it computes
+                manager.rejoin()
+        else:
+            manager.start_round()
+        self._round_open = True
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         assert self._module is not None, "DDPKitFabricFaultTolerantStrategy: fabric.setup(model, optimizer) first"
         self.open_round()  # a step without a training forward still takes part in the round
         self._round_open = False
         self.manager.average_gradients(_trainable(self._module))
-        if not self.manager.should_commit():
+        committed = self.manager.should_commit()
+        self.manager.start_round(background=True)  # the next step's quorum, while its batch loads
+        if not committed:
             return None
         return super().optimizer_step(optimizer, **kwargs)
