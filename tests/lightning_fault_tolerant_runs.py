@@ -47,9 +47,12 @@ class SGDNet(Net):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+def tensor_digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 def digest(module: torch.nn.Module) -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    return tensor_digest(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
 
 
 class Watch:
@@ -58,6 +61,7 @@ class Watch:
     def __init__(self, args: argparse.Namespace, manager: Manager) -> None:
         self.args, self.manager = args, manager
         self.steps: list[dict] = []
+        self.batch = ""  # the digest of the step's input batch
         self.deadline = time.monotonic() + 150
 
     def after_backward(self, step: int) -> None:
@@ -65,7 +69,8 @@ class Watch:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int, epoch: int, module: torch.nn.Module) -> None:
-        self.steps.append({"step": step, "epoch": epoch, "digest": digest(module), "forming": self.manager.forming})
+        self.steps.append({"step": step, "epoch": epoch, "digest": digest(module), "forming": self.manager.forming,
+                           "batch": self.batch})  # fmt: skip
         if self.args.wait_for_joiner is None or step < self.args.wait_for_joiner:
             return
         started = Path(self.args.out, "joiner-started")
@@ -85,6 +90,9 @@ class Watch:
 class _Callbacks(L.Callback):
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: object, *args: object) -> None:
+        self.watch.batch = tensor_digest(batch[0])
 
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.watch.after_backward(trainer.global_step + 1)
@@ -114,9 +122,14 @@ def run_fabric(args: argparse.Namespace, manager: Manager, watch: Watch) -> torc
     position = {"step": 0}
     manager.register_state("step", lambda: dict(position), position.update)
     data = fabric.setup_dataloaders(loader(args))
+    fabric.strategy.open_round()  # a joiner receives the live state (and the step) here, before reading data
     while position["step"] < STEPS:
-        for x, y in data:
-            loss = F.cross_entropy(model(x), y)  # a joiner receives the live state (and the step) here
+        skip = position["step"] % len(data)  # (a joiner starts at the members' batch)
+        for index, (x, y) in enumerate(data):
+            if index < skip:
+                continue
+            watch.batch = tensor_digest(x)
+            loss = F.cross_entropy(model(x), y)
             fabric.backward(loss)
             watch.after_backward(position["step"] + 1)
             optimizer.step()

@@ -46,6 +46,17 @@ def _finish(process: warm_processes.Command, timeout: float = 240) -> tuple[int,
     return process.returncode, output
 
 
+def _batches(rank: int) -> list[str]:
+    """The digest of each batch of an epoch of replica `rank`'s share of the data, read here from the definition
+    (every 2nd sample from `rank` on, batches of BATCH in order)."""
+    from lightning_fault_tolerant_runs import BATCH, tensor_digest
+    from lightning_runs import _data
+
+    data = _data()
+    share = [data[i][0] for i in range(rank, len(data), 2)]
+    return [tensor_digest(torch.stack(share[i : i + BATCH])) for i in range(0, len(share), BATCH)]
+
+
 @pytest.mark.parametrize("mode", ["trainer", "fabric"])
 def test_a_replica_killed_in_a_round_rejoins_and_ends_equal(tmp_path, mode):
     port = free_port()
@@ -78,6 +89,12 @@ def test_a_replica_killed_in_a_round_rejoins_and_ends_equal(tmp_path, mode):
     assert torch.equal(torch.tensor(first["params"]), torch.tensor(back["params"]))
     # after every step, the next step's quorum was being formed in the background (taken after its backward)
     assert all(s["forming"] for s in first["steps"] + back["steps"]), first["steps"]
+    # every step of each replica read the batch an uninterrupted replica of its rank reads at that step: the
+    # restarted one resumed at the members' data position (the same epoch and batch of its share)
+    for rank, record in ((0, first), (1, back)):
+        batches = _batches(rank)
+        assert [s["batch"] for s in record["steps"]] == [batches[(s["step"] - 1) % len(batches)] for s in
+                                                         record["steps"]], (rank, record["steps"])  # fmt: skip
 
 
 def test_the_strategies_refuse_what_they_cannot_do(tmp_path):

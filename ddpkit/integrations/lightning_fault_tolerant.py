@@ -22,8 +22,10 @@ Sends per step what `Manager.average_gradients` sends (one all-reduce of the gra
 plus the quorum's store round trips, and the live state to joiners. Holds a flat copy of the gradients during the
 average. Data: each process reads what its dataloader gives it; split the data by the manager's rank yourself
 (``DistributedSampler(dataset, num_replicas=max_world, rank=rank)``) so replicas see different batches. A joiner
-takes the members' loop counters, not their dataloader position: it reads its own epoch from the start until the
-epoch ends at the members' batch count.
+resumes at the members' data position: under the Trainer it takes the members' loop counters before its first
+training step and reads the batch the members are at (the same epoch, given to the sampler, and batch index of its
+own share: the batches before it are read and dropped), as a replica that never stopped would; under Fabric your
+loop does the same with the position it registered (the class's example).
 
 Refused, with the reason: manual optimization and ``accumulate_grad_batches > 1`` (the round starts inside the
 optimizer step, after the backward passes of manual optimization and of earlier micro-batches ran on state a
@@ -41,6 +43,7 @@ from torch import nn
 try:
     import lightning.pytorch as pl
     from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+    from lightning.fabric.utilities.data import _set_sampler_epoch
     from lightning.pytorch.strategies import SingleDeviceStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     needs = 'ddpkit.integrations.lightning_fault_tolerant needs lightning: pip install "ddpkit[lightning]"'
@@ -89,21 +92,68 @@ def loop_counters(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def load_loop_counters(trainer: pl.Trainer, counters: dict[str, Any]) -> None:
+    """Sets Lightning's loop counters of a fit in progress to `counters` (`loop_counters`)."""
     for name, progress in _loops(trainer).items():
         progress.load_state_dict(counters[name])
     trainer.fit_loop.epoch_loop._batches_that_stepped = counters["batches_that_stepped"]
 
 
+def shifted(counters: Any, now: Any, start: Any) -> Any:
+    """`counters` plus what this process counted from `start` to `now` (the same nested dicts of counts): the
+    members' counters at their step's start, moved to where this process is inside its own step."""
+    if isinstance(counters, dict):
+        return {k: shifted(v, now[k], start[k]) for k, v in counters.items()}
+    if isinstance(counters, int) and not isinstance(counters, bool):
+        return counters + now - start
+    return counters
+
+
+def fetch_batch_at(trainer: pl.Trainer, epoch: int, index: int) -> Any:
+    """Batch `index` of epoch `epoch` of the fit's training data, as the fit loop's own fetcher yields it (the
+    sampler's epoch set, a new iterator, the batches before it read and dropped), the fetcher left after it: the
+    batch the members' replicas of this rank would be at. Only a map of batches that Lightning fetches itself (not
+    a ``dataloader_iter`` training step) can be moved."""
+    fit_loop = trainer.fit_loop
+    fetcher, loader = fit_loop._data_fetcher, fit_loop._combined_loader
+    if fetcher is None or loader is None or type(fetcher).__name__ == "_DataLoaderIterDataFetcher":
+        raise ValueError(
+            "DDPKitFaultTolerantStrategy: a joiner can take the members' data position only when Lightning fetches "
+            "the batches (a training_step taking dataloader_iter reads its own)"
+        )
+    for dataloader in loader.flattened:
+        _set_sampler_epoch(dataloader, epoch)
+    iter(fetcher)
+    for _ in range(index):
+        next(fetcher)
+    batch, _, _ = next(fetcher)
+    fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    batch = trainer.precision_plugin.convert_input(batch)
+    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
 class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
     """``Trainer(strategy=DDPKitFaultTolerantStrategy(manager))``: a fault-tolerant replica (module doc).
 
-    Register anything else a joiner needs (a data position, your own counters) with the manager before ``fit``.
+    Register anything else a joiner needs (your own counters) with the manager before ``fit``.
 
     Args:
         manager: this process's `ddpkit.fault_tolerance.Manager` (its store, rank, ``max_world``, ``min_replicas``,
             timeouts).
         device: where the module trains (default the CPU).
         **kwargs: Lightning's SingleDeviceStrategy's keyword arguments.
+
+    Raises:
+        ValueError: at ``fit``, for manual optimization or ``accumulate_grad_batches`` > 1.
+
+    Example:
+        Each replica's process, its share of the data chosen by the manager's rank::
+
+            manager = Manager(store, rank, max_world=3, quorum_timeout=5, settings={"lr": 0.1})
+            sampler = DistributedSampler(dataset, num_replicas=3, rank=rank)
+            trainer = L.Trainer(strategy=DDPKitFaultTolerantStrategy(manager), accelerator="cpu", devices=1,
+                                max_steps=1000)
+            trainer.fit(model, DataLoader(dataset, batch_size=32, sampler=sampler))
+            manager.close()
     """
 
     strategy_name = "ddpkit_fault_tolerant"
@@ -112,6 +162,9 @@ class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
         super().__init__(device=torch.device(device), **kwargs)
         self.manager = _check_manager(manager, "DDPKitFaultTolerantStrategy")
         self._registered = False
+        self._step_start: dict[str, Any] | None = None  # the loop counters at this step's start (what joiners take)
+        self._round_open = False  # this step's round was entered before the training step (a first step, a heal)
+        self._realign = False  # took the members' live state: its next batch is the members' data position
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -139,8 +192,37 @@ class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
 
         schedulers = lambda: [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]  # noqa: E731
         self.manager.register_state("schedulers", schedulers, load_schedulers)
-        self.manager.register_state("loops", lambda: loop_counters(trainer), lambda c: load_loop_counters(trainer, c))
+        self.manager.register_state("loops", lambda: self._step_start or loop_counters(trainer), self._load_loops)
         self._registered = True
+
+    def _load_loops(self, counters: dict[str, Any]) -> None:
+        """The members' loop counters at their step's start: loaded where this process is at its own step's start
+        (a new process, before its first training step), else moved by what it counted since (a replica left out of
+        a round, taking the live state after its backward). A joiner then reads its next batch where the members
+        are (`batch_to_device`)."""
+        trainer = self.lightning_module.trainer
+        now = loop_counters(trainer)
+        start = self._step_start or now
+        load_loop_counters(trainer, shifted(counters, now, start))
+        quorum = self.manager.quorum
+        self._realign = quorum is not None and self.manager.rank in quorum.joined
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Before each training step: notes the loop counters at its start; at this process's first step, enters
+        the job's round (round 0, or the live state of a job under way); after taking the live state, replaces
+        the batch by the one at the members' data position (`fetch_batch_at`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training and self._registered:
+            self._step_start = loop_counters(trainer)
+            if self.manager.quorum is None and not self.manager.forming:
+                self.manager.start_round()  # a joiner takes the live state here, before its training step
+                self._round_open = True
+            if self._realign:
+                self._realign = False
+                epoch_loop = trainer.fit_loop.epoch_loop
+                batch = fetch_batch_at(trainer, trainer.fit_loop.epoch_progress.current.processed,
+                                       epoch_loop.batch_progress.current.ready)  # fmt: skip
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def optimizer_step(
         self,
@@ -151,14 +233,17 @@ class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
     ) -> Any:
         manager = self.manager
         manager.step = self.lightning_module.trainer.global_step  # events name Lightning's step
-        if manager.forming:  # the quorum forms while the training step and backward compute
+        if self._round_open:  # entered before the training step (`batch_to_device`)
+            self._round_open = False
+            result = closure()
+        elif manager.forming:  # the quorum formed while the training step and backward computed
             result = closure()
             try:
                 manager.current()
             except FellBehind:  # left out of the round (this replica stalled): the live state, then compute again
                 manager.rejoin()
                 result = closure()
-        else:  # the first step, or after a round this process did not take part in: a joiner heals first
+        else:  # (a step after a round this process could not form in the background)
             manager.start_round()
             result = closure()  # training_step and backward
         manager.average_gradients(_trainable(self.lightning_module))
@@ -190,12 +275,31 @@ class DDPKitFabricFaultTolerantStrategy(FabricSingleDeviceStrategy):
     ``fabric.setup(model, optimizer)`` registers both with the manager; the first training forward of a step opens
     the round, ``optimizer.step()`` averages the gradients and steps only if the round committed everywhere
     (it returns None when it did not). Register your loop's own counters with the manager
-    (``manager.register_state("step", ...)``) so a joiner continues from the members' step.
+    (``manager.register_state("step", ...)``) and call ``fabric.strategy.open_round()`` before reading data, so a
+    joiner takes the members' step there and your loop starts at their batch.
 
     Args:
         manager: this process's `ddpkit.fault_tolerance.Manager`.
         device: where the module trains (default the CPU).
         **kwargs: Fabric's SingleDeviceStrategy's keyword arguments.
+
+    Example:
+        A loop whose position a joiner takes (``loader`` gives this replica's share of the data)::
+
+            fabric = L.Fabric(strategy=DDPKitFabricFaultTolerantStrategy(manager), accelerator="cpu", devices=1)
+            model, optimizer = fabric.setup(model, optimizer)
+            position = {"step": 0}
+            manager.register_state("step", lambda: dict(position), position.update)
+            data = fabric.setup_dataloaders(loader)
+            fabric.strategy.open_round()  # a joiner takes the live state here, the step included
+            while position["step"] < total_steps:
+                for index, (x, y) in enumerate(data):
+                    if index < position["step"] % len(data):
+                        continue  # (a joiner starts at the members' batch)
+                    fabric.backward(loss_fn(model(x), y))
+                    optimizer.step()  # None where the round failed on some member
+                    optimizer.zero_grad()
+                    position["step"] += 1
     """
 
     def __init__(self, manager: Manager, device: str | torch.device = "cpu", **kwargs: Any) -> None:
