@@ -32,7 +32,7 @@ decided one; the quorum tells the others it `joined`, and the members send it th
 group (`heal_object`: sent point to point from the lowest member that was in the previous quorum to each joiner
 alone).
 
-What it costs when nothing fails: per round the commit's 3-5 store round trips per member (about 100 us each
+What it costs when nothing fails: per round the commit's 2-4 store round trips per member (about 100 us each
 from Python on one host) and no new connection; a round's first member deletes the keys of the round
 `KEPT_ROUNDS` before (`forget`, in the background: one delete per key, max_world + 4 + the group's). Memory:
 the store keeps a few bytes per rank for `KEPT_ROUNDS` rounds.
@@ -417,15 +417,14 @@ class Membership:
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
         """Module doc, step 4: the round's verdict, the same on every member. A member that failed writes "0" at
-        once (compare-and-set: a dead member never reports). One that succeeded writes its own report key and
-        counts the reports (`_reported_last`): the member whose report was the last proposes "1"; the others wait
+        once (compare-and-set: a dead member never reports). One that succeeded reports and counts the reports
+        (`_reported_last`): the member whose report was the last proposes "1"; the others wait
         for the verdict, and one that waits `quorum_timeout` in vain (a member died or stalled without failing
-        anywhere else) writes "0". The first verdict written is everyone's: 3-5 store round trips per member, none
-        of them retried under contention."""
+        anywhere else) writes "0". The first verdict written is everyone's: 2-4 store round trips per member (one
+        more on etcd or under a job secret), none of them retried under contention."""
         verdict_key = self._key(quorum.round, "verdict")
         if not ok:  # and no report of its own: nobody sees every report, nobody proposes "1"
             return self._take_verdict(quorum, self.store.compare_set(verdict_key, "", "0"))
-        self.store.set(self._key(quorum.round, "report", self.rank), "1")
         if self._reported_last(quorum):
             verdict = self.store.compare_set(verdict_key, "", self._success_verdict(quorum))
             if verdict == b"1+":  # this report's writer won the verdict: it writes the next round it promised
@@ -435,19 +434,23 @@ class Membership:
         return self._take_verdict(quorum, verdict)
 
     def _reported_last(self, quorum: Quorum) -> bool:
-        """Whether every member's report is in, as this member's report made it: etcd counts the round's report
-        keys in one request (nobody contends); another store counts reports in one atomic counter (a TCPStore's
-        add is one request its server answers alone). Under a job secret the counts, which anyone reaching the
-        store could inflate, are only a trigger: the reports themselves are waited for and their tags checked."""
+        """Reports this member's success and says whether every member's report is in. Reports are counted in
+        one request: etcd counts the round's report keys (nobody contends; a shared counter there is a
+        compare-and-swap retried against every other member), another store adds to one counter (its server
+        answers an add alone). Under a job secret the count, which anyone reaching the store could inflate, is only
+        a trigger: the report keys themselves are waited for and their tags checked. A report key is written only
+        where something reads it (etcd's count, a secret's check)."""
         n, round_ = len(quorum.members), quorum.round
-        count_prefix = getattr(self.store, "count_prefix", None)
+        count_prefix, signed = getattr(self.store, "count_prefix", None), secret_of(self.store) is not None
+        if signed or callable(count_prefix):
+            self.store.set(self._key(round_, "report", self.rank), "1")
         if callable(count_prefix):
             seen = count_prefix(self._key(round_, "report") + "/")
         else:
             seen = self.store.add(self._key(round_, "reported"), 1)
         if seen < n:
             return False
-        if secret_of(self.store) is None:
+        if not signed:
             return True
         reports = [self._key(round_, "report", r) for r in quorum.members]
         try:
