@@ -55,6 +55,7 @@ torchft skipped with the reason "--quick".
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import signal
@@ -100,6 +101,8 @@ WORKLOADS = {
 }
 OPTIMIZER = {"optimizer": "sgd", "lr": 0.05}
 DILOCO_INNER = {"optimizer": "adamw", "lr": 0.001}  # DiLoCo's inner AdamW (with SGD inside it diverges on digits)
+SECTIONS = ("overhead", "lost_rank")
+WINDOW = 10  # ddp's windowed figure: steps per window (`windowed_ms`)
 COMMON = ["--epochs", "1000", "--no-progress", "--eval-every", "0", "--timeout", "60"]
 
 
@@ -115,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-kill-steps", type=int, default=400, help="gpt: steps of each lost-rank run")
     parser.add_argument("--gpt-kill-after", type=int, default=100, help="gpt: steps before the second rank is killed")
     parser.add_argument("--quorum-timeout", type=float, default=5.0, help="--quorum-timeout of the runs")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,20 +222,36 @@ def _linger(proc: subprocess.Popen, seconds: float) -> None:
 
 
 def _ddpkit_run(flags: list[str], prefix: Path, threads: int | None, steps: int) -> dict[str, Any]:
-    """The summary of `ddpkit train` with `flags` for `steps` steps, written to PREFIX-STEPS."""
+    """The summary of `ddpkit train` with `flags` for `steps` steps, written to PREFIX-STEPS, with ``step_ends``:
+    the loop's time at each step's end (steps.csv's ``loop_seconds``)."""
     out = prefix.with_name(f"{prefix.name}-{steps}")
     _finish(_train([*flags, "--max-steps", str(steps)], out, threads), out)
-    return _summary(out)
+    with open(out / "steps.csv") as rows:
+        ends = [float(row["loop_seconds"]) for row in csv.DictReader(rows)]
+    return {**_summary(out), "step_ends": ends}
 
 
-def _per_step_ms(run: Callable[[int], dict[str, Any]], steps: int, once: bool) -> tuple[float, dict[str, Any]]:
-    """(ms per step, the last run's figures): (T(2 x steps) - T(steps)) / steps of the runs' `training_seconds`,
-    so that what a run spends once cancels out; with `once` (--quick), T(steps) / steps of one run."""
+def windowed_ms(ends: list[float], window: int) -> float:
+    """ms per step: the median, over the run's windows of `window` consecutive steps after a warm-up (the first
+    tenth of the run, at least one window), of each window's mean. A window as long as the averaging period holds
+    one averaging, so periodic costs count in full while a burst of the machine's other work moves one window only
+    (which the median leaves out)."""
+    start = max(window, len(ends) // 10)
+    spans = [(ends[i + window] - ends[i]) / window for i in range(start, len(ends) - window, window)]
+    return 1000 * statistics.median(spans) if spans else float("nan")
+
+
+def _per_step_ms(run: Callable[[int], dict[str, Any]], steps: int, once: bool,
+                 window: int) -> tuple[float, float, dict[str, Any]]:  # fmt: skip
+    """(ms per step, windowed ms per step, the last run's figures): (T(2 x steps) - T(steps)) / steps of the runs'
+    `training_seconds`, so that what a run spends once cancels out, and `windowed_ms` of the longer run; with
+    `once` (--quick), T(steps) / steps of one run."""
     first = run(steps)
     if once:
-        return 1000 * first["training_seconds"] / steps, first
+        return 1000 * first["training_seconds"] / steps, windowed_ms(first["step_ends"], window), first
     second = run(2 * steps)
-    return 1000 * (second["training_seconds"] - first["training_seconds"]) / steps, second
+    difference = 1000 * (second["training_seconds"] - first["training_seconds"]) / steps
+    return difference, windowed_ms(second["step_ends"], window), second
 
 
 def _together(calls: dict[str, Callable[[], Any]], at_once: bool) -> dict[str, Any]:
@@ -267,10 +287,14 @@ def _overhead_round(args: argparse.Namespace, work: Path, workload: str, mode: s
             for kind, extra in (("plain", "--no-checkpoints"), ("fault_tolerant", "--fault-tolerant"))}  # fmt: skip
     if not torchft_skipped:
         runs["torchft"] = partial(_torchft_job, args, work, f"torchft-{name}", mode, fields, None)
-    timed = _together({kind: partial(_per_step_ms, run, steps, args.quick) for kind, run in runs.items()}, args.quick)
-    (plain_ms, plain), (ft_ms, ft) = timed["plain"], timed["fault_tolerant"]
-    return {"steps": steps, "ranks": ranks, "once": args.quick, "plain_ms": plain_ms, "fault_tolerant_ms": ft_ms,
-            "ratio": ft_ms / plain_ms, "torchft_ms": timed["torchft"][0] if "torchft" in timed else None,
+    window = WINDOW if mode == "ddp" else args.outer_every
+    timed = _together({kind: partial(_per_step_ms, run, steps, args.quick, window) for kind, run in runs.items()},
+                      args.quick)  # fmt: skip
+    (plain_ms, plain_window, plain), (ft_ms, ft_window, ft) = timed["plain"], timed["fault_tolerant"]
+    torchft = timed.get("torchft", (None, None, None))
+    return {"steps": steps, "ranks": ranks, "once": args.quick, "window": window, "plain_ms": plain_ms,
+            "fault_tolerant_ms": ft_ms, "ratio": ft_ms / plain_ms, "torchft_ms": torchft[0],
+            "plain_window_ms": plain_window, "fault_tolerant_window_ms": ft_window, "torchft_window_ms": torchft[1],
             "plain_bytes": plain["sent_bytes_per_step"], "fault_tolerant_bytes": ft["sent_bytes_per_step"]}  # fmt: skip
 
 
@@ -460,12 +484,16 @@ def torchft_lost_rank(args: argparse.Namespace, work: Path) -> list[dict[str, An
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _cases(args)  # the options are checked before anything starts
+    chosen = _names(args.sections, SECTIONS, "--sections")
     skipped = _torchft_missing() or ("--quick" if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="ddpkit-ft-bench-") as tmp:
         work = Path(tmp)
         sections = {"overhead": partial(overhead, args, work, skipped), "lost_rank": partial(lost_rank, args, work)}
-        figures = _together(sections, args.quick)
-        figures["torchft"] = {"skipped": skipped, "lost_rank": [] if skipped else torchft_lost_rank(args, work)}
+        figures = _together({name: sections[name] for name in chosen}, args.quick)
+        figures.setdefault("overhead", [])
+        figures.setdefault("lost_rank", [])
+        lost = [] if skipped or "lost_rank" not in chosen else torchft_lost_rank(args, work)
+        figures["torchft"] = {"skipped": skipped, "lost_rank": lost}
     return figures
 
 
@@ -501,16 +529,18 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, 
 def _overhead_table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for (workload, mode), mine in _groups(rows).items():
-        runs = (("ddpkit plain", "plain_ms"), ("ddpkit --fault-tolerant", "fault_tolerant_ms"),
-                (f"torchft {TORCHFT[mode]}", "torchft_ms"))  # fmt: skip
-        for label, key in runs:
-            timed = [r for r in mine if r.get(key) is not None]
-            if timed:
-                ratios = [r[key] / r["plain_ms"] for r in timed]  # each against the plain run of its round
-                median_ms, median_ratio = statistics.median(r[key] for r in timed), statistics.median(ratios)
-                lines.append([workload, mode, label, num(median_ms), num(median_ratio, ".3f"),
-                              " ".join(num(x, ".3f") for x in ratios)])  # fmt: skip
-    header = ["workload", "mode", "run", "ms/step (median)", "x plain (median)", "x plain per round"]
+        for label, kind in (("ddpkit plain", "plain"), ("ddpkit --fault-tolerant", "fault_tolerant"),
+                            (f"torchft {TORCHFT[mode]}", "torchft")):  # fmt: skip
+            cells = []
+            for key, plain in ((f"{kind}_ms", "plain_ms"), (f"{kind}_window_ms", "plain_window_ms")):
+                timed = [r for r in mine if r.get(key) is not None and r.get(plain) is not None]
+                ratios = [r[key] / r[plain] for r in timed]  # each against the plain run of its round
+                cells += [num(statistics.median(r[key] for r in timed)), num(statistics.median(ratios), ".3f"),
+                          " ".join(num(x, ".3f") for x in ratios)] if timed else ["", "", ""]  # fmt: skip
+            if any(cells):
+                lines.append([workload, mode, label, *cells])
+    header = ["workload", "mode", "run", "ms/step (T(2N)-T(N))/N", "x plain", "x plain per round",
+              "ms/step windowed", "x plain", "x plain per round"]  # fmt: skip
     return f"{_method(rows)}\n\n{markdown(header, lines)}"
 
 
@@ -521,7 +551,11 @@ def _method(rows: list[dict[str, Any]]) -> str:
     if rows and rows[0].get("once"):
         return f"ms/step: one run of N steps on {ranks} rank(s), T(N) / N, its set-up included (--quick: a smoke " \
                f"test, not a measurement); N: {n}"  # fmt: skip
-    return f"ms/step on {ranks} ranks: (T(2N) - T(N)) / N, T the training loop's wall time; medians over rounds; N: {n}"
+    return (
+        f"ms/step on {ranks} ranks: (T(2N) - T(N)) / N, T the training loop's wall time, and windowed: the "
+        f"median over the 2N run's windows of {WINDOW} steps (ddp) or H steps (local modes) of each window's "
+        f"mean, the same loop's clock at each step's end; medians over rounds; N: {n}"
+    )
 
 
 def _lost_rank_table(rows: list[dict[str, Any]]) -> str:

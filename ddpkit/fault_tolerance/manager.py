@@ -393,7 +393,11 @@ class Manager:
                 raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
             self._blocked = 0.0
         if background:
-            self._pending = self._pool.submit(self.membership.quorum, self.next_round)
+            if self.membership.decided_ahead(self.next_round):  # its members are known: formed here, at once
+                self._pending = Future()
+                self._pending.set_result(self.membership.quorum(self.next_round))
+            else:  # (a thread switch per round costs a step of a few ms more than the store's round trips)
+                self._pending = self._pool.submit(self.membership.quorum, self.next_round)
             return None
         try:
             quorum = self.round(self.next_round)

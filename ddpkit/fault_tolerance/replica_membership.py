@@ -119,6 +119,11 @@ class ReplicaMembership:
     def latest_round(self) -> int:
         return self._lead(self.inner.latest_round)
 
+    def decided_ahead(self, round_: int) -> bool:
+        """False: even a round decided ahead reaches the lanes through the leader (a collective of the replica),
+        so it is formed where a round is formed in the background."""
+        return False
+
     def quorum(self, round_: int) -> Quorum:
         """The leader's quorum for `round_`, on every lane with the lane's own group (a member's)."""
         decided = self._lead(self._decision, round_)

@@ -62,7 +62,9 @@ class MetricsRecorder(Callback):
     What a resumed run needs to report the whole run lives in ``trainer.state.carried`` (saved with checkpoints):
     every earlier step's row (for steps.csv), every earlier held-out evaluation and the totals over all ranks up
     to the checkpoint (`totals`: ``wall_seconds`` is the time spent in `Trainer.fit`, ``eval_seconds`` the part of it
-    the held-out evaluations took)."""
+    the held-out evaluations took). Each step's row also has ``loop_seconds``: this run's time in the loop up to
+    that step's record, held-out evaluations left out (one clock for everything a step costs, the work after it
+    included: differences of it time any stretch of steps)."""
 
     def __init__(self, test_loader: DataLoader, eval_every: int = 0) -> None:
         self.test_loader = test_loader
@@ -91,7 +93,8 @@ class MetricsRecorder(Callback):
         assert trainer.last is not None
         self.steps.append(trainer.last)
         self._epoch_steps.append(trainer.last)
-        self._rows.append(dataclasses.asdict(trainer.last))
+        loop_seconds = time.perf_counter() - self._start - self._eval_seconds  # this run's loop, to this step's end
+        self._rows.append({**dataclasses.asdict(trainer.last), "loop_seconds": round(loop_seconds, 6)})
         if self.eval_every and trainer.state.step % self.eval_every == 0:
             self._evaluate(trainer, trainer.last.epoch)
 
