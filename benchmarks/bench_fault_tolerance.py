@@ -591,9 +591,16 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     groups = _groups(rows)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 3.5))
     for i, mine in enumerate(groups.values()):
-        torchft = [r["torchft_ms"] / r["plain_ms"] for r in mine if r.get("torchft_ms") is not None]
-        ax.scatter([i] * len(mine), [r["ratio"] for r in mine], color="C0", label="ddpkit --fault-tolerant")
-        ax.scatter([i] * len(torchft), torchft, color="C1", marker="x", label="torchft" if torchft else "_")
+        for offset, key, plain, how, filled in ((-0.12, "ms", "plain_ms", "(T(2N)-T(N))/N", False),
+                                                (0.12, "window_ms", "plain_window_ms", "windowed", True)):  # fmt: skip
+            for kind, color, marker, name in (("fault_tolerant", "C0", "o", "ddpkit --fault-tolerant"),
+                                              ("torchft", "C1", "x", "torchft")):  # fmt: skip
+                ratios = [r[f"{kind}_{key}"] / r[plain] for r in mine
+                          if r.get(f"{kind}_{key}") is not None and r.get(plain)]  # fmt: skip
+                style = {"color": color} if marker == "x" else {"edgecolors": color,
+                                                                 "facecolors": color if filled else "none"}  # fmt: skip
+                ax.scatter([i + offset] * len(ratios), ratios, marker=marker, label=f"{name}, {how}" if ratios else "_",
+                           alpha=1.0 if filled else 0.5, **style)  # fmt: skip
     handles, names = ax.get_legend_handles_labels()
     once = dict(zip(names, handles, strict=True))  # each label once
     ax.legend(once.values(), once.keys())

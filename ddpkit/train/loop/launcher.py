@@ -161,8 +161,13 @@ def host_job_store(port: int, timeout: float, job_id: str | None = None) -> None
     from ddpkit.fault_tolerance import job_store
 
     store = job_store.host(port, timeout, job_id)
+    from ddpkit.fault_tolerance.job_secret import secret_of
+
     named = f" (job {job_id!r}: ranks of another --job-id are refused)" if job_id else ""
-    say(f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine{named}")
+    signed = "; its values are tagged with the job's secret" if secret_of(store) is not None else ""
+    say(
+        f"ddpkit: the fault-tolerant job's store listens on port {port} of every address of this machine{named}{signed}"
+    )
     why = job_store.wait_until_finished(store, timeout)
     time.sleep(STORE_GRACE_SECONDS)  # ranks still waiting read the end before the store goes
     if why in ("finished", "ended"):
