@@ -269,6 +269,7 @@ def check_run(result, out, strategy, epochs=1, world=2, steps=DIGITS_STEPS_PER_E
     with open(out / "steps.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     columns = {"epoch", "step", "loss", "correct", "samples", "seconds", "sent_bytes", "shared_bytes", "targets"}
+    columns.add("loop_seconds")  # the loop's clock at each step's end
     assert set(rows[0]) == columns
     assert all(float(r["shared_bytes"]) >= 0 for r in rows)  # > 0 with OSS on one host (checked below)
     assert len(rows) == steps * epochs

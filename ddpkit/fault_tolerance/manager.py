@@ -57,7 +57,6 @@ state, the current quorum, the events; `average_gradients` a flat copy of the gr
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -70,7 +69,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed.rank_guard import say
 from ddpkit.fault_tolerance import job_secret, job_store, store_agreement
-from ddpkit.fault_tolerance.connections import SIDE_TIMEOUT, side_connection
+from ddpkit.fault_tolerance.connections import side_connection
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.failures import is_peer_failure, is_store_loss
 from ddpkit.fault_tolerance.job_secret import unsigned
@@ -258,7 +257,6 @@ class Manager:
                                 start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
         membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
         membership.first_round_check = self._agree
-        membership.in_background = self._write_in_background
         self.membership: Membership | ReplicaMembership = membership
         if replica is not None:
             self.membership = ReplicaMembership(membership, replica)
@@ -284,7 +282,6 @@ class Manager:
         self._lost_track = False  # its store connection broke and was made anew: it must take the live state again
         self._cleaner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpkit-forget")  # old rounds' keys
         self._forgetting: Future[None] | None = None  # the deletion running in the background (`_forget`)
-        self._writing: Future[None] | None = None  # the last store write handed to the cleaner (`_write_in_background`)
         self._heartbeat: Heartbeat | None = None
         self._buckets: RoundBuckets | None = None  # gradients averaged while backward runs (`overlap_gradients`)
 
@@ -644,20 +641,6 @@ class Manager:
                           "the store keeps them")  # fmt: skip
         self._forgetting = self._cleaner.submit(self.membership.forget_through, round_)
 
-    def _write_in_background(self, write: Callable[[], None]) -> None:
-        """Runs `write` (a store write nobody on the step's path waits for: the next round decided ahead) on the
-        cleaner's thread, after the deletions queued before it; a write that fails is reported (the store's loss
-        itself reaches the rounds at their next call)."""
-
-        def done(future: Future[None]) -> None:
-            error = None if future.cancelled() else future.exception()
-            if error is not None:
-                self._say(f"could not record the next round's members in the store ({type(error).__name__}: "
-                          f"{error})")  # fmt: skip
-
-        self._writing = self._cleaner.submit(write)
-        self._writing.add_done_callback(done)
-
     # -- a lost store ----------------------------------------------------------------------------------------------
 
     # -- what happened ---------------------------------------------------------------------------------------------
@@ -733,12 +716,8 @@ class Manager:
         self.close()
 
     def close(self) -> None:
-        """Stops the background quorum thread (a round being formed is abandoned) and the heartbeat; a decision
-        this rank still had to record is written first (ranks waiting to join read it)."""
+        """Stops the background quorum thread (a round being formed is abandoned) and the heartbeat."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._writing is not None:
-            with contextlib.suppress(Exception):
-                self._writing.result(timeout=SIDE_TIMEOUT)
         self._cleaner.shutdown(wait=False, cancel_futures=True)
         if self._heartbeat is not None:
             self._heartbeat.stop(wait=True)

@@ -40,7 +40,6 @@ the store keeps a few bytes per rank for `KEPT_ROUNDS` rounds.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,9 +179,6 @@ class Membership:
         # that must agree are compared there, so a rank that differs is refused like the others, never left
         # waiting in a connection they abandoned (`Manager`'s settings agreement)
         self.first_round_check: Any = None
-        # runs a store write that nothing on the step's path waits for (the next round decided ahead, for ranks
-        # waiting to join it: `_decide_next`); None: at once, on the calling thread (`Manager`: its cleaner thread)
-        self.in_background: Callable[[Callable[[], None]], None] | None = None
         self.lanes = 1  # the groups each round makes (one per process of a replica: `replica_membership`)
 
     def _key(self, round_: int, *parts: object) -> str:
@@ -448,11 +444,7 @@ class Membership:
         if self._reported_last(quorum):
             verdict = self.store.compare_set(verdict_key, "", self._success_verdict(quorum))
             if verdict == b"1+":  # this report's writer won the verdict: it writes the next round it promised
-                write = functools.partial(self._decide_next, quorum)
-                if self.in_background is not None:
-                    self.in_background(write)
-                else:
-                    write()
+                self._decide_next(quorum)
         else:
             verdict = self._await_verdict(quorum)
         return self._take_verdict(quorum, verdict)
