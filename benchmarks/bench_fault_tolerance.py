@@ -533,8 +533,8 @@ def _overhead_table(rows: list[dict[str, Any]]) -> str:
                             (f"torchft {TORCHFT[mode]}", "torchft")):  # fmt: skip
             cells = []
             for key, plain in ((f"{kind}_ms", "plain_ms"), (f"{kind}_window_ms", "plain_window_ms")):
-                timed = [r for r in mine if r.get(key) is not None and r.get(plain) is not None]
-                ratios = [r[key] / r[plain] for r in timed]  # each against the plain run of its round
+                timed = [r for r in mine if r.get(key) is not None and r.get(plain)]
+                ratios = _ratios(mine, key, plain)
                 cells += [num(statistics.median(r[key] for r in timed)), num(statistics.median(ratios), ".3f"),
                           " ".join(num(x, ".3f") for x in ratios)] if timed else ["", "", ""]  # fmt: skip
             if any(cells):
@@ -542,6 +542,11 @@ def _overhead_table(rows: list[dict[str, Any]]) -> str:
     header = ["workload", "mode", "run", "ms/step (T(2N)-T(N))/N", "x plain", "x plain per round",
               "ms/step windowed", "x plain", "x plain per round"]  # fmt: skip
     return f"{_method(rows)}\n\n{markdown(header, lines)}"
+
+
+def _ratios(rows: list[dict[str, Any]], key: str, plain: str) -> list[float]:
+    """Each row's `key` figure against its round's plain figure `plain` (rows without either left out)."""
+    return [r[key] / r[plain] for r in rows if r.get(key) is not None and r.get(plain)]
 
 
 def _method(rows: list[dict[str, Any]]) -> str:
@@ -595,8 +600,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
                                                 (0.12, "window_ms", "plain_window_ms", "windowed", True)):  # fmt: skip
             for kind, color, marker, name in (("fault_tolerant", "C0", "o", "ddpkit --fault-tolerant"),
                                               ("torchft", "C1", "x", "torchft")):  # fmt: skip
-                ratios = [r[f"{kind}_{key}"] / r[plain] for r in mine
-                          if r.get(f"{kind}_{key}") is not None and r.get(plain)]  # fmt: skip
+                ratios = _ratios(mine, f"{kind}_{key}", plain)
                 style = {"color": color} if marker == "x" else {"edgecolors": color,
                                                                  "facecolors": color if filled else "none"}  # fmt: skip
                 ax.scatter([i + offset] * len(ratios), ratios, marker=marker, label=f"{name}, {how}" if ratios else "_",

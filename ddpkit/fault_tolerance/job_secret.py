@@ -228,6 +228,11 @@ def protect(store: Any, secret: bytes | None = None) -> Any:
     return store if secret is None else SignedStore(store, secret)
 
 
+def is_tagged(value: bytes) -> bool:
+    """Whether `value`, read from a store without a secret, was written with one (a `SignedStore`'s value)."""
+    return value.startswith(MARK)
+
+
 def unsigned(store: Any) -> Any:
     """The store under a `SignedStore` (for the untagged counters: heartbeats), else `store` itself."""
     return store.inner if isinstance(store, SignedStore) else store

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ddpkit.distributed.launch import LaunchError
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
 from ddpkit.fault_tolerance.connections import brief_client
-from ddpkit.fault_tolerance.job_secret import MARK, SECRET_FILE_VARIABLE, SECRET_VARIABLE, UnsignedValue, protect
+from ddpkit.fault_tolerance.job_secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, UnsignedValue, is_tagged, protect
 from ddpkit.fault_tolerance.liveness import Liveness
 from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL, latest_members
 
@@ -63,7 +63,7 @@ def check_job(store: Any, job_id: str | None, where: str) -> None:
     except UnsignedValue as exc:
         raise LaunchError(f"the store at {where} was written by a job with another secret, or without one: this rank "
                           f"cannot read it ({exc})") from exc  # fmt: skip
-    if answer.startswith(MARK):
+    if is_tagged(answer):
         raise LaunchError(
             f"the store at {where} belongs to a job with a secret, and this rank was started without one: give it "
             f"the job's {SECRET_VARIABLE} or {SECRET_FILE_VARIABLE}"

@@ -393,10 +393,10 @@ class Manager:
                 raise RuntimeError("the fault-tolerant job's first round failed (a rank was lost while it started)")
             self._blocked = 0.0
         if background:
-            if self.membership.decided_ahead(self.next_round):  # its members are known: formed here, at once
+            if self.membership.decided_ahead(self.next_round):  # formed here at once: no thread switch per step
                 self._pending = Future()
                 self._pending.set_result(self.membership.quorum(self.next_round))
-            else:  # (a thread switch per round costs a step of a few ms more than the store's round trips)
+            else:
                 self._pending = self._pool.submit(self.membership.quorum, self.next_round)
             return None
         try:

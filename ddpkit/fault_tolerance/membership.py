@@ -34,7 +34,8 @@ alone).
 
 What it costs when nothing fails: per round the commit's 2-4 store round trips per member (about 100 us each
 from Python on one host) and no new connection; a round's first member deletes the keys of the round
-`KEPT_ROUNDS` before (`forget`, in the background: one delete per key, max_world + 4 + the group's). Memory:
+`KEPT_ROUNDS` before (`forget`, in the background: one delete per key, its arrivals' and its group's included;
+about five for a round decided ahead). Memory:
 the store keeps a few bytes per rank for `KEPT_ROUNDS` rounds.
 """
 
@@ -457,16 +458,15 @@ class Membership:
         a trigger: the report keys themselves are waited for and their tags checked. A report key is written only
         where something reads it (etcd's count, a secret's check)."""
         n, round_ = len(quorum.members), quorum.round
-        count_prefix, signed = getattr(self.store, "count_prefix", None), secret_of(self.store) is not None
-        if signed or callable(count_prefix):
+        if _keeps_report_keys(self.store):
             self.store.set(self._key(round_, "report", self.rank), "1")
-        if callable(count_prefix):
-            seen = count_prefix(self._key(round_, "report") + "/")
+        if _counts_keys(self.store):
+            seen = self.store.count_prefix(self._key(round_, "report") + "/")
         else:
             seen = self.store.add(self._key(round_, "reported"), 1)
         if seen < n:
             return False
-        if not signed:
+        if secret_of(self.store) is None:
             return True
         reports = [self._key(round_, "report", r) for r in quorum.members]
         try:
@@ -553,7 +553,7 @@ class Membership:
         store = self._forgetting
         arrived_key, members_key = self._key(round_, "arrived"), self._key(round_, "members")
         arrived = store.get(arrived_key).decode().split(",") if store.check([arrived_key]) else []
-        reports = secret_of(store) is not None or callable(getattr(store, "count_prefix", None))
+        reports = _keeps_report_keys(store)
         members = json.loads(store.get(members_key)) if (arrived or reports) and store.check([members_key]) else []
         keys = [self._key(round_, "in", r) for r in arrived if r]
         keys += [self._key(round_, "report", r) for r in members] if reports else []
@@ -566,6 +566,17 @@ class Membership:
             ]
         for key in keys:
             store.delete_key(key)
+
+
+def _counts_keys(store: Any) -> bool:
+    """Whether `store` counts the keys under a prefix in one request (etcd: `EtcdStore.count_prefix`)."""
+    return callable(getattr(store, "count_prefix", None))
+
+
+def _keeps_report_keys(store: Any) -> bool:
+    """Whether a round's members write a report key each (`Membership._reported_last`): where something reads
+    them, a store that counts keys or a job secret that checks them."""
+    return _counts_keys(store) or secret_of(store) is not None
 
 
 def heal_source(quorum: Quorum) -> int | None:

@@ -98,6 +98,17 @@ def load_loop_counters(trainer: pl.Trainer, counters: dict[str, Any]) -> None:
     trainer.fit_loop.epoch_loop._batches_that_stepped = counters["batches_that_stepped"]
 
 
+def _enter_formed(manager: Manager) -> bool:
+    """Enters the round `manager` formed in the background; a replica left out of it (it stalled) takes the live
+    state there instead. Returns whether it took the live state."""
+    try:
+        manager.current()
+    except FellBehind:
+        manager.rejoin()
+        return True
+    return False
+
+
 def shifted(counters: Any, now: Any, start: Any) -> Any:
     """`counters` plus what this process counted from `start` to `now` (the same nested dicts of counts): the
     members' counters at their step's start, moved to where this process is inside its own step."""
@@ -238,10 +249,7 @@ class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
             result = closure()
         elif manager.forming:  # the quorum formed while the training step and backward computed
             result = closure()
-            try:
-                manager.current()
-            except FellBehind:  # left out of the round (this replica stalled): the live state, then compute again
-                manager.rejoin()
+            if _enter_formed(manager):  # left out of the round (it stalled): computed again on the live state
                 result = closure()
         else:  # (a step after a round this process could not form in the background)
             manager.start_round()
@@ -331,10 +339,7 @@ class DDPKitFabricFaultTolerantStrategy(FabricSingleDeviceStrategy):
             return
         manager = self.manager
         if manager.forming:
-            try:
-                manager.current()
-            except FellBehind:  # left out of the round (this replica stalled): the live state, before it computes
-                manager.rejoin()
+            _enter_formed(manager)  # (before the step computes: a replica left out takes the live state here)
         else:
             manager.start_round()
         self._round_open = True

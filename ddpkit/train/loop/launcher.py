@@ -159,10 +159,9 @@ def host_job_store(port: int, timeout: float, job_id: str | None = None) -> None
     """`ddpkit store`: hosts a fault-tolerant job's store on `port` until the job is over (its final quorum
     finished, it ended with too few ranks, or no round was decided for `timeout` seconds)."""
     from ddpkit.fault_tolerance import job_store
-
-    store = job_store.host(port, timeout, job_id)
     from ddpkit.fault_tolerance.job_secret import secret_of
 
+    store = job_store.host(port, timeout, job_id)
     named = f" (job {job_id!r}: ranks of another --job-id are refused)" if job_id else ""
     signed = "; its values are tagged with the job's secret" if secret_of(store) is not None else ""
     say(
