@@ -277,11 +277,10 @@ def test_a_real_full_disk_fails_naming_the_path_and_keeps_the_last_checkpoint(tm
         job = procs([*DDPKIT, "train", *TRAIN, "--epochs", "1000", "--checkpoint-every", "5", "--hidden", "32",
                      "--depth", "1", "--out", out], "full")  # fmt: skip
         wait_for(out / "checkpoint" / "step-*" / "COMMIT.json", [job])
-        with open(disk / "filler", "wb") as f:
+        with open(disk / "filler", "wb", buffering=0) as f:  # (unbuffered: nothing left for close to write)
             try:
                 while True:
                     f.write(b"\0" * 65536)
-                    f.flush()
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC
         result = job.wait(120)
