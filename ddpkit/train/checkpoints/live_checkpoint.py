@@ -69,11 +69,14 @@ class LiveCheckpoints:
         return pending.result() if pending is not None else None
 
     def _write(self, data: bytes, step: int, epoch: int, epoch_samples: int, round_: int) -> str:
-        with fenced(self.out, round_, f"the checkpoint of step {step}"):
-            return self._write_folder(data, step, epoch, epoch_samples)
+        with fenced(self.out, round_, f"the checkpoint of step {step}") as stage:
+            self._write_folder(stage, data, step, epoch, epoch_samples)
+        files.prune(self.out, [os.path.basename(f) for _, f in files.committed(self.out)][-self.keep :])
+        return os.path.join(files.checkpoint_root(self.out), files.folder_name(step))
 
-    def _write_folder(self, data: bytes, step: int, epoch: int, epoch_samples: int) -> str:
-        folder = os.path.join(files.checkpoint_root(self.out), files.folder_name(step))
+    def _write_folder(self, root: str, data: bytes, step: int, epoch: int, epoch_samples: int) -> None:
+        """The checkpoint of `step`, written under `root` (the fence's staging folder)."""
+        folder = os.path.join(files.checkpoint_root(root), files.folder_name(step))
         os.makedirs(folder, exist_ok=True)
         files.write_atomic(os.path.join(folder, LIVE), data)
         digest = hashlib.sha256(data).hexdigest()
@@ -81,8 +84,6 @@ class LiveCheckpoints:
                     "world_size": self.settings["world_size"], "strategy": self.settings["strategy"],
                     "settings": self.settings, "fault_tolerant": True}  # fmt: skip
         files.write_marker(folder, manifest)
-        files.prune(self.out, [os.path.basename(f) for _, f in files.committed(self.out)][-self.keep :])
-        return folder
 
     def load(self) -> tuple[dict[str, Any], list[str]]:
         """The live state of the newest intact checkpoint and notes on what resuming it changes or skipped; a

@@ -15,6 +15,7 @@ agreement (`job_settings`), compared at the first round and by every rank that j
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from typing import Any
 
@@ -216,11 +217,11 @@ def report(
             return None
         print(format_summary(summary), flush=True)
         if cfg.out:
-            with fenced(cfg.out, final.round, "the job's outputs (metrics.json, steps.csv, metrics.png)"):
-                paths = write_metrics(cfg.out, summary, trainer.state.history, recorder.step_rows(),
-                                      recorder.heldout_rows())  # fmt: skip
-            for path in paths:
-                print(f"wrote {path}")
+            with fenced(cfg.out, final.round, "the job's outputs (metrics.json, steps.csv, metrics.png)") as stage:
+                staged = write_metrics(stage, summary, trainer.state.history, recorder.step_rows(),
+                                       recorder.heldout_rows())  # fmt: skip
+            for path in staged:
+                print(f"wrote {os.path.join(cfg.out, os.path.basename(path))}")
     if manager.leads:
         job_store.done(store, manager.rank)
     return summary
