@@ -9,6 +9,7 @@ cluster's majority raises `StoreCutOff` within its timeout instead of answering.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -186,3 +187,105 @@ def test_a_beat_whose_lease_ends_while_it_is_read_is_seen_or_absent_never_an_err
     assert not liveness.gone(reader, [3])  # seen: it beats as far as this reader knows
     assert not writer.check([alive_key("ddpkit/ft/", 3)])  # (the lease ended right after that look)
     assert liveness.gone(reader, [3])
+
+
+class _AnswerLosingProxy:
+    """A TCP relay on loopback in front of one etcd member that passes every request on but, once armed, drops the
+    answer of the next transaction (``/v3/kv/txn``) and closes the client's connection: the request was applied,
+    and the client never heard so (a lost answer, as a network that fails between the two)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.armed = False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            drop = threading.Event()
+            threading.Thread(target=self._requests, args=(client, upstream, drop), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, client, drop), daemon=True).start()
+
+    def _requests(self, client: socket.socket, upstream: socket.socket, drop: threading.Event) -> None:
+        while data := _recv(client):
+            if self.armed and b"POST /v3/kv/txn" in data:
+                self.armed = False
+                drop.set()
+            upstream.sendall(data)
+        upstream.close()
+
+    def _answers(self, upstream: socket.socket, client: socket.socket, drop: threading.Event) -> None:
+        while data := _recv(upstream):
+            if drop.is_set():
+                client.shutdown(socket.SHUT_RDWR)
+                break
+            client.sendall(data)
+        client.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+def test_an_addition_or_append_whose_answer_was_lost_is_applied_once(etcd):
+    """The answer of an addition's (and an append's) transaction is lost after etcd applied it; the client retries
+    on the next member, whose compare fails on its own write. It is applied once: n == 1, the entry listed once
+    (the retry saw a conflict and added again before: n == 2)."""
+    member = etcd.members[0]
+    proxy = _AnswerLosingProxy(member.client_port)
+    try:
+        store = EtcdStore(f"etcd://127.0.0.1:{proxy.port},{member.client_address}/lost-answers")
+        store.set("warm", "1")  # (the connection to the relay is up)
+        proxy.armed = True
+        assert store.add("n", 1) == 1
+        assert store._endpoint == 1 and not proxy.armed  # (the answer was lost, and retried elsewhere)
+        assert EtcdStore(etcd.url("lost-answers")).get("n") == b"1"
+        store._endpoint = 0
+        store._drop_connection()
+        store.append("list", "3,")
+        proxy.armed = True
+        store.append("list", "4,")
+        assert not proxy.armed and EtcdStore(etcd.url("lost-answers")).get("list") == b"3,4,"
+        assert store.add("n", 1) == 2  # and the next addition adds as usual
+    finally:
+        proxy.close()
+
+
+def test_a_silent_member_never_lets_a_healthy_ranks_lease_run_out():
+    """The etcd member a rank's heartbeat talks to goes silent (SIGSTOP: it accepts connections and answers
+    nothing, as a machine powered off or cut off by a DROP rule does). The client fails over within its request
+    deadline, well inside the lease, so another rank never sees the beating rank gone (with a failover slower than
+    the lease, its key vanished and it counted gone)."""
+    from ddpkit.fault_tolerance.liveness import LEASE_SECONDS, Heartbeat, Liveness
+
+    with EtcdCluster(3) as cluster:
+        addresses = [m.client_address for m in cluster.members]
+        beating = Heartbeat(EtcdStore("etcd://" + ",".join(addresses) + "/silent"), "ddpkit/ft/", 3)
+        reader = EtcdStore("etcd://" + ",".join(addresses[1:] + addresses[:1]) + "/silent")  # (member 1 first)
+        liveness = Liveness("ddpkit/ft/")
+        deadline = time.monotonic() + 10
+        while not reader.check(["ddpkit/ft/alive/3"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cluster.pause(0)
+        try:
+            watched_until = time.monotonic() + 2 * LEASE_SECONDS
+            while time.monotonic() < watched_until:
+                assert reader.check(["ddpkit/ft/alive/3"]), "the healthy rank's lease ran out"
+                assert not liveness.gone(reader, [3]), "the healthy rank counted as gone"
+                time.sleep(0.1)
+        finally:
+            cluster.resume(0)
+            beating.stop(wait=True)

@@ -19,8 +19,13 @@ client package. Each operation of torch's Store API maps onto etcd as follows:
 Every key lives under ``/ddpkit/<job>/`` (the URL's path names the job), so jobs sharing a cluster never meet.
 Keep a reference to the store while a ``PrefixStore`` or a process group built on it is in use: those hold the
 C++ side only, and the Python methods go with the last Python reference.
-The client tries the cluster's endpoints in turn: a member that refuses or goes silent is skipped, and only when no
-member answers for the store's `timeout` does an operation raise `StoreCutOff`. Because it subclasses
+The client tries the cluster's endpoints in turn: a member that refuses or goes silent is skipped (a silent one
+after `REQUEST_SECONDS`, its connect and read deadline: a small fraction of a heartbeat lease,
+`ddpkit.fault_tolerance.liveness.LEASE_SECONDS`, so that a rank's lease outlives its failover), and only when no
+member answers for the store's `timeout` does an operation raise `StoreCutOff`. A request whose answer was lost may
+have been applied: the retry of an addition or an append (a read-modify-write) must not apply it twice, so each such
+transaction also writes a token of its own under this client's key (``/ddpkit-txn/<client>``, on a lease), and a retry
+whose compare fails reads that key to learn whether its first try landed. Because it subclasses
 ``torch.distributed.Store``, it also carries the rendezvous of the rounds' gloo process groups.
 
 Sends: one HTTP request per operation (two to three for an addition or an append), each a few hundred bytes of
@@ -34,6 +39,7 @@ import http.client
 import json
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,7 +48,8 @@ import torch.distributed as dist
 
 SCHEME = "etcd://"
 DEFAULT_JOB = "default"
-REQUEST_SECONDS = 5.0  # one HTTP request's limit before the next endpoint is tried
+REQUEST_SECONDS = 1.0  # one HTTP request's connect and read limit before the next endpoint is tried
+TOKEN_LEASE_SECONDS = 300  # how long a client's last transaction token lives (renewed at half of it)
 FIRST_POLL, LAST_POLL = 0.001, 0.05  # seconds between a wait's looks at its keys (doubling from the first)
 
 
@@ -133,28 +140,39 @@ class EtcdStore(dist.Store):
         self._lock = threading.Lock()
         self._connection: http.client.HTTPConnection | None = None
         self._endpoint = 0  # the endpoint that answered last: tried first
+        self._client = uuid.uuid4().hex  # names this client's transaction tokens (module doc)
+        self._tokens = 0
+        self._token_lease: tuple[str, float] | None = None  # (lease ID, when granted)
 
     # -- transport -------------------------------------------------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One gateway request, tried on each endpoint in turn until one answers or the store's timeout passed."""
+        return self._post_noting_loss(path, body)[0]
+
+    def _post_noting_loss(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """`_post`'s answer, and whether a try before it was sent but its answer lost (it may have been applied)."""
         payload = json.dumps(body)
         deadline = time.monotonic() + self._timeout
         errors: list[str] = []
+        lost = False
         with self._lock:
             while True:
                 host, port = self.endpoints[self._endpoint]
+                sent = False
                 try:
                     if self._connection is None:
                         limit = min(REQUEST_SECONDS, max(0.1, deadline - time.monotonic()))
                         self._connection = http.client.HTTPConnection(host, port, timeout=limit)
                     self._connection.request("POST", path, payload, {"Content-Type": "application/json"})
+                    sent = True
                     response = self._connection.getresponse()
                     data = response.read()
                     if response.status == 200:
-                        return json.loads(data)
+                        return json.loads(data), lost
                     errors.append(f"{host}:{port} answered {response.status}: {data[:200]!r}")
                 except (OSError, http.client.HTTPException) as exc:
+                    lost = lost or sent
                     errors.append(f"{host}:{port}: {exc or type(exc).__name__}")
                 self._drop_connection()
                 self._endpoint = (self._endpoint + 1) % len(self.endpoints)
@@ -178,23 +196,47 @@ class EtcdStore(dist.Store):
         kvs = self._post("/v3/kv/range", {"key": self._key(key)}).get("kvs")
         return kvs[0] if kvs else None
 
-    def _txn(self, compare: dict[str, Any], put: tuple[str, bytes]) -> tuple[bool, dict[str, Any] | None]:
-        """One transaction: if `compare` holds, put `put`; else read the key. Returns whether it put, and the
-        key's entry read on failure."""
+    def _txn(
+        self, compare: dict[str, Any], put: tuple[str, bytes], token: str | None = None
+    ) -> tuple[bool, dict[str, Any] | None, bool]:
+        """One transaction: if `compare` holds, put `put` (and with `token`, this client's token: module doc);
+        else read the key. Returns whether it put, the key's entry read on failure, and whether an earlier try's
+        answer was lost (that try may have put)."""
         key = self._key(put[0])
+        success = [{"request_put": {"key": key, "value": _b64(put[1])}}]
+        if token is not None:
+            success.append({"request_put": {"key": _b64(self._token_key()), "value": _b64(token),
+                                            "lease": self._token_lease_id()}})  # fmt: skip
         body = {
             "compare": [{"key": key, **compare}],
-            "success": [{"request_put": {"key": key, "value": _b64(put[1])}}],
+            "success": success,
             "failure": [{"request_range": {"key": key}}],
         }
-        answer = self._post("/v3/kv/txn", body)
+        answer, lost = self._post_noting_loss("/v3/kv/txn", body)
         if answer.get("succeeded"):
-            return True, None
+            return True, None, lost
         kvs = answer["responses"][0]["response_range"].get("kvs")
-        return False, kvs[0] if kvs else None
+        return False, kvs[0] if kvs else None, lost
+
+    def _token_key(self) -> str:
+        """This client's token key: outside the job's keys (it is no key of the Store's), on a lease."""
+        return f"/ddpkit-txn/{self._client}"
+
+    def _landed(self, token: str) -> bool:
+        """Whether the transaction that wrote `token` was applied (this client's token key holds it)."""
+        kvs = self._post("/v3/kv/range", {"key": _b64(self._token_key())}).get("kvs")
+        return bool(kvs) and _unb64(kvs[0].get("value", "")) == token.encode()
+
+    def _token_lease_id(self) -> str:
+        """The lease this client's token key lives on, granted anew at half its time to live."""
+        now = time.monotonic()
+        if self._token_lease is None or now - self._token_lease[1] > TOKEN_LEASE_SECONDS / 2:
+            self._token_lease = (self.grant_lease(TOKEN_LEASE_SECONDS), now)
+        return self._token_lease[0]
 
     def _update(self, key: str, change: Any) -> bytes:
-        """Sets `key` to ``change(current value or None)`` atomically (compare the revision, retry on a race)."""
+        """Sets `key` to ``change(current value or None)`` atomically (compare the revision, retry on a race),
+        exactly once however often a request is retried (module doc: a lost answer's try is found by its token)."""
         entry = self._range(key)
         while True:
             current = _unb64(entry.get("value", "")) if entry is not None else None
@@ -203,8 +245,10 @@ class EtcdStore(dist.Store):
                 compare = {"target": "CREATE", "create_revision": "0", "result": "EQUAL"}
             else:
                 compare = {"target": "MOD", "mod_revision": entry["mod_revision"], "result": "EQUAL"}
-            done, entry = self._txn(compare, (key, new))
-            if done:
+            self._tokens += 1
+            token = f"{self._tokens}"
+            done, entry, lost = self._txn(compare, (key, new), token)
+            if done or (lost and self._landed(token)):
                 return new
 
     # -- torch's Store API -----------------------------------------------------------------------------------------
@@ -259,7 +303,7 @@ class EtcdStore(dist.Store):
             compare = {"target": "VALUE", "value": _b64(expected), "result": "EQUAL"}
         else:
             compare = {"target": "CREATE", "create_revision": "0", "result": "EQUAL"}
-        done, entry = self._txn(compare, (key, desired))
+        done, entry, _ = self._txn(compare, (key, desired))  # (a lost answer's retry reads the value it wrote)
         if done:
             return desired
         return expected if entry is None else _unb64(entry.get("value", ""))

@@ -28,7 +28,9 @@ from ddpkit.fault_tolerance.job_secret import unsigned
 
 INTERVAL = 0.25  # seconds between a rank's beats
 STALE_AFTER = 2.0  # seconds without a beat after which a rank counts as gone (at most the quorum timeout)
-LEASE_SECONDS = 2  # an etcd lease's time to live: a rank's key goes this long after its last renewal
+LEASE_SECONDS = 5  # an etcd lease's time to live: a rank's key goes this long after its last renewal (several
+# times the client's failover to another member, `etcd_store.REQUEST_SECONDS`, so that a silent member never
+# makes a healthy rank's lease run out)
 
 
 def alive_key(prefix: str, rank: int) -> str:
@@ -37,8 +39,10 @@ def alive_key(prefix: str, rank: int) -> str:
 
 
 class Heartbeat:
-    """This rank's beat (module doc), on `store` (give it a connection of its own: `store.clone()`); a store
-    call that fails ends it and is passed to `on_error` (once, from the heartbeat's thread)."""
+    """This rank's beat (module doc), on `store` (give it a connection of its own: `store.clone()`). A store call
+    that fails is passed to `on_error` (from the heartbeat's thread, once per run of failures) and the beat goes
+    on trying: a store that comes back (a connection that broke, an etcd failover) sees this rank beat again,
+    instead of counting it gone until it rejoins."""
 
     def __init__(
         self, store: Any, prefix: str, rank: int, on_error: Callable[[BaseException], None] | None = None
@@ -52,7 +56,7 @@ class Heartbeat:
     def _beat(self, store: Any, key: str) -> None:
         store = unsigned(store)  # (beats are counters: not tagged, `ddpkit.fault_tolerance.job_secret`)
         leased = callable(getattr(store, "keep_alive", None))  # a store with leases (etcd)
-        lease, beats = None, 0
+        lease, beats, failing = None, 0, False
         while not self._stop.is_set():
             try:
                 if leased:
@@ -62,10 +66,11 @@ class Heartbeat:
                     store.put_leased(key, str(beats), lease)
                 else:
                     store.add(key, 1)
-            except (RuntimeError, dist.DistError) as exc:
-                if self._on_error is not None and not self._stop.is_set():
+                failing = False
+            except (RuntimeError, dist.DistError, OSError) as exc:
+                if self._on_error is not None and not self._stop.is_set() and not failing:
                     self._on_error(exc)
-                return  # (the rank learns the store is gone from its next round)
+                failing = True  # (the rank learns whether the store is gone from its next round)
             self._stop.wait(INTERVAL)
 
     def stop(self, wait: bool = False) -> None:

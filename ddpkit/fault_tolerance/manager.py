@@ -678,8 +678,9 @@ class Manager:
         self._heartbeat = Heartbeat(connection, self.prefix, self.rank, on_error=self._heartbeat_failed)
 
     def _heartbeat_failed(self, error: BaseException) -> None:
-        self._say(f"its heartbeat stopped ({type(error).__name__}: {error}): the others will count this rank "
-                  "gone and go on without it; it rejoins when its next round finds the store")  # fmt: skip
+        self._say(f"its heartbeat failed ({type(error).__name__}: {error}): it keeps trying; while it fails the "
+                  "others may count this rank gone and go on without it, and it rejoins when its next round finds "
+                  "the store")  # fmt: skip
 
     def leave(self) -> None:
         """This rank takes part in no further round (its loop ends before the others', or it is told to stop): the

@@ -142,10 +142,24 @@ class EtcdCluster:
             process.send_signal(signal.SIGKILL)
             process.wait()
 
+    def pause(self, index: int) -> None:
+        """Stops member `index` (SIGSTOP: a machine that hangs or a member that went silent; its port still
+        accepts connections, and nothing answers on them) until `resume`."""
+        process = self.members[index].process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGSTOP)
+
+    def resume(self, index: int) -> None:
+        """Lets member `index` run again after `pause` (SIGCONT)."""
+        process = self.members[index].process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Ends every member and removes the data folders this cluster created."""
         for member in self.members:
             if member.process is not None and member.process.poll() is None:
+                member.process.send_signal(signal.SIGCONT)  # (a paused member ends too)
                 member.process.terminate()
         for member in self.members:
             if member.process is not None:
