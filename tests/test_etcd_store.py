@@ -289,3 +289,26 @@ def test_a_silent_member_never_lets_a_healthy_ranks_lease_run_out():
         finally:
             cluster.resume(0)
             beating.stop(wait=True)
+
+
+def test_a_store_that_requires_its_jobs_incarnation_writes_nothing_once_the_jobs_keys_were_cleared(etcd):
+    """Every transaction of a client that `require`s the job's incarnation compares it: once the job's keys are
+    cleared and written again by another run under the same name, a decision (compare_set), an addition and an
+    append raise `StoreReplaced` naming both and write nothing; its clones compare it too."""
+    from ddpkit.fault_tolerance import store_identity
+    from ddpkit.fault_tolerance.etcd_store import StoreReplaced
+
+    url = etcd.url("identity")
+    store = EtcdStore(url)
+    mine = store_identity.claim(store)
+    store.require(store_identity.INCARNATION_KEY, mine.encode())
+    assert store.compare_set("members", "", "[0, 1]") == b"[0, 1]" and store.add("n", 1) == 1
+    other = EtcdStore(url)
+    other.clear()
+    theirs = store_identity.claim(other)
+    for clone in (store, store.clone()):
+        for call in (lambda s: s.compare_set("m2", "", "[1]"), lambda s: s.add("n", 1), lambda s: s.append("l", "1,")):
+            with pytest.raises(StoreReplaced, match=f"this rank's is '{mine}'") as raised:
+                call(clone)
+            assert theirs in str(raised.value)
+    assert not other.check(["m2"]) and not other.check(["n"]) and not other.check(["l"])

@@ -124,6 +124,13 @@ def test_without_etcd_losing_machine_0_ends_every_survivor_naming_the_store(tmp_
     assert time.monotonic() - killed < 60
     for r in (1, 2):
         assert not (tmp_path / f"n{r}" / "metrics.json").exists()
+    # machine 0's command started again: a new, empty store at the same address, a new job of one from step 0
+    # over the lost job's --out; it refuses instead, naming --resume
+    again = _node(procs, port, 0, 3, tmp_path / "n0", *flags, name="node0-again")
+    result = again.wait(120)
+    assert result.returncode != 0, result
+    assert "holds the outputs of a fault-tolerant job that did not finish" in result.stderr, result.stderr[-2000:]
+    assert "Pass --resume" in result.stderr and not (tmp_path / "n0" / "metrics.json").exists()
 
 
 @pytest.mark.parametrize(

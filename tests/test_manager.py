@@ -294,6 +294,13 @@ def test_an_uncommitted_round_leaves_every_member_where_it_was():
         assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, forced, strict=True))
 
 
+def _until_rank_0_ended(results: dict) -> None:
+    deadline = time.monotonic() + 60
+    while results.get(0) is None:
+        assert time.monotonic() < deadline, "rank 0 never vanished"
+        time.sleep(0.01)
+
+
 def test_the_embedded_store_lost_with_machine_0_stops_every_survivor_naming_the_etcd_option():
     """The job's TCPStore and rank 0 (its machine) go in round 10. No survivor decides alone where to go on: each
     stops within the round's timeouts with `StoreLost`, which names the store and the highly available option."""
@@ -303,10 +310,7 @@ def test_the_embedded_store_lost_with_machine_0_stops_every_survivor_naming_the_
     del server
 
     def kill_the_store_once_rank_0_is_gone(results: dict) -> None:
-        deadline = time.monotonic() + 60
-        while results.get(0) is None:
-            assert time.monotonic() < deadline, "rank 0 never vanished"
-            time.sleep(0.01)
+        _until_rank_0_ended(results)
         holder.pop("server")  # the only reference: the server stops, every client's connection breaks
 
     results: dict = {}
@@ -322,6 +326,40 @@ def test_the_embedded_store_lost_with_machine_0_stops_every_survivor_naming_the_
         assert f"store at 127.0.0.1:{port} is gone" in str(exc) and "--store etcd://" in str(exc), exc
         assert managers[rank].log and managers[rank].log[-1][0] < STEPS, "a survivor went on alone"
     assert time.monotonic() - since < 60
+
+
+def test_a_store_restarted_empty_at_the_same_address_is_never_taken_for_the_jobs():
+    """Rank 0 vanishes in round 10 and the job's store is started again at once, empty, at the same address (a
+    service manager restarting `ddpkit store`). The survivors' connections break and a new one reaches the new
+    store: each stops with `StoreLost` naming both incarnations, and no round is decided there (a survivor that
+    took it for the job's went on in it alone, or waited to be healed from nothing)."""
+    from ddpkit.fault_tolerance import job_store, store_identity
+
+    server = job_store.host(0, 30)
+    port, old = server.port, store_identity.read(server)
+    holder: dict[str, Any] = {"server": server}
+    del server
+
+    def restart_the_store_once_rank_0_is_gone(results: dict) -> None:
+        _until_rank_0_ended(results)
+        holder.pop("server")  # the only reference: the server stops, every client's connection breaks
+        holder["again"] = job_store.host(port, 30)
+
+    results: dict = {}
+    restarter = threading.Thread(target=restart_the_store_once_rank_0_is_gone, args=(results,), daemon=True)
+    restarter.start()
+    survivor = {"join_timeout": 5.0}
+    got, managers = _run(3, client=lambda: _client(port), results=results, rank0={"vanish_round": 10},
+                         rank1=survivor, rank2=survivor)  # fmt: skip
+    restarter.join(5)
+    new = store_identity.read(holder["again"])
+    assert got[0][0] == "vanished" and new not in (None, old), (got, new)
+    for rank in (1, 2):
+        end, exc = got[rank]
+        assert end == "error" and isinstance(exc, StoreLost), got[rank]
+        assert "came back as another store" in str(exc) and old in str(exc) and new in str(exc), exc
+        assert managers[rank].incarnation == old
+    assert not holder["again"].check(["ddpkit/ft/latest"]), "a round was decided on the restarted store"
 
 
 def test_on_etcd_the_job_outlives_machine_0_and_an_etcd_member_and_machine_0_comes_back(etcd):

@@ -58,6 +58,11 @@ class StoreCutOff(dist.DistNetworkError):
     coordination (the cluster lost its majority, or this machine lost the network)."""
 
 
+class StoreReplaced(dist.DistNetworkError):
+    """A transaction found the job's identity key (`EtcdStore.require`) holding another value, or none: the job's
+    keys were cleared, or written by another run under the same name. Nothing was written."""
+
+
 def _b64(text: str | bytes) -> str:
     return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
 
@@ -143,6 +148,7 @@ class EtcdStore(dist.Store):
         self._client = uuid.uuid4().hex  # names this client's transaction tokens (module doc)
         self._tokens = 0
         self._token_lease: tuple[str, float] | None = None  # (lease ID, when granted)
+        self._required: tuple[str, bytes] | None = None  # a key every transaction compares (`require`)
 
     # -- transport -------------------------------------------------------------------------------------------------
 
@@ -207,16 +213,38 @@ class EtcdStore(dist.Store):
         if token is not None:
             success.append({"request_put": {"key": _b64(self._token_key()), "value": _b64(token),
                                             "lease": self._token_lease_id()}})  # fmt: skip
-        body = {
-            "compare": [{"key": key, **compare}],
-            "success": success,
-            "failure": [{"request_range": {"key": key}}],
-        }
+        compares, failure = [{"key": key, **compare}], [{"request_range": {"key": key}}]
+        if self._required is not None:
+            required = self._key(self._required[0])
+            compares.append({"key": required, "target": "VALUE", "value": _b64(self._required[1]), "result": "EQUAL"})
+            failure.append({"request_range": {"key": required}})
+        body = {"compare": compares, "success": success, "failure": failure}
         answer, lost = self._post_noting_loss("/v3/kv/txn", body)
         if answer.get("succeeded"):
             return True, None, lost
+        if self._required is not None:
+            self._check_required(answer["responses"][1]["response_range"].get("kvs"))
         kvs = answer["responses"][0]["response_range"].get("kvs")
         return False, kvs[0] if kvs else None, lost
+
+    def require(self, key: str, value: bytes) -> None:
+        """Makes every transaction of this client and its clones (compare_set, add, append: every decision of the
+        job's rounds) also compare `key` with `value` (the job's incarnation,
+        `ddpkit.fault_tolerance.store_identity`): one that finds another value, or none, writes nothing and raises
+        `StoreReplaced`."""
+        self._required = (key, bytes(value))
+
+    def _check_required(self, kvs: list[dict[str, Any]] | None) -> None:
+        assert self._required is not None
+        key, expected = self._required
+        found = _unb64(kvs[0].get("value", "")) if kvs else None
+        if found != expected:
+            seen = "none" if found is None else repr(found[:40].decode(errors="replace"))
+            raise StoreReplaced(
+                f"the job {self.job!r} in {self.url} is not the one this rank belongs to: its {key} is {seen}, "
+                f"this rank's is {expected[:40].decode(errors='replace')!r} (its keys were cleared, or another run "
+                "took its name)"
+            )
 
     def _token_key(self) -> str:
         """This client's token key: outside the job's keys (it is no key of the Store's), on a lease."""
@@ -376,7 +404,9 @@ class EtcdStore(dist.Store):
 
     def clone(self) -> EtcdStore:
         """Another client of the same cluster and job, with a connection of its own (for another thread)."""
-        return EtcdStore(self.url, self._timeout)
+        clone = EtcdStore(self.url, self._timeout)
+        clone._required = self._required
+        return clone
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.url!r})"

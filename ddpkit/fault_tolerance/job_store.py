@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.distributed.launch import LaunchError
+from ddpkit.fault_tolerance import store_identity
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
 from ddpkit.fault_tolerance.connections import brief_client
 from ddpkit.fault_tolerance.job_secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, UnsignedValue, is_tagged, protect
@@ -47,6 +48,7 @@ def host(port: int, timeout: float, job_id: str | None = None) -> Any:
     the job a secret. Raises ValueError when that secret is malformed."""
     server = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
     store = protect(server)
+    store_identity.claim(store)  # (this store's incarnation: a store started again here has another)
     store.set(MODE_KEY, FAULT_TOLERANT)
     store.set(JOB_KEY, job_id or UNNAMED)
     return store

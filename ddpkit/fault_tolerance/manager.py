@@ -68,9 +68,9 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.rank_guard import say
-from ddpkit.fault_tolerance import job_secret, job_store, store_agreement
+from ddpkit.fault_tolerance import job_secret, job_store, store_agreement, store_identity
 from ddpkit.fault_tolerance.connections import side_connection
-from ddpkit.fault_tolerance.etcd_store import EtcdStore
+from ddpkit.fault_tolerance.etcd_store import EtcdStore, StoreReplaced
 from ddpkit.fault_tolerance.failures import is_peer_failure, is_store_loss
 from ddpkit.fault_tolerance.job_secret import unsigned
 from ddpkit.fault_tolerance.liveness import STALE_AFTER, Heartbeat, Liveness
@@ -142,7 +142,12 @@ def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
     where = store.url if isinstance(store, EtcdStore) else None
     if where is None and hasattr(store, "host"):
         where = f"{store.host}:{store.port}"
-    if isinstance(store, EtcdStore):
+    if isinstance(exc, StoreReplaced):
+        advice = (
+            "the job's coordination is gone from it, and this rank stops (it would otherwise take decisions of "
+            "another run's); a new run takes a new job name"
+        )
+    elif isinstance(store, EtcdStore):
         advice = (
             "this rank is cut off from the etcd cluster's majority and stops (it takes part in no "
             "decision it cannot reach); start its command again to rejoin once it reaches the cluster"
@@ -253,6 +258,7 @@ class Manager:
         replica: Replica | None = None,
     ) -> None:
         store = job_secret.protect(store)  # (with the job's secret: its values tagged)
+        self.incarnation = _hold_incarnation(store)
         membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
                                 start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
         membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
@@ -619,9 +625,17 @@ class Manager:
             # answer a call on a side connection (a machine that is going down may still accept a connection)
             side_connection(self.store, timeout=PROBE_SECONDS).check([self.prefix + "latest"])
             fresh = self.store.clone()
-            fresh.check([self.prefix + "latest"])
+            found = store_identity.read(fresh)
         except Exception:
             return False
+        if found != self.incarnation:  # the same address, another store: the job's store is gone
+            where = unsigned(self.store)
+            raise StoreLost(
+                f"rank {self.rank}: the job's store at {where.host}:{where.port} came back as another "
+                f"store (incarnation {found or 'none'}, this job's is {self.incarnation}): it was restarted, and "
+                "the job's rounds are gone from it. This rank stops rather than start a job of its own beside the "
+                "others; keep the job's coordination in an etcd cluster to survive the loss of its host"
+            )
         self.store = fresh
         rounds = getattr(self.membership, "inner", self.membership)  # (a replica's leader: its own membership)
         rounds.store, rounds._forgetting = fresh, None
@@ -724,6 +738,16 @@ class Manager:
             self._heartbeat.stop(wait=True)
         if self._buckets is not None:
             self._buckets.remove()
+
+
+def _hold_incarnation(store: Any) -> str:
+    """The incarnation of the job's `store` (`store_identity.claim`), which this rank holds from now on; on etcd
+    every transaction of this rank's then compares it (`EtcdStore.require`)."""
+    incarnation = store_identity.claim(store)
+    bare = unsigned(store)
+    if isinstance(bare, EtcdStore):
+        bare.require(store_identity.INCARNATION_KEY, bare.get(store_identity.INCARNATION_KEY))
+    return incarnation
 
 
 def _ranks(ranks: list[int]) -> str:

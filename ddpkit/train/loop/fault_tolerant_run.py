@@ -33,6 +33,7 @@ from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.manager import FellBehind, Manager
 from ddpkit.fault_tolerance.membership import Quorum
 from ddpkit.fault_tolerance.replica_membership import join_replica
+from ddpkit.train.checkpoints import out_job
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_fence import fenced
@@ -108,6 +109,10 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
     manager = Manager(store, rank, world, min_replicas=cfg.min_replicas, quorum_timeout=cfg.quorum_timeout,
                       prefix=job_store.PREFIX, settings=job_settings(cfg, "gloo", work), report=tell,
                       replica=replica, **waits)  # fmt: skip
+    if cfg.out and manager.leads:
+        taken_over = out_job.claim(cfg.out, manager.incarnation, cfg.resume)  # (a store started again: refused)
+        if taken_over is not None:
+            say(f"ddpkit: rank {rank}: {taken_over}")
     if replica is None:  # (a replica's processes were started together: they share the cores already)
         threads.publish_machine(store, MACHINE_KEYS, rank)
     model: torch.nn.Module = work.module
@@ -152,6 +157,8 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
             sync.rejoin(trainer)
     final = sync.finish(trainer)
     summary = report(cfg, placement, manager.store, trainer, recorder, manager, final, started)
+    if cfg.out and manager.leads:
+        out_job.finished(cfg.out, manager.incarnation)
     manager.close()
     return summary
 

@@ -113,6 +113,10 @@ def launch_fault_tolerant(cfg: TrainConfig, started: float) -> None:
     store = None
     if cfg.node_rank == 0 and cfg.store is None:  # (with etcd nobody hosts the job's coordination)
         from ddpkit.fault_tolerance import job_store
+        from ddpkit.train.checkpoints import out_job
+
+        if cfg.out:  # a new store is a new job: never over the outputs of one that did not finish
+            out_job.refuse_another_job(cfg.out, cfg.resume)
 
         store = job_store.host(port, cfg.timeout, cfg.job_id)
     if sharded_replicas(cfg):  # the machine's processes are one replica: one lost ends them all (a lost machine)
