@@ -212,7 +212,9 @@ def _run(
 def test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_the_reference():
     """Rank 1's average fails in round 5 (dropped on every member); rank 2 vanishes in round 12's middle (the
     round fails, it is dropped from the next); rank 3 starts once round 20 is decided and joins from live state."""
-    results, managers = _run(4, late={3: 20}, rank1={"fail_round": 5}, rank2={"vanish_round": 12})
+    waits = {"await_join": (20, 3)}  # (the job must not end before rank 3, started late, joins)
+    results, managers = _run(4, late={3: 20}, rank0=waits, rank1={"fail_round": 5, **waits},
+                             rank2={"vanish_round": 12})  # fmt: skip
     ends = {rank: results[rank][0] for rank in range(4)}
     assert ends == {0: "done", 1: "done", 2: "vanished", 3: "done"}, results
     logs = {rank: managers[rank].log for rank in (0, 1, 3)}
@@ -234,7 +236,8 @@ def test_a_joiner_whose_join_round_failed_takes_part_in_the_next_round_without_f
     """Rank 2 starts late; rank 1 fails the round rank 2 joins in. The next round is decided with rank 2 as a
     joiner again: rank 2 receives the live state there and the round commits (it used to announce itself once
     more and leave that round, which then failed on every member)."""
-    results, managers = _run(3, late={2: 8}, rank1={"fail_when_joins": 2})
+    waits = {"await_join": (8, 2)}  # (the job must not end before rank 2, started late on a loaded machine, joins)
+    results, managers = _run(3, late={2: 8}, rank0=waits, rank1={"fail_when_joins": 2, **waits})
     assert {rank: results[rank][0] for rank in range(3)} == {0: "done", 1: "done", 2: "done"}, results
     log = managers[0].log
     failed = [(r, m) for r, m, c in log if not c]

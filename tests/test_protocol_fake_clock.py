@@ -25,6 +25,7 @@ Invariants, whatever the schedule:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ ROUNDS = 14
 STEP_SECONDS = 0.5  # a rank's local work between two rounds
 TIMEOUT = 3.0  # quorum_timeout, simulated seconds
 START_TIMEOUT = 10.0
+STALLED_JOINER_STARTS = START_TIMEOUT + 3.0  # simulated seconds: a stalled joiner starts once the job is under way
 JOIN_TIMEOUT = 60.0
 
 
@@ -78,6 +80,7 @@ class Rank:
     paused_until: float = 0.0
     stopped: bool = False
     cut_at: float | None = None  # when its machine lost the store
+    woke_at: float | None = None  # a joiner stopped right after announcing itself: when it went on
 
 
 WHERE = ["before", "inside", "commit"]  # a fault before a rank arrives at its round, before its work, before its commit
@@ -138,11 +141,14 @@ def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int)
     membership.liveness = Liveness(DEFAULT_PREFIX, min(TIMEOUT, STALE_AFTER), clock=time)
     time.start(_beat, time, store.clone(), me)
     round_, value, in_step = 0, 0.0, True
-    if me.fault is not None and me.fault[0] == "late":
-        time.sleep(me.fault[3])
+    if me.fault is not None and me.fault[0] in ("late", "stalled joiner"):
+        time.sleep(me.fault[3] if me.fault[0] == "late" else STALLED_JOINER_STARTS)
         membership.raise_if_finished()
         if membership.latest_round() >= 0:  # the job is under way: it joins (`Manager.start_round`)
             round_, in_step = membership.announce_join(), False
+        if me.fault[0] == "stalled joiner":  # stopped (SIGSTOP) right after announcing itself, its heartbeat too
+            me.paused_until = me.woke_at = time.now + me.fault[3]
+            time.sleep(me.fault[3])
     while round_ <= ROUNDS:
         if _fault_here(me, round_, "before") == "vanish":
             raise Vanished
@@ -151,7 +157,7 @@ def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int)
             time.sleep(STEP_SECONDS)
             value += progress(me.rank, round_)
         quorum = _timed(time, me, "quorum" if in_step else "join", membership.quorum, round_)
-        round_ = quorum.round + 1
+        round_ = quorum.next_round
         if not quorum.is_member:  # left out (late, stalled): it takes the live state again (`Manager.rejoin`)
             if in_step:
                 round_, in_step = membership.announce_join(), False
@@ -369,3 +375,40 @@ def test_a_member_stalled_before_its_commit_is_not_committed_alone():
     ranks, seconds, lost_at = run_job(schedule)
     check_invariants(schedule, ranks, seconds, lost_at)
     assert [entry[3] for entry in ranks[2].log if entry[0] == 4] == [False]
+
+
+def _keys_of_forgotten_rounds(store: SimStore) -> list[str]:
+    """The keys of rounds long forgotten (more than twice `KEPT_ROUNDS` before the latest round with keys): none
+    should be left."""
+    through = max(int(m.group(1)) for k in store.data if (m := re.match(re.escape(DEFAULT_PREFIX) + r"r(\d+)/", k)))
+    through -= 2 * KEPT_ROUNDS + 1  # (the first member forgets through its round - KEPT_ROUNDS as it commits)
+    pattern = re.compile(re.escape(DEFAULT_PREFIX) + r"r(\d+)/")
+    return sorted(k for k in store.data if (m := pattern.match(k)) and int(m.group(1)) <= through)
+
+
+def test_a_joiner_stopped_after_announcing_itself_catches_up_at_once_and_holds_nobody_up(monkeypatch):
+    """Rank 2 starts late, announces that it joins, and is stopped for 60 s (its heartbeat too) while the others
+    train on past every round it was expected at, whose keys are deleted. When it goes on it reads the tombstone at
+    once and joins from the latest round within 4 quorum timeouts; no member's round waits for it after it woke
+    (it walked the deleted rounds one per second before, re-announcing itself at each, so the members waited a
+    quorum timeout per round), and no key of a forgotten round is left in the store."""
+    monkeypatch.setitem(globals(), "ROUNDS", 200)
+    schedule = {"world": 3, "faults": {2: ("stalled joiner", 0, "before", 60.0)}, "lost_at": None}
+    time, hub = VirtualTime(), {}
+    store = SimStore(time)
+    ranks = [Rank(r, schedule["faults"].get(r)) for r in range(3)]
+    with time.held():
+        threads = [time.start(_run_rank, time, hub, store.on_another_machine(), me, 3) for me in ranks]
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a rank still runs after 120 real seconds"
+    assert time.errors == [], time.errors
+    check_invariants(schedule, ranks, time.now, None)
+    joiner, member = ranks[2], ranks[0]
+    assert joiner.end == "done" and joiner.woke_at is not None and joiner.log[-1][0] == ROUNDS
+    first = joiner.logged_at[0]
+    assert first - joiner.woke_at <= 4 * TIMEOUT + STEP_SECONDS, (joiner.woke_at, first)
+    gaps = [(b - a, at) for a, b, at in zip(member.logged_at, member.logged_at[1:], member.logged_at[1:], strict=False)]
+    held = [(round(gap, 2), round(at, 2)) for gap, at in gaps if gap > STEP_SECONDS + 1.0 and at > joiner.woke_at]
+    assert held == [], held
+    assert _keys_of_forgotten_rounds(store) == []

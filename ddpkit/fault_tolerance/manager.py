@@ -258,7 +258,6 @@ class Manager:
         replica: Replica | None = None,
     ) -> None:
         store = job_secret.protect(store)  # (with the job's secret: its values tagged)
-        self.incarnation = _hold_incarnation(store)
         membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
                                 start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
         membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
@@ -268,6 +267,7 @@ class Manager:
             self.membership = ReplicaMembership(membership, replica)
         self.leads = replica is None or replica.leads  # this process speaks for its rank in the store
         self.store, self.rank, self.max_world, self.prefix = store, rank, max_world, prefix
+        self.incarnation = self._hold_incarnation()
         # what the quorum itself depends on agrees too (a rank given another world size waited for ranks that
         # never come, or was left in a connection the others abandoned)
         shape = {"max_world": max_world, "min_replicas": min_replicas}
@@ -438,7 +438,7 @@ class Manager:
             raise FellBehind(f"rank {self.rank} lost track of the rounds and takes the live state again")
         since = time.monotonic()
         quorum = formed if formed is not None else self.membership.quorum(round_)
-        self.next_round = quorum.round + 1
+        self.next_round = quorum.next_round
         if not quorum.is_member:
             raise FellBehind(f"rank {self.rank} was left out of round {quorum.round}")
         if self.rank in quorum.joined:  # its last round failed as it joined: it joins this one, where it is expected
@@ -478,7 +478,7 @@ class Manager:
             since = time.monotonic()
             quorum = decided or self.membership.quorum(round_)
             decided = None
-            round_ = self.next_round = quorum.round + 1
+            round_ = self.next_round = quorum.next_round
             if not quorum.is_member:
                 continue  # too late for it: the next round expects this rank
             self._enter(quorum)
@@ -616,6 +616,21 @@ class Manager:
                       "made again")  # fmt: skip
             return reader(quorum)
 
+    def _hold_incarnation(self) -> str:
+        """The incarnation of the job's store (`store_identity.claim`), which this rank holds from now on; on etcd
+        every transaction of this rank's then compares it (`EtcdStore.require`). `StoreLost` if the store is gone."""
+        try:
+            incarnation = store_identity.claim(self.store)
+            bare = unsigned(self.store)
+            if isinstance(bare, EtcdStore):
+                bare.require(store_identity.INCARNATION_KEY, bare.get(store_identity.INCARNATION_KEY))
+        except Exception as exc:
+            lost = _store_lost(self, exc)
+            if lost is None:
+                raise
+            raise lost from exc
+        return incarnation
+
     def _reconnect(self) -> bool:
         """A new connection to the job's store in place of one that broke (`store.clone()`); False when none can be
         made (the store is gone, or cut off)."""
@@ -738,16 +753,6 @@ class Manager:
             self._heartbeat.stop(wait=True)
         if self._buckets is not None:
             self._buckets.remove()
-
-
-def _hold_incarnation(store: Any) -> str:
-    """The incarnation of the job's `store` (`store_identity.claim`), which this rank holds from now on; on etcd
-    every transaction of this rank's then compares it (`EtcdStore.require`)."""
-    incarnation = store_identity.claim(store)
-    bare = unsigned(store)
-    if isinstance(bare, EtcdStore):
-        bare.require(store_identity.INCARNATION_KEY, bare.get(store_identity.INCARNATION_KEY))
-    return incarnation
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -34,8 +34,9 @@ alone).
 
 What it costs when nothing fails: per round the commit's 2-4 store round trips per member (about 100 us each
 from Python on one host) and no new connection; a round's first member deletes the keys of the round
-`KEPT_ROUNDS` before (`forget`, in the background: one delete per key, its arrivals' and its group's included;
-about five for a round decided ahead). Memory:
+`KEPT_ROUNDS` before (`forget_through`, in the background: first a tombstone, the latest round forgotten, which a
+rank that was stopped reads at once and rejoins from the latest round; then one delete per key, its arrivals' and
+its group's included; about five for a round decided ahead). Memory:
 the store keeps a few bytes per rank for `KEPT_ROUNDS` rounds.
 """
 
@@ -67,6 +68,7 @@ LATEST = "latest"  # key (under the prefix) of the latest decided round
 ENDED = "ended"  # key of the message that ended the job (too few replicas)
 FINAL = "final"  # key of the members of the job's last round: the job is over, nobody joins it any more
 LEAVERS = "leavers"  # key of "rank@round," entries: the rank takes part in no round from `round` on (-1: back)
+FORGOTTEN = "forgotten"  # key of the latest round whose keys are deleted (written before they go: a tombstone)
 
 
 def round_key(prefix: str, round_: int, *parts: object) -> str:
@@ -79,6 +81,30 @@ def latest_round(store: Any, prefix: str = DEFAULT_PREFIX) -> int:
     if not store.check([prefix + LATEST]):
         return -1
     return int(store.get(prefix + LATEST))
+
+
+def forgotten_through(store: Any, prefix: str = DEFAULT_PREFIX) -> int:
+    """The latest round whose keys were deleted (-1: none), in one request: recorded before they go, so a round
+    at or below it is long past even while some of its keys still exist."""
+    seen = store.compare_set(prefix + FORGOTTEN, NO_VALUE, NO_VALUE)
+    return -1 if seen in (NO_VALUE.encode(), b"") else int(seen)
+
+
+def _advance_record(store: Any, key: str, round_: int, expected: bytes) -> bytes:
+    """Sets the round record `key` to `round_` unless a later round is recorded already (it only moves forward);
+    a compare-and-set from `expected`, the value the caller saw last (one request when nobody else moved it).
+    Returns the value written, for the caller's next `expected`."""
+    new = str(round_).encode()
+    while True:
+        seen = store.compare_set(key, expected, new)
+        if seen == new:
+            return new
+        if seen == expected:  # (the key is missing: a compare-and-set from a value returns that value)
+            expected = b""
+            continue
+        if int(seen) >= round_:
+            return new
+        expected = seen
 
 
 def decided_members(store: Any, prefix: str, round_: int) -> list[int] | None:
@@ -120,6 +146,7 @@ class Quorum:
     committed: bool | None = None  # the round's verdict, once `commit` returned
     next_decided: bool = False  # its commit decided the next round too: the same members (module doc, step 4)
     waited: float = 0.0
+    resume_at: int | None = None  # on a rank left out: the round it is expected at next (None: the next one)
     _membership: Membership | None = field(default=None, repr=False)
 
     @property
@@ -130,6 +157,12 @@ class Quorum:
     @property
     def is_member(self) -> bool:
         return self.index is not None
+
+    @property
+    def next_round(self) -> int:
+        """The round this rank takes part in next: the following one, or for a rank left out of a round long past
+        the one after the latest decided (it catches up at once instead of walking the rounds between)."""
+        return self.round + 1 if self.resume_at is None else self.resume_at
 
     @property
     def changed(self) -> bool:
@@ -170,9 +203,10 @@ class Membership:
         self.join_timeout = join_timeout
         self.predict_next = predict_next
         self.clock: Clock = clock if clock is not None else SystemClock()
-        self._forgetting: Any = None  # the store connection `forget` deletes through
+        self._forgetting: Any = None  # the store connection `forget_through` deletes through
         self._latest_written = b""  # the latest round this rank recorded (`advance_latest`)
         self._forgotten_through = -1  # the rounds whose keys this rank deleted (`forget_through`)
+        self._tombstone = b""  # the latest forgotten round this rank recorded (`forget_through`)
         self.liveness: Any = None  # a `ddpkit.fault_tolerance.liveness.Liveness`: stop waiting for ranks that are gone
         self.joining = False  # announced a join and not yet a member
         self.last: Quorum | None = None  # the last round this rank was a member of
@@ -193,10 +227,15 @@ class Membership:
         self.last = None
         if self.rank in self._left(1 << 62):  # it left before: it is back
             self.store.append(self.prefix + LEAVERS, f"{self.rank}@-1,")
-        latest = self.latest_round()
-        for round_ in (latest + 1, latest + 2):  # the next round may be deciding already
-            self._expect(round_)
         self.joining = True
+        return self._expect_from_latest()
+
+    def _expect_from_latest(self) -> int:
+        """Asks the two rounds after the latest decided one to expect this rank (the next may be deciding, or be
+        decided ahead, already); returns the first of them."""
+        latest = self.latest_round()
+        for round_ in (latest + 1, latest + 2):
+            self._expect(round_)
         return latest + 1
 
     def _expect(self, round_: int) -> None:
@@ -257,22 +296,16 @@ class Membership:
         previous = self._previous(round_)
         if live:  # (a round decided already, without this late rank, is what `_decide` returns)
             arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
-            if self._forgotten(round_):  # this rank was stopped while the job went on: it joins a later round
-                self._expect(self.latest_round() + 1)
-                self.joining, self.last = True, None
-                return Quorum(round_, [], [], [], previous, waited=now() - arrival, _membership=self)
-            members = self._decide(round_, sorted(arrived))
+            members: list[int] | None = self._decide(round_, sorted(arrived))
         else:
-            decided = self._await_decision(round_)
-            if decided is None:  # long past: not a member; the next round to be decided expects this rank
-                self._expect(self.latest_round() + 1)
-                return Quorum(round_, [], [], [], previous, waited=now() - arrival, _membership=self)
-            members = decided
+            members = self._await_decision(round_)  # (None: long past)
+        if members is None or self._forgotten(round_):  # (after deciding: a forget may have run in between)
+            return self._left_behind(round_, previous, now() - arrival)
         joined = self._joined(round_, members) if previous is not None else []
         left = sorted(set(previous) - set(members)) if previous is not None else []
         quorum = Quorum(round_, members, joined, left, previous, waited=now() - arrival, _membership=self)
-        if self.rank not in members:
-            self._expect(round_ + 1)  # late: the next round waits for this rank
+        if self.rank not in members:  # late: the next round to be decided waits for this rank
+            quorum.resume_at = max(round_ + 1, self._expect_from_latest())
             self.joining = True
         if len(members) < self.min_replicas:
             message = (
@@ -288,6 +321,16 @@ class Membership:
                 self.advance_latest(round_)
             self._member_of(quorum)
         return quorum
+
+    def _left_behind(self, round_: int, previous: list[int] | None, waited: float) -> Quorum:
+        """This rank was stopped while the job went on past `round_` and forgot it: what it wrote there goes (no
+        key of a round forgotten stays behind), and it is expected at the round after the latest decided one, which
+        it takes part in next (`Quorum.next_round`) instead of walking the rounds between."""
+        if self._forgotten(round_):
+            self._erase(self.store, round_)
+        resume = self._expect_from_latest()
+        self.joining, self.last = True, None
+        return Quorum(round_, [], [], [], previous, waited=waited, resume_at=resume, _membership=self)
 
     def _member_of(self, quorum: Quorum) -> Quorum:
         """`quorum`, decided with this rank in it, as this rank's latest: its index and group."""
@@ -370,6 +413,8 @@ class Membership:
         key, ended = self._key(round_, "members"), self.prefix + ENDED
         deadline = self.clock.monotonic() + self.join_timeout
         while True:
+            if self._forgotten(round_):
+                return None  # (its tombstone says so at once: no wait for keys that are gone)
             try:
                 self.store.wait([key], timedelta(seconds=min(1.0, max(1e-3, deadline - self.clock.monotonic()))))
                 return json.loads(self.store.get(key))
@@ -389,9 +434,10 @@ class Membership:
         return decided_members(self.store, self.prefix, round_)
 
     def _forgotten(self, round_: int) -> bool:
-        """Whether `round_` is long past: later rounds were decided and its keys deleted (`forget`), so deciding
-        it now would make a quorum of this late rank alone."""
-        return self.latest_round() > round_ and not self.store.check([self._key(round_, "members")])
+        """Whether `round_` is long past: its keys are deleted (`forget_through` records the latest round it
+        deletes before deleting anything: a tombstone), so deciding it now would make a quorum of this late rank
+        alone. One request."""
+        return forgotten_through(self.store, self.prefix) >= round_
 
     def _decide(self, round_: int, arrived: list[int]) -> list[int]:
         return json.loads(self.store.compare_set(self._key(round_, "members"), "", json.dumps(arrived)))
@@ -519,19 +565,7 @@ class Membership:
         """Records `round_` as the latest decided round unless a later one is recorded already: the record only
         moves forward, so a rank that was paused and writes late cannot move the job back. A compare-and-set from
         the value this rank saw last (one store round trip when nobody else moved it)."""
-        key, new = self.prefix + LATEST, str(round_).encode()
-        expected = self._latest_written
-        while True:
-            seen = self.store.compare_set(key, expected, new)
-            if seen == new:
-                break
-            if seen == expected:  # (the key is missing: a compare-and-set from a value returns that value)
-                expected = b""
-                continue
-            if int(seen) >= round_:
-                break
-            expected = seen
-        self._latest_written = new
+        self._latest_written = _advance_record(self.store, self.prefix + LATEST, round_, self._latest_written)
 
     def forget_through(self, round_: int) -> None:
         """Deletes the keys of every round up to `round_` not deleted yet by this rank (at most
@@ -539,18 +573,25 @@ class Membership:
         store holds a bounded number of rounds however long the job runs. Run in the background
         (`Manager`): on a connection of its own (`store.clone()`), so that it never holds up the rounds."""
         start = max(self._forgotten_through + 1, round_ - 2 * KEPT_ROUNDS, 0)
+        if start > round_:
+            return
+        store = self._cleaner_store()
+        self._tombstone = _advance_record(store, self.prefix + FORGOTTEN, round_, self._tombstone)  # (first)
         for old in range(start, round_ + 1):
-            self.forget(old)
+            self._erase(store, old)
         self._forgotten_through = max(self._forgotten_through, round_)
 
-    def forget(self, round_: int) -> None:
-        """Deletes round `round_`'s keys from the store: its arrivals (those that arrived: O(members), not
+    def _cleaner_store(self) -> Any:
+        """The connection old rounds are deleted through (`forget_through`, on the cleaner's thread)."""
+        if self._forgetting is None:
+            self._forgetting = side_connection(self.store)
+        return self._forgetting
+
+    def _erase(self, store: Any, round_: int) -> None:
+        """Deletes round `round_`'s keys through `store`: its arrivals (those that arrived: O(members), not
         O(max_world)), joiners, members, reports, verdict and its group's rendezvous keys. A round decided ahead by
         the commit before it (nobody arrived at it) made no arrival and no group of its own: its few keys go in
         about five requests, not three times as many."""
-        if self._forgetting is None:
-            self._forgetting = side_connection(self.store)
-        store = self._forgetting
         arrived_key, members_key = self._key(round_, "arrived"), self._key(round_, "members")
         arrived = store.get(arrived_key).decode().split(",") if store.check([arrived_key]) else []
         reports = _keeps_report_keys(store)

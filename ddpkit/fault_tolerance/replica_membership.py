@@ -94,7 +94,7 @@ class ReplicaMembership:
         self.inner, self.replica = inner, replica
         self._decided: Quorum | None = None  # the leader's: the quorum its inner membership returned last
         if replica.leads:
-            inner.lanes = replica.lanes  # the leader's `forget` deletes every lane's group keys
+            inner.lanes = replica.lanes  # the leader's `forget_through` deletes every lane's group keys
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -141,7 +141,7 @@ class ReplicaMembership:
     def _decision(self, round_: int) -> dict[str, Any]:
         q = self._decided = self.inner.quorum(round_)
         return {"round": q.round, "members": q.members, "joined": q.joined, "left": q.left, "previous": q.previous,
-                "index": q.index, "waited": q.waited}  # fmt: skip
+                "index": q.index, "waited": q.waited, "resume_at": q.resume_at}  # fmt: skip
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
         """The replica's verdict: every lane's `ok` combined, the leader's commit, its verdict on every lane."""
