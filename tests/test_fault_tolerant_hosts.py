@@ -15,6 +15,7 @@ import contextlib
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -174,3 +175,69 @@ def test_a_lost_host_of_four_costs_seconds_and_comes_back_bit_identical(tmp_path
         time.sleep(0.2)
     assert _namespace_pids(four_hosts) == []
     assert _left_behind(shm_before) == set()
+
+
+def _cut_from_peers(hosts, k: int, store_port: int) -> None:
+    """Host `k` loses every peer (iptables DROP both ways, in its own namespace) but keeps its link to the job's
+    store on host 0 (TCP `store_port`): it reaches the store and no rank."""
+    peers = [a for i, a in enumerate(hosts.addresses) if i != k]
+    store = hosts.addresses[0]
+    rules = [["-A", "OUTPUT", "-d", store, "-p", "tcp", "--dport", str(store_port), "-j", "ACCEPT"],
+             ["-A", "INPUT", "-s", store, "-p", "tcp", "--sport", str(store_port), "-j", "ACCEPT"]]  # fmt: skip
+    for peer in peers:
+        rules += [["-A", "OUTPUT", "-d", peer, "-j", "DROP"], ["-A", "INPUT", "-s", peer, "-j", "DROP"]]
+    for rule in rules:
+        subprocess.run(["ip", "netns", "exec", hosts.namespaces[k], "iptables", *rule], check=True, timeout=30)
+
+
+def _heal(hosts, k: int) -> None:
+    subprocess.run(["ip", "netns", "exec", hosts.namespaces[k], "iptables", "-F"], check=True, timeout=30)
+
+
+def _latest_members(store) -> list[int] | None:
+    latest = int(store.get("ddpkit/ft/latest")) if store.check(["ddpkit/ft/latest"]) else -1
+    key = f"ddpkit/ft/r{latest}/members"
+    with contextlib.suppress(dist.DistStoreError):  # (a round's keys are deleted a few rounds later)
+        if store.check([key]):
+            return json.loads(store.get(key))
+    return None
+
+
+def _wait_for_members(store, members: list[int], timeout: float) -> float:
+    since = time.monotonic()
+    while _latest_members(store) != members:
+        assert time.monotonic() - since < timeout, f"the latest round's members were not {members} in {timeout:g} s"
+        time.sleep(0.05)
+    return time.monotonic() - since
+
+
+@pytest.mark.skipif(not shutil.which("iptables"), reason="needs iptables (apt-get install iptables)")
+def test_a_host_cut_off_from_its_peers_alone_is_dropped_and_rejoins_once_healed(tmp_path, procs, four_hosts):  # noqa: F811
+    """Host 3 keeps its link to the job's store and loses every peer (iptables DROP in its namespace). It arrives
+    at every round as before, so the store alone would keep deciding it a member of rounds that fail on everyone
+    (every round after the cut failed with all members). The failed members report whom they could not reach, the
+    next decision keeps the ranks that reach each other: host 3 is dropped within a few rounds, waits (it reaches
+    no member) without failing anyone's round, and rejoins from live state once the cut heals; the job ends with
+    every host and equal replicas."""
+    flags = [*MODES["ddp"], *RUN, "--max-steps", "600"]  # (long enough to be cut, dropped, healed and back)
+    out = tmp_path / "cut"
+    started = [_host(procs, four_hosts, k, out / f"h{k}", flags, f"cut-h{k}", ENV) for k in range(4)]
+    store = _in_namespace(four_hosts.namespaces[0], lambda: dist.TCPStore(
+        four_hosts.addresses[0], PORT, is_master=False, timeout=timedelta(seconds=120)))  # fmt: skip
+    _wait_for_round(store, 20, 180)
+    _cut_from_peers(four_hosts, 3, PORT)
+    try:
+        dropped = _wait_for_members(store, [0, 1, 2], 60)
+        time.sleep(3)  # the survivors train on while host 3 stays cut off: it fails none of their rounds
+        assert _latest_members(store) == [0, 1, 2]
+    finally:
+        _heal(four_hosts, 3)
+    rejoined = _wait_for_members(store, [0, 1, 2, 3], 120)
+    for proc in started:
+        result = proc.wait(300)
+        assert result.returncode == 0, result
+    summary = _summary(out / "h0")
+    assert summary["final_members"] == [0, 1, 2, 3] and summary["replicas_equal"], summary["parameter_digests"]
+    failed = [e for e in summary["membership"] if e["committed"] is False]
+    print(f"cut host dropped after {dropped:.1f} s, back {rejoined:.1f} s after the heal; {len(failed)} rounds failed")
+    assert len(failed) <= 4, summary["membership"]

@@ -182,6 +182,17 @@ def route_source_address(host: str, port: int) -> str | None:
 
 def interface_with_address(address: str) -> str | None:
     """The name of the network interface holding the IPv4 `address` (Linux), or None."""
+    return next((name for name, held in _ipv4_addresses().items() if held == address), None)
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of the network interface `name` (Linux), or None."""
+    return _ipv4_addresses().get(name)
+
+
+def _ipv4_addresses() -> dict[str, str]:
+    """Each network interface's IPv4 address, by interface name (Linux; those without one are left out)."""
+    found: dict[str, str] = {}
     try:
         import fcntl
         import struct
@@ -192,11 +203,10 @@ def interface_with_address(address: str) -> str | None:
                     raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
                 except OSError:
                     continue  # no IPv4 address on this interface
-                if socket.inet_ntoa(raw[20:24]) == address:
-                    return name
+                found[name] = socket.inet_ntoa(raw[20:24])
     except (ImportError, OSError):
-        return None
-    return None
+        return found
+    return found
 
 
 def choose_gloo_interface(master_addr: str, master_port: int) -> str | None:

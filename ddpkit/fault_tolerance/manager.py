@@ -85,6 +85,7 @@ from ddpkit.fault_tolerance.membership import (
     quorum_exchange,
     quorum_mean,
 )
+from ddpkit.fault_tolerance.reachability import Reachability
 from ddpkit.fault_tolerance.replica_membership import Replica, ReplicaMembership
 from ddpkit.fault_tolerance.round_buckets import RoundBuckets
 
@@ -268,6 +269,8 @@ class Manager:
         self.leads = replica is None or replica.leads  # this process speaks for its rank in the store
         self.store, self.rank, self.max_world, self.prefix = store, rank, max_world, prefix
         self.incarnation = self._hold_incarnation()
+        if self.leads:  # (the data plane's reports: who reaches whom)
+            membership.reach = Reachability(store, prefix, rank)
         # what the quorum itself depends on agrees too (a rank given another world size waited for ranks that
         # never come, or was left in a connection the others abandoned)
         shape = {"max_world": max_world, "min_replicas": min_replicas}
@@ -749,6 +752,9 @@ class Manager:
         """Stops the background quorum thread (a round being formed is abandoned) and the heartbeat."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._cleaner.shutdown(wait=False, cancel_futures=True)
+        reach = getattr(self.membership, "inner", self.membership).reach
+        if reach is not None:
+            reach.close()
         if self._heartbeat is not None:
             self._heartbeat.stop(wait=True)
         if self._buckets is not None:

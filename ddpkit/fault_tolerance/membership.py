@@ -57,6 +57,7 @@ from ddpkit.distributed.stats import comm_stats, wire_bytes
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
 from ddpkit.fault_tolerance.connections import side_connection
 from ddpkit.fault_tolerance.job_secret import seal, secret_of, unseal
+from ddpkit.fault_tolerance.reachability import format_report, parse_reports, reachable_side
 
 DEFAULT_PREFIX = "ddpkit/ft/"
 FIRST_WAIT = 1.0  # seconds a quorum waits for everyone before it asks whether those missing still beat
@@ -123,6 +124,10 @@ def latest_members(store: Any, prefix: str = DEFAULT_PREFIX) -> list[int] | None
 
 class TooFewReplicas(RuntimeError):
     """Fewer ranks than `min_replicas` reached a quorum in time."""
+
+
+class PeersUnreachable(RuntimeError):
+    """This rank reaches the job's store but, for `join_timeout`, not the members of its rounds."""
 
 
 class JobFinished(RuntimeError):
@@ -215,6 +220,9 @@ class Membership:
         # waiting in a connection they abandoned (`Manager`'s settings agreement)
         self.first_round_check: Any = None
         self.lanes = 1  # the groups each round makes (one per process of a replica: `replica_membership`)
+        # a `ddpkit.fault_tolerance.reachability.Reachability`: a failed round reports the peers this rank could not
+        # reach, decisions keep ranks that reach each other, a join waits until it reaches the members (None: not)
+        self.reach: Any = None
 
     def _key(self, round_: int, *parts: object) -> str:
         return round_key(self.prefix, round_, *parts)
@@ -232,7 +240,8 @@ class Membership:
 
     def _expect_from_latest(self) -> int:
         """Asks the two rounds after the latest decided one to expect this rank (the next may be deciding, or be
-        decided ahead, already); returns the first of them."""
+        decided ahead, already), once it reaches their members (`_await_reach`); returns the first of them."""
+        self._await_reach()
         latest = self.latest_round()
         for round_ in (latest + 1, latest + 2):
             self._expect(round_)
@@ -246,6 +255,26 @@ class Membership:
         """Marks round `round_` as one whose members may differ from the round before (a rank joins or leaves at
         it), so that no commit decides it ahead with the same members (`_success_verdict`: one look)."""
         self.store.append(self._key(round_, "changes"), f"{self.rank},")
+
+    def _await_reach(self) -> None:
+        """With `reach`: waits until this rank reaches every member of the latest round on the data plane (probed
+        about once a second), so that a rank cut off from its peers never joins a round only to fail it; raises
+        `PeersUnreachable` after `join_timeout`."""
+        if self.reach is None:
+            return
+        deadline = self.clock.monotonic() + self.join_timeout
+        while True:
+            members = decided_members(self.store, self.prefix, self.latest_round()) or []
+            unreached = self.reach.unreached(self.store, members)
+            if not unreached:
+                return
+            if self.clock.monotonic() > deadline:
+                raise PeersUnreachable(
+                    f"rank {self.rank} reaches the job's store but not its members {unreached} (a TCP connect to "
+                    f"each failed for {self.join_timeout:g} s): check the network between the machines (a "
+                    "firewall, a route, GLOO_SOCKET_IFNAME)"
+                )
+            self.clock.sleep(POLL_SECONDS * 20)
 
     def latest_round(self) -> int:
         """The latest round whose members were decided (-1 before the first)."""
@@ -296,7 +325,7 @@ class Membership:
         previous = self._previous(round_)
         if live:  # (a round decided already, without this late rank, is what `_decide` returns)
             arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
-            members: list[int] | None = self._decide(round_, sorted(arrived))
+            members: list[int] | None = self._decide(round_, self._reachable(round_, sorted(arrived)))
         else:
             members = self._await_decision(round_)  # (None: long past)
         if members is None or self._forgotten(round_):  # (after deciding: a forget may have run in between)
@@ -439,6 +468,26 @@ class Membership:
         alone. One request."""
         return forgotten_through(self.store, self.prefix) >= round_
 
+    def _reachable(self, round_: int, arrived: list[int]) -> list[int]:
+        """Of `arrived`, the ranks that can reach each other by what the previous round's failed members reported
+        (`reachability.reachable_side`; one read, after a failed round only)."""
+        last = self.last
+        if last is None or last.round != round_ - 1 or last.committed is not False:
+            return arrived
+        key = self._key(round_ - 1, "unreached")
+        if not self.store.check([key]):
+            return arrived
+        return reachable_side(arrived, parse_reports(self.store.get(key).decode()))
+
+    def _report_unreached(self, quorum: Quorum) -> None:
+        """After this member's part of `quorum` failed: the members it cannot reach on the data plane, reported for
+        the next decision (`reach`; nothing when all answer)."""
+        if self.reach is None or len(quorum.members) < 2:
+            return
+        unreached = self.reach.unreached(self.store, quorum.members)
+        if unreached:
+            self.store.append(self._key(quorum.round, "unreached"), format_report(self.rank, unreached))
+
     def _decide(self, round_: int, arrived: list[int]) -> list[int]:
         return json.loads(self.store.compare_set(self._key(round_, "members"), "", json.dumps(arrived)))
 
@@ -487,6 +536,7 @@ class Membership:
         more on etcd or under a job secret), none of them retried under contention."""
         verdict_key = self._key(quorum.round, "verdict")
         if not ok:  # and no report of its own: nobody sees every report, nobody proposes "1"
+            self._report_unreached(quorum)  # (before its verdict: the next decider reads it)
             return self._take_verdict(quorum, self.store.compare_set(verdict_key, "", "0"))
         if self._reported_last(quorum):
             verdict = self.store.compare_set(verdict_key, "", self._success_verdict(quorum))
@@ -599,7 +649,7 @@ class Membership:
         keys = [self._key(round_, "in", r) for r in arrived if r]
         keys += [self._key(round_, "report", r) for r in members] if reports else []
         parts = ("arrived", "joining") if arrived else ()
-        parts += ("changes", "joiners", "members", "reported", "verdict")
+        parts += ("changes", "joiners", "members", "reported", "verdict", "unreached")
         keys += [self._key(round_, part) for part in parts]
         if arrived:  # (a round decided ahead uses the group of the round before)
             keys += [
