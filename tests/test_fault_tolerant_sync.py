@@ -194,6 +194,17 @@ def test_local_sgd_rounds_with_slow_momentum_equal_the_definition_and_a_failed_s
         assert _close(out[rank][0], want[rank]), rank
 
 
+def test_a_failed_last_average_is_tried_again_so_every_replica_ends_alike():
+    """Local SGD syncs every 3 steps, so steps 7 and 8 are local and the job's last round (an exact average of the
+    models) is what makes the replicas equal; it fails on rank 1: the members average again in the next round and
+    both end with the same model (a failed last round was the end: each kept its own)."""
+    outer = OuterSchedule(every=3, slow_every=6, rule=SlowMoRule(0.5, 2.0))
+    last = STEPS // 3 + 1
+    out = _train(outer, fail_round=last)
+    assert (last, False) in out[0][1], out[0][1]
+    assert _close(out[0][0], out[1][0])
+
+
 def test_sgp_rounds_with_slow_momentum_equal_the_definition_and_a_failed_round_changes_nothing():
     """SGP's push-sum among 2 members: each keeps half of [x, w] and sends half to the other, so every committed
     round (gossip or exact) leaves both on the mean of their models, with w = 1; every 4th step's round is exact

@@ -50,6 +50,7 @@ ROUNDS = 14
 STEP_SECONDS = 0.5  # a rank's local work between two rounds
 TIMEOUT = 3.0  # quorum_timeout, simulated seconds
 START_TIMEOUT = 10.0
+MIN_REPLICAS = 1
 STALLED_JOINER_STARTS = START_TIMEOUT + 3.0  # simulated seconds: a stalled joiner starts once the job is under way
 JOIN_TIMEOUT = 60.0
 
@@ -136,7 +137,7 @@ def _run_rank(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: in
 
 
 def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int) -> None:
-    membership = SimMembership(hub, time, store, me.rank, world, 1, TIMEOUT, start_timeout=START_TIMEOUT,
+    membership = SimMembership(hub, time, store, me.rank, world, MIN_REPLICAS, TIMEOUT, start_timeout=START_TIMEOUT,
                                join_timeout=JOIN_TIMEOUT)  # fmt: skip
     membership.liveness = Liveness(DEFAULT_PREFIX, min(TIMEOUT, STALE_AFTER), clock=time)
     time.start(_beat, time, store.clone(), me)
@@ -412,3 +413,15 @@ def test_a_joiner_stopped_after_announcing_itself_catches_up_at_once_and_holds_n
     held = [(round(gap, 2), round(at, 2)) for gap, at in gaps if gap > STEP_SECONDS + 1.0 and at > joiner.woke_at]
     assert held == [], held
     assert _keys_of_forgotten_rounds(store) == []
+
+
+def test_a_round_short_of_min_replicas_waits_for_a_paused_member_to_come_back(monkeypatch):
+    """Two ranks with min_replicas=2; rank 1 stops for 8 s inside round 5 (more than twice the round's timeout). The
+    round after it is short of the minimum: it waits for rank 1 to come back instead of ending the job for good (it
+    ended with TooFewReplicas on both ranks), and both finish every round."""
+    monkeypatch.setitem(globals(), "MIN_REPLICAS", 2)
+    schedule = {"world": 2, "faults": {1: ("pause", 5, "inside", 8.0)}, "lost_at": None}
+    ranks, seconds, lost_at = run_job(schedule)
+    assert [me.end for me in ranks] == ["done", "done"], [(me.end, me.log[-1:]) for me in ranks]
+    check_invariants(schedule, ranks, seconds, lost_at)
+    assert ranks[0].log[-1][0] == ROUNDS and ranks[0].log[-1][1] == [0, 1]

@@ -61,6 +61,7 @@ from ddpkit.fault_tolerance.reachability import format_report, parse_reports, re
 
 DEFAULT_PREFIX = "ddpkit/ft/"
 FIRST_WAIT = 1.0  # seconds a quorum waits for everyone before it asks whether those missing still beat
+REFILL_TIMEOUTS = 3  # quorum timeouts a round short of min_replicas waits on for ranks to come back
 POLL_SECONDS = 0.05  # how often it looks again after that
 NO_VALUE = "\x00none"  # a value no key holds: compare_set(key, NO_VALUE, NO_VALUE) reads a key that exists in one
 # request (a TCPStore's get waits for the key first: two), changing nothing
@@ -325,6 +326,8 @@ class Membership:
         previous = self._previous(round_)
         if live:  # (a round decided already, without this late rank, is what `_decide` returns)
             arrived = self._await_arrivals(round_, self._expected(round_, previous), arrival)
+            if len(arrived) < self.min_replicas and round_ > 0:
+                arrived = self._await_refill(round_, arrived)
             members: list[int] | None = self._decide(round_, self._reachable(round_, sorted(arrived)))
         else:
             members = self._await_decision(round_)  # (None: long past)
@@ -337,9 +340,10 @@ class Membership:
             quorum.resume_at = max(round_ + 1, self._expect_from_latest())
             self.joining = True
         if len(members) < self.min_replicas:
+            waited = self.timeout * (1 + (REFILL_TIMEOUTS if round_ > 0 else 0))
             message = (
                 f"round {round_}: {len(members)} of {self.max_world} ranks reached the quorum within "
-                f"{self.timeout:g} s (members {members}), fewer than min_replicas={self.min_replicas}"
+                f"{waited:g} s (members {members}), fewer than min_replicas={self.min_replicas}"
             )
             self.store.compare_set(self.prefix + ENDED, "", message)  # ranks waiting to join stop too
             raise TooFewReplicas(message)
@@ -428,6 +432,16 @@ class Membership:
                 break
             self.clock.sleep(POLL_SECONDS)
         return self._arrived(round_)
+
+    def _await_refill(self, round_: int, arrived: set[int]) -> set[int]:
+        """The ranks that arrived at `round_` once `min_replicas` did, or `REFILL_TIMEOUTS` more quorum timeouts
+        passed: a round short of the minimum (a member paused for a few seconds, a machine restarting) waits for
+        ranks to come back before the job ends for good."""
+        deadline = self.clock.monotonic() + REFILL_TIMEOUTS * self.timeout
+        while len(arrived) < self.min_replicas and self.clock.monotonic() < deadline:
+            self.clock.sleep(POLL_SECONDS * 4)
+            arrived = self._arrived(round_)
+        return arrived
 
     def _arrived(self, round_: int) -> set[int]:
         """The ranks that arrived at `round_` so far (each appends itself on arrival)."""

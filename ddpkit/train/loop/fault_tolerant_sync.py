@@ -78,6 +78,8 @@ from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.loop.callbacks import MetricsRecorder
 from ddpkit.train.loop.trainer import Callback, Trainer, TrainerState
 
+FINAL_ATTEMPTS = 3  # times the job's last average is tried when a member is lost in it
+
 
 @dataclass
 class OuterSchedule:
@@ -376,7 +378,7 @@ class FaultTolerantSync(Callback):
 
     # -- per outer sync ------------------------------------------------------------------------------------------
 
-    def _outer_work(self, trainer: Trainer, slow: bool = True) -> None:
+    def _outer_work(self, trainer: Trainer, slow: bool = True) -> bool:
         """The parameters' mean over the members (`FaultTolerantLocalSGD`), committed; then slow momentum when
         due (and `slow`). With the pseudo-gradient sync, its round instead (a joiner counts zero there too), but
         for the last round (not `slow`): an exact average, as SlowMo's `average_parameters` ends a plain job."""
@@ -388,8 +390,17 @@ class FaultTolerantSync(Callback):
             committed = self.local_sgd.step(flat, slow and step % self.outer.slow_every == 0, self._lr())
         if committed:
             self._set_params(flat)
+        return committed
 
     # -- the end -------------------------------------------------------------------------------------------------
+
+    def _final_work(self, trainer: Trainer) -> bool:
+        """The last round's work (module doc: an exact average with local SGD or SGP), committed; its verdict."""
+        if self.gossip is not None:  # a last exact average: every replica ends with the same model
+            return self._gossip_work(trainer, final=True)
+        if self.outer is None:
+            return self.manager.should_commit()
+        return self._outer_work(trainer, slow=False)
 
     def finish(self, trainer: Trainer) -> Quorum:
         """The job's last round (unless this rank joined in it): the live state to late joiners, and with local
@@ -401,13 +412,14 @@ class FaultTolerantSync(Callback):
         self.manager.step = step
         self._finishing = True
         last = self.outer.rounds_until(step) + 1 if self.outer is not None else step + 1
-        quorum = self.manager.round(last)
-        if self.gossip is not None:  # a last exact average: every replica ends with the same model
-            self._gossip_work(trainer, final=True)
-        elif self.outer is None:
-            self.manager.should_commit()
-        else:
-            self._outer_work(trainer, slow=False)
+        for attempt in range(1, FINAL_ATTEMPTS + 1):
+            quorum = self.manager.round(last)
+            if self._final_work(trainer):
+                break
+            last = quorum.next_round  # (a member was lost in it: the survivors average again, in the next round)
+            if attempt == FINAL_ATTEMPTS:
+                say(f"ddpkit: rank {self.manager.rank}: the job's last average failed {attempt} times: the "
+                    "replicas may end unequal (the summary's replicas_equal says)")  # fmt: skip
         self.final = True
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last checkpoint is written before the job ends
