@@ -8,7 +8,8 @@ round, does the round's work over the round's group (the mean of the values of t
 joins takes it) and commits; a failed round changes nothing, and a joiner whose round failed joins again. The
 schedule gives ranks faults at rounds of their own: vanish (a killed process, before or inside a round), pause
 (stopped for 1-12 s, its heartbeat too: shorter and longer than the round's timeout), fail (its work fails), late
-(it starts while the job runs) or cut (its machine loses the store for good); and maybe the store's own loss.
+(it starts while the job runs), stalled joiner (it starts late and is stopped for 1-12 s right after announcing
+itself) or cut (its machine loses the store for good); and maybe the store's own loss.
 
 Invariants, whatever the schedule:
 
@@ -142,6 +143,7 @@ def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int)
     membership.liveness = Liveness(DEFAULT_PREFIX, min(TIMEOUT, STALE_AFTER), clock=time)
     time.start(_beat, time, store.clone(), me)
     round_, value, in_step = 0, 0.0, True
+    forgetting = None  # the deletion of old rounds' keys in progress
     if me.fault is not None and me.fault[0] in ("late", "stalled joiner"):
         time.sleep(me.fault[3] if me.fault[0] == "late" else STALLED_JOINER_STARTS)
         membership.raise_if_finished()
@@ -168,14 +170,23 @@ def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int)
             raise Vanished
         _maybe_pause_or_cut(time, me, store, quorum.round, "inside")
         value, in_step = _work_and_commit(time, membership, quorum, me, value, in_step)
-        if quorum.index == 0 and quorum.round > KEPT_ROUNDS:
-            membership.forget_through(quorum.round - KEPT_ROUNDS)
+        if quorum.index == 0 and quorum.round > KEPT_ROUNDS and (forgetting is None or not forgetting.is_alive()):
+            # on a thread of its own, as the Manager's cleaner: it interleaves with the rounds (one at a time)
+            forgetting = time.start(_forget_quietly, membership, quorum.round - KEPT_ROUNDS)
     if me.log and me.log[-1][0] == ROUNDS:
         store.compare_set(DEFAULT_PREFIX + FINAL, "", "done")  # the job's last round: nobody joins it any more
 
 
 class Vanished(Exception):
     """The rank's process is gone (killed)."""
+
+
+def _forget_quietly(membership: SimMembership, round_: int) -> None:
+    """`forget_through` as the Manager's cleaner runs it: a store that is gone is reported, not raised."""
+    try:
+        membership.forget_through(round_)
+    except dist.DistNetworkError:
+        pass
 
 
 def _maybe_pause_or_cut(time: VirtualTime, me: Rank, store: SimStore, round_: int, where: str) -> None:
@@ -218,7 +229,7 @@ def _work_and_commit(
     return value, in_step
 
 
-FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "cut", "none", "none"])
+FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "stalled joiner", "cut", "none", "none"])
 
 
 @st.composite
@@ -232,7 +243,7 @@ def schedules(draw: Any) -> dict[str, Any]:
         if kind != "none":
             round_ = draw(st.integers(1, ROUNDS - 2))
             where = draw(st.sampled_from(WHERE))
-            seconds = draw(st.floats(1.0, 12.0)) if kind in ("pause", "late") else 0.0
+            seconds = draw(st.floats(1.0, 12.0)) if kind in ("pause", "late", "stalled joiner") else 0.0
             faults[rank] = (kind, round_, where, seconds)
     lost_at = draw(st.one_of(st.none(), st.integers(2, ROUNDS - 2)))
     return {"world": world, "faults": faults, "lost_at": lost_at}
