@@ -26,6 +26,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # started last kept one worker busy for minutes after the other had run out of work.
 LONGEST_FILES = [
     "test_train_cli.py",
+    "test_chaos.py",
     "test_fault_tolerant_train.py",
     "test_benchmarks.py",
     "test_readme.py",

@@ -15,15 +15,18 @@ and verdicts are the same); then the nemesis injects faults one after another, e
   too, restarted), ``pause-rank`` (SIGSTOP for 1-30 s);
 - ``cut-peers``, ``cut-store``, ``cut-both``: iptables DROP in the host's namespace between it and the other hosts'
   training traffic, the store's ports, or everything, for 5-20 s;
-- ``etcd-kill``, ``etcd-pause``, ``etcd-blackhole`` (a member's ports dropped) for 5-20 s; ``store-restart`` (the
-  embedded store started again empty at its address: the job must end everywhere, never split; the last fault).
+- ``etcd-kill``, ``etcd-pause``, ``etcd-blackhole`` (a member's ports dropped) for 5-20 s (``--store etcd``).
+
+(The embedded store restarted empty at its address ends the job by design; tests/test_manager.py checks that
+every survivor stops and none goes on in it.)
 
 The checker reads every history: no round committed by two groups with different members or states (a split),
-every committed round's members agree, no hang (the job ends within ``--finish-timeout`` of the last fault), no
-stuck stretch (no committed round for ``--stuck-seconds``, nor more than ``--stuck-failures`` rounds in a row failed
-with the same members, while the job runs), no process left in any host, the
-final replicas equal, the held-out loss against the reference's, and goodput (steps per second against the
-reference's). It prints the fault mix and the verdict, writes ``OUT/chaos.json``, and exits 1 on any violation.
+every committed round's members agree, no healthy rank dropped (one whose host no fault hit), no hang (the job
+ends within ``--finish-timeout`` of the last fault), no stuck stretch (no committed round for ``--stuck-seconds``,
+nor more than ``--stuck-failures`` rounds in a row failed with the same members, while the job runs), no process
+left in any host, the final replicas equal, the held-out loss against the reference's, and goodput (steps per
+second against the reference's). It prints the fault mix and the verdict, writes ``OUT/chaos.json``, and exits 1
+on any violation.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from benchmarks.lib import netns  # noqa: E402
 from ddpkit.testing.etcd_cluster import etcd_binary, etcd_command  # noqa: E402
 
 ETCD_CLIENT, ETCD_PEER, EMBEDDED_PORT = 2379, 2380, 29700
+DROP_GRACE = 20.0  # seconds after a fault on its host during which a rank may still be dropped (a restart's join)
+UNEXPLAINED_DROPS = 2  # healthy ranks dropped that a run tolerates (a machine too loaded to answer in time)
 WORKER = [sys.executable, str(ROOT / "tools" / "chaos_worker.py")]
 KINDS = {
     "etcd": ["kill-rank", "kill-machine", "pause-rank", "cut-peers", "cut-store", "cut-both", "etcd-kill",
@@ -67,6 +72,8 @@ class Fault:
     seconds: float
     gap: float = 1.0
     at: float = 0.0
+    began: float = 0.0  # wall-clock time, as the histories', when it was applied and undone
+    ended: float = 0.0
 
 
 @dataclass
@@ -241,11 +248,12 @@ def histories(out: Path, hosts: int) -> dict[int, list[dict[str, Any]]]:
 
 
 def check(
-    logs: dict[int, list[dict[str, Any]]], stuck_seconds: float, stuck_failures: int = 3
+    logs: dict[int, list[dict[str, Any]]], stuck_seconds: float, stuck_failures: int = 3, faults: list[Fault] = ()
 ) -> tuple[list[str], dict[str, Any]]:
     """The violations in the ranks' histories (module doc) and the run's figures. Stuck is either no committed
     round for `stuck_seconds`, or more than `stuck_failures` rounds in a row failed with the same members (a
-    decision that does not learn what failed)."""
+    decision that does not learn what failed). A rank dropped while no fault hit its host (an etcd member's
+    fault, say) is a healthy rank dropped: more than `UNEXPLAINED_DROPS` of them is a violation."""
     wrong: list[str] = []
     rounds: dict[int, tuple[list[int], bool, str | None, int]] = {}
     commits = []
@@ -272,6 +280,9 @@ def check(
         longest_run = max(longest_run, run)
     if longest_run > stuck_failures:
         wrong.append(f"stuck: {longest_run} rounds in a row failed with the same members")
+    unexplained = _unexplained_drops(logs, rounds, faults)
+    if len(unexplained) > UNEXPLAINED_DROPS:
+        wrong.append(f"healthy ranks dropped (no fault on their host): {unexplained[:10]}")
     commits.sort()
     gaps = [b - a for a, b in itertools.pairwise(commits)]
     if gaps and max(gaps) > stuck_seconds:
@@ -284,11 +295,30 @@ def check(
         "seconds": (commits[-1] - commits[0]) if commits else 0.0,
         "longest_gap_seconds": round(max(gaps), 1) if gaps else 0.0,
         "longest_failed_run": longest_run,
+        "unexplained_drops": len(unexplained),
         "finished_ranks": sorted(finals),
         "heldout_loss": next(iter(finals.values()))["heldout_loss"] if finals else None,
         "restarts": {r: sum(1 for e in entries if "start" in e) - 1 for r, entries in logs.items()},
     }
     return wrong, figures
+
+
+def _unexplained_drops(
+    logs: dict[int, list[dict[str, Any]]], rounds: dict[int, tuple], faults: list[Fault] | tuple
+) -> list[tuple[int, int]]:
+    """(round, rank) for each rank that left the members at a round while no fault on its host was under way (or
+    had ended less than `DROP_GRACE` seconds before)."""
+    when = {e["round"]: e["t"] for entries in logs.values() for e in entries if "round" in e}
+    drops = []
+    for number in sorted(rounds):
+        if number - 1 not in rounds:
+            continue
+        for rank in set(rounds[number - 1][0]) - set(rounds[number][0]):
+            hit = any(f.host == rank and not f.kind.startswith("etcd") and f.began - 1 <= when[number] <=
+                      f.ended + DROP_GRACE for f in faults)  # fmt: skip
+            if not hit:
+                drops.append((number, rank))
+    return drops
 
 
 def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fault]) -> tuple[list[str], dict]:
@@ -307,7 +337,9 @@ def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fa
             time.sleep(fault.gap)
             fault.at = round(time.monotonic() - began, 1)
             print(f"  {fault.at:7.1f} s  {fault.kind} host {fault.host} for {fault.seconds:g} s", flush=True)
+            fault.began = time.time()
             inject(job, fault)
+            fault.ended = time.time()
         deadline = time.monotonic() + args.finish_timeout
         while job.alive() and time.monotonic() < deadline:
             job.supervise()
@@ -320,7 +352,7 @@ def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fa
     left = {ns: subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for ns in hosts.namespaces}  # fmt: skip
     wrong += [f"processes left in {ns}: {pids}" for ns, pids in left.items() if pids]
-    found, figures = check(histories(out, hosts.count), args.stuck_seconds, args.stuck_failures)
+    found, figures = check(histories(out, hosts.count), args.stuck_seconds, args.stuck_failures, faults)
     return wrong + found, figures
 
 
