@@ -225,8 +225,12 @@ class SimGroup:
     """A round's group of `size` members as seen by member `index` (module doc): it meets the others under `key`
     in `hub` (one dict per test), each collective numbered in call order."""
 
-    def __init__(self, hub: dict, key: str, index: int, size: int, time: VirtualTime, timeout: float) -> None:
+    def __init__(
+        self, hub: dict, key: str, index: int, size: int, time: VirtualTime, timeout: float,
+        members: list[int] | None = None,
+    ) -> None:  # fmt: skip
         self.hub, self.key, self.index, self.size, self.time, self.timeout = hub, key, index, size, time, timeout
+        self.members = members  # the members' global ranks: a partition (`hub["cut"]`) separates them
         self.calls = 0
         self._meet("connect", None)  # as gloo's constructor: every member connects, or it fails at the timeout
 
@@ -245,7 +249,16 @@ class SimGroup:
         self.calls += 1
         return self._meet(f"broadcast{self.calls}", value)[0]
 
+    def _separated(self) -> bool:
+        """Whether a member of the group is cut off from the others' data plane (`hub["cut"]`: ranks whose network
+        reaches the store but no peer)."""
+        cut = self.hub.get("cut", set())
+        return self.members is not None and len(self.members) > 1 and bool(cut & set(self.members))
+
     def _meet(self, what: str, value: Any) -> list[Any]:
+        if self._separated():  # nobody on the other side answers: the collective fails at its timeout
+            self.time.sleep(self.timeout)
+            raise RuntimeError(f"{self.key} {what}: a member cut off from its peers did not answer")
         with self.time.lock:
             slot = self.hub.setdefault((self.key, what), {})
             slot[self.index] = value
@@ -253,3 +266,16 @@ class SimGroup:
             if not self.time.wait_until(lambda: len(slot) == self.size, self.time.now + self.timeout):
                 raise RuntimeError(f"{self.key} {what}: a member did not take part within {self.timeout:g} s")
             return [slot[i] for i in range(self.size)]
+
+
+class SimReach:
+    """`ddpkit.fault_tolerance.reachability.Reachability` on simulated time: the ranks in `hub["cut"]` reach the
+    store and no peer (probes answer at once)."""
+
+    def __init__(self, hub: dict, rank: int) -> None:
+        self.hub, self.rank = hub, rank
+
+    def unreached(self, store: Any, ranks: list[int]) -> list[int]:
+        cut = self.hub.get("cut", set())
+        others = [r for r in ranks if r != self.rank]
+        return others if self.rank in cut else [r for r in others if r in cut]

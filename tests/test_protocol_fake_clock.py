@@ -9,7 +9,9 @@ joins takes it) and commits; a failed round changes nothing, and a joiner whose 
 schedule gives ranks faults at rounds of their own: vanish (a killed process, before or inside a round), pause
 (stopped for 1-12 s, its heartbeat too: shorter and longer than the round's timeout), fail (its work fails), late
 (it starts while the job runs), stalled joiner (it starts late and is stopped for 1-12 s right after announcing
-itself) or cut (its machine loses the store for good); and maybe the store's own loss.
+itself), partition (for 1-12 s its network reaches the store and no peer) or cut (its machine loses the store for
+good); up to two further pauses, failures or partitions at later rounds of the same rank; and maybe the store's own
+loss.
 
 Invariants, whatever the schedule:
 
@@ -34,7 +36,7 @@ import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sim_time import SimGroup, SimStore, VirtualTime
+from sim_time import SimGroup, SimReach, SimStore, VirtualTime
 
 from ddpkit.fault_tolerance.liveness import INTERVAL, STALE_AFTER, Liveness, alive_key
 from ddpkit.fault_tolerance.membership import (
@@ -65,7 +67,7 @@ class SimMembership(Membership):
 
     def connect(self, key: str, quorum: Quorum) -> SimGroup:
         assert quorum.index is not None
-        return SimGroup(self.hub, key, quorum.index, len(quorum.members), self.time, self.timeout)
+        return SimGroup(self.hub, key, quorum.index, len(quorum.members), self.time, self.timeout, quorum.members)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Rank:
 
     rank: int
     fault: tuple[str, int, str, float] | None  # (kind, round, where: WHERE, pause seconds)
+    more: list[tuple[str, int, str, float]] = field(default_factory=list)  # later pauses, fails, partitions
     log: list[tuple[int, list[int], list[int], bool, float]] = field(default_factory=list)
     logged_at: list[float] = field(default_factory=list)  # when each entry of `log` was made
     end: str = "running"
@@ -107,10 +110,16 @@ def _beat(time: VirtualTime, store: SimStore, me: Rank) -> None:
         time.sleep(INTERVAL)
 
 
-def _fault_here(me: Rank, round_: int, where: str) -> str | None:
-    if me.fault is not None and me.fault[1] == round_ and me.fault[2] == where:
-        return me.fault[0]
+def _fault_at(me: Rank, round_: int, where: str) -> tuple[str, int, str, float] | None:
+    for fault in ([me.fault] if me.fault is not None else []) + me.more:
+        if fault[1] == round_ and fault[2] == where:
+            return fault
     return None
+
+
+def _fault_here(me: Rank, round_: int, where: str) -> str | None:
+    fault = _fault_at(me, round_, where)
+    return None if fault is None else fault[0]
 
 
 def _timed(time: VirtualTime, me: Rank, what: str, call: Any, *args: Any) -> Any:
@@ -141,6 +150,7 @@ def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int)
     membership = SimMembership(hub, time, store, me.rank, world, MIN_REPLICAS, TIMEOUT, start_timeout=START_TIMEOUT,
                                join_timeout=JOIN_TIMEOUT)  # fmt: skip
     membership.liveness = Liveness(DEFAULT_PREFIX, min(TIMEOUT, STALE_AFTER), clock=time)
+    membership.reach = SimReach(hub, me.rank)  # (what the data plane reports after a failed round)
     time.start(_beat, time, store.clone(), me)
     round_, value, in_step = 0, 0.0, True
     forgetting = None  # the deletion of old rounds' keys in progress
@@ -155,7 +165,7 @@ def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int)
     while round_ <= ROUNDS:
         if _fault_here(me, round_, "before") == "vanish":
             raise Vanished
-        _maybe_pause_or_cut(time, me, store, round_, "before")
+        _maybe_pause_or_cut(time, me, store, round_, "before", hub)
         if in_step:  # its local step
             time.sleep(STEP_SECONDS)
             value += progress(me.rank, round_)
@@ -168,7 +178,7 @@ def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int)
         kind = _fault_here(me, quorum.round, "inside")
         if kind == "vanish":
             raise Vanished
-        _maybe_pause_or_cut(time, me, store, quorum.round, "inside")
+        _maybe_pause_or_cut(time, me, store, quorum.round, "inside", hub)
         value, in_step = _work_and_commit(time, membership, quorum, me, value, in_step)
         if quorum.index == 0 and quorum.round > KEPT_ROUNDS and (forgetting is None or not forgetting.is_alive()):
             # on a thread of its own, as the Manager's cleaner: it interleaves with the rounds (one at a time)
@@ -189,15 +199,28 @@ def _forget_quietly(membership: SimMembership, round_: int) -> None:
         pass
 
 
-def _maybe_pause_or_cut(time: VirtualTime, me: Rank, store: SimStore, round_: int, where: str) -> None:
-    kind = _fault_here(me, round_, where)
+def _maybe_pause_or_cut(time: VirtualTime, me: Rank, store: SimStore, round_: int, where: str, hub: dict) -> None:
+    fault = _fault_at(me, round_, where)
+    kind = None if fault is None else fault[0]
     if kind == "pause":
-        assert me.fault is not None
-        me.paused_until = time.now + me.fault[3]
-        time.sleep(me.fault[3])
+        assert fault is not None
+        me.paused_until = time.now + fault[3]
+        time.sleep(fault[3])
     elif kind == "cut":
         me.cut_at = time.now
         store.cut()
+    elif kind == "partition":  # its network reaches the store and no peer for a while; the rank goes on
+        assert fault is not None
+        with time.lock:
+            hub.setdefault("cut", set()).add(me.rank)
+        time.start(_heal_after, time, hub, me.rank, fault[3])
+
+
+def _heal_after(time: VirtualTime, hub: dict, rank: int, seconds: float) -> None:
+    time.sleep(seconds)
+    with time.lock:
+        hub["cut"].discard(rank)
+        time.changed()
 
 
 def _work_and_commit(
@@ -217,7 +240,7 @@ def _work_and_commit(
         ok = False
     if _fault_here(me, quorum.round, "commit") == "vanish":
         raise Vanished
-    _maybe_pause_or_cut(time, me, membership.store, quorum.round, "commit")
+    _maybe_pause_or_cut(time, me, membership.store, quorum.round, "commit", membership.hub)
     committed = _timed(time, me, "commit", quorum.commit, ok)
     if committed:
         value, in_step = result, True
@@ -229,7 +252,8 @@ def _work_and_commit(
     return value, in_step
 
 
-FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "stalled joiner", "cut", "none", "none"])
+FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "stalled joiner", "cut", "partition", "none", "none"])
+LATER = st.sampled_from(["pause", "fail", "partition"])  # a rank's further faults, at later rounds
 
 
 @st.composite
@@ -237,23 +261,30 @@ def schedules(draw: Any) -> dict[str, Any]:
     """A job's size, a fault (or none) for each rank but rank 0, each at a round of its own, and maybe the
     store's loss at some round."""
     world = draw(st.integers(3, 6))
-    faults = {}
+    faults, more = {}, {}
     for rank in range(1, world):
         kind = draw(FAULTS)
         if kind != "none":
             round_ = draw(st.integers(1, ROUNDS - 2))
-            where = draw(st.sampled_from(WHERE))
-            seconds = draw(st.floats(1.0, 12.0)) if kind in ("pause", "late", "stalled joiner") else 0.0
-            faults[rank] = (kind, round_, where, seconds)
+            faults[rank] = (kind, round_, draw(st.sampled_from(WHERE)), _seconds(draw, kind))
+            later = [draw(LATER) for _ in range(draw(st.integers(0, 2)))]  # several faults on one rank
+            rounds = draw(st.lists(st.integers(1, ROUNDS - 2), min_size=len(later), max_size=len(later), unique=True))
+            pairs = zip(later, rounds, strict=True)
+            more[rank] = [(k, r, draw(st.sampled_from(WHERE)), _seconds(draw, k)) for k, r in pairs]
     lost_at = draw(st.one_of(st.none(), st.integers(2, ROUNDS - 2)))
-    return {"world": world, "faults": faults, "lost_at": lost_at}
+    return {"world": world, "faults": faults, "more": more, "lost_at": lost_at}
+
+
+def _seconds(draw: Any, kind: str) -> float:
+    return draw(st.floats(1.0, 12.0)) if kind in ("pause", "late", "stalled joiner", "partition") else 0.0
 
 
 def run_job(schedule: dict[str, Any]) -> tuple[list[Rank], float, float | None]:
     """Runs the schedule; returns the ranks, the job's simulated duration and when the store was lost (if)."""
     time, hub = VirtualTime(), {}
     store = SimStore(time)
-    ranks = [Rank(r, schedule["faults"].get(r)) for r in range(schedule["world"])]
+    ranks = [Rank(r, schedule["faults"].get(r), list(schedule.get("more", {}).get(r, []))) for r in
+             range(schedule["world"])]  # fmt: skip
     lost: dict[str, float] = {}
     with time.held():
         threads = [time.start(_run_rank, time, hub, store.on_another_machine(), me, schedule["world"]) for me in ranks]
@@ -316,8 +347,10 @@ def check_invariants(schedule: dict[str, Any], ranks: list[Rank], seconds: float
             values = {v for me in ranks for r, _, _, _, v in me.log if r == round_}
             assert len(values) == 1, (round_, values)
     for me in ranks:
-        assert me.waits["quorum"] <= START_TIMEOUT + TIMEOUT + 1.0, (me.rank, me.waits)
-        assert me.waits["join"] <= 4 * TIMEOUT + 12.0 + 2.0, (me.rank, me.waits)
+        cut_off = max((f[3] for f in ([me.fault] if me.fault else []) + me.more if f[0] == "partition"), default=0)
+        # (a rank cut off from its peers waits to reach them before it asks to join: as long as the cut)
+        assert me.waits["quorum"] <= START_TIMEOUT + TIMEOUT + 1.0 + cut_off, (me.rank, me.waits)
+        assert me.waits["join"] <= 4 * TIMEOUT + 12.0 + 2.0 + cut_off, (me.rank, me.waits)
         assert me.waits["commit"] <= TIMEOUT + 1.0, (me.rank, me.waits)
         if me.cut_at is not None:
             assert me.end == "lost", (me.rank, me.end)
@@ -332,7 +365,19 @@ def check_invariants(schedule: dict[str, Any], ranks: list[Rank], seconds: float
         if kind == "none" or me.rank == 0:
             assert me.end == "done", (me.rank, me.end, schedule)
     _no_commit_after_a_loss(ranks, lost_at)
+    _no_run_of_failed_rounds(verdicts)
     assert seconds <= 400.0, seconds
+
+
+def _no_run_of_failed_rounds(verdicts: dict[int, tuple]) -> None:
+    """No more than 3 rounds in a row fail with the same members: a decision learns what failed (a rank cut off
+    from its peers is left out after the first)."""
+    run = 0
+    for round_ in sorted(verdicts):
+        members, _, committed = verdicts[round_]
+        before = verdicts.get(round_ - 1)
+        run = 0 if committed else run + 1 if before is not None and before[0] == members else 1
+        assert run <= 3, (round_, members, verdicts)
 
 
 def _no_commit_after_a_loss(ranks: list[Rank], lost_at: float | None) -> None:
