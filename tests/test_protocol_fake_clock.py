@@ -7,7 +7,8 @@ runs the protocol as `Manager` drives it: it adds its own progress to a value wh
 round, does the round's work over the round's group (the mean of the values of the members in step; a member that
 joins takes it) and commits; a failed round changes nothing, and a joiner whose round failed joins again. The
 schedule gives ranks faults at rounds of their own: vanish (a killed process, before or inside a round), pause
-(stopped for 1-12 s, its heartbeat too: shorter and longer than the round's timeout), fail (its work fails), late
+(stopped for 1-12 s, its heartbeat too: shorter and longer than the round's timeout; also right after its report
+reaches the round's count, before it reads the verdict), fail (its work fails), late
 (it starts while the job runs), stalled joiner (it starts late and is stopped for 1-12 s right after announcing
 itself), partition (for 1-12 s its network reaches the store and no peer) or cut (its machine loses the store for
 good); up to two further pauses, failures or partitions at later rounds of the same rank; and maybe the store's own
@@ -47,6 +48,7 @@ from ddpkit.fault_tolerance.membership import (
     Membership,
     Quorum,
     TooFewReplicas,
+    round_key,
 )
 
 ROUNDS = 14
@@ -223,6 +225,19 @@ def _heal_after(time: VirtualTime, hub: dict, rank: int, seconds: float) -> None
         time.changed()
 
 
+def _pause_after_report(time: VirtualTime, me: Rank, store: SimStore, round_: int) -> None:
+    """A "pause after report" fault at this round: the rank stops right after its report reaches the round's count
+    (between its report and its read of the verdict), its heartbeat too."""
+    for fault in ([me.fault] if me.fault is not None else []) + me.more:
+        if fault[0] == "pause after report" and fault[1] == round_:
+
+            def pause(seconds: float = fault[3]) -> None:
+                me.paused_until = time.now + seconds
+                time.sleep(seconds)
+
+            store.machine.setdefault("after_add", {})[round_key(DEFAULT_PREFIX, round_, "reported")] = pause
+
+
 def _work_and_commit(
     time: VirtualTime, membership: SimMembership, quorum: Quorum, me: Rank, value: float, in_step: bool
 ) -> tuple[float, bool]:
@@ -241,8 +256,13 @@ def _work_and_commit(
     if _fault_here(me, quorum.round, "commit") == "vanish":
         raise Vanished
     _maybe_pause_or_cut(time, me, membership.store, quorum.round, "commit", membership.hub)
+    _pause_after_report(time, me, membership.store, quorum.round)
     committed = _timed(time, me, "commit", quorum.commit, ok)
-    if committed:
+    if getattr(quorum, "verdict_unknown", False):  # stopped past the round's end: it takes the live state again
+        committed = None
+        membership.announce_join()
+        in_step = False
+    elif committed:
         value, in_step = result, True
     elif joined:
         membership.announce_join()  # its state is not the others': it joins again (`Manager.should_commit`)
@@ -252,8 +272,9 @@ def _work_and_commit(
     return value, in_step
 
 
-FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "stalled joiner", "cut", "partition", "none", "none"])
-LATER = st.sampled_from(["pause", "fail", "partition"])  # a rank's further faults, at later rounds
+FAULTS = st.sampled_from(["vanish", "pause", "pause after report", "fail", "late", "stalled joiner", "cut", "partition",
+                          "none", "none"])  # fmt: skip
+LATER = st.sampled_from(["pause", "pause after report", "fail", "partition"])  # a rank's further faults, later on
 
 
 @st.composite
@@ -276,7 +297,8 @@ def schedules(draw: Any) -> dict[str, Any]:
 
 
 def _seconds(draw: Any, kind: str) -> float:
-    return draw(st.floats(1.0, 12.0)) if kind in ("pause", "late", "stalled joiner", "partition") else 0.0
+    timed = ("pause", "pause after report", "late", "stalled joiner", "partition")
+    return draw(st.floats(1.0, 12.0)) if kind in timed else 0.0
 
 
 def run_job(schedule: dict[str, Any]) -> tuple[list[Rank], float, float | None]:
@@ -312,7 +334,7 @@ def _lose_store_at(time: VirtualTime, store: SimStore, round_: int, ranks: list[
 
 def simulate(ranks: list[Rank]) -> dict[tuple[int, int], float]:
     """Each member's value after each round it logged, from the decided rounds alone (module doc)."""
-    decided = {entry[0]: entry[1:4] for me in ranks for entry in me.log}
+    decided = {entry[0]: entry[1:4] for me in ranks for entry in me.log if entry[3] is not None}
     value: dict[int, float] = {me.rank: 0.0 for me in ranks}
     expected = {}
     for round_ in sorted(decided):
@@ -333,6 +355,8 @@ def check_invariants(schedule: dict[str, Any], ranks: list[Rank], seconds: float
     verdicts: dict[int, tuple] = {}
     for me in ranks:
         for round_, members, joined, committed, _ in me.log:
+            if committed is None:
+                continue  # (its verdict unknown to it: forgotten while it was stopped; it took the live state)
             assert verdicts.setdefault(round_, (members, joined, committed)) == (members, joined, committed), (
                 f"round {round_} logged differently by rank {me.rank}: {verdicts[round_]} against "
                 f"{(members, joined, committed)}"
@@ -340,18 +364,22 @@ def check_invariants(schedule: dict[str, Any], ranks: list[Rank], seconds: float
     expected = simulate(ranks)
     for me in ranks:
         for round_, _, _, committed, value in me.log:
+            if committed is None:
+                continue
             if committed or me.rank not in verdicts[round_][1]:
                 assert value == pytest.approx(expected[(me.rank, round_)], rel=1e-12), (me.rank, round_, me.log)
     for round_, (_, _, committed) in verdicts.items():
         if committed:
-            values = {v for me in ranks for r, _, _, _, v in me.log if r == round_}
+            values = {v for me in ranks for r, _, _, c, v in me.log if r == round_ and c is not None}
             assert len(values) == 1, (round_, values)
     for me in ranks:
         cut_off = max((f[3] for f in ([me.fault] if me.fault else []) + me.more if f[0] == "partition"), default=0)
         # (a rank cut off from its peers waits to reach them before it asks to join: as long as the cut)
         assert me.waits["quorum"] <= START_TIMEOUT + TIMEOUT + 1.0 + cut_off, (me.rank, me.waits)
         assert me.waits["join"] <= 4 * TIMEOUT + 12.0 + 2.0 + cut_off, (me.rank, me.waits)
-        assert me.waits["commit"] <= TIMEOUT + 1.0, (me.rank, me.waits)
+        stopped = max((f[3] for f in ([me.fault] if me.fault else []) + me.more if f[0] == "pause after report"),
+                      default=0)  # fmt: skip
+        assert me.waits["commit"] <= TIMEOUT + 1.0 + stopped, (me.rank, me.waits)  # (its stop is inside the commit)
         if me.cut_at is not None:
             assert me.end == "lost", (me.rank, me.end)
     for me in ranks:
@@ -481,3 +509,18 @@ def test_a_round_short_of_min_replicas_waits_for_a_paused_member_to_come_back(mo
     assert [me.end for me in ranks] == ["done", "done"], [(me.end, me.log[-1:]) for me in ranks]
     check_invariants(schedule, ranks, seconds, lost_at)
     assert ranks[0].log[-1][0] == ROUNDS and ranks[0].log[-1][1] == [0, 1]
+
+
+@pytest.mark.parametrize("reporter", ["last", "not last"])
+def test_a_member_stopped_between_its_report_and_the_verdict_never_takes_another_verdict(reporter, monkeypatch):
+    """Rank 2 (or rank 1, reporting before rank 2) stops for 12 s right after its report reached round 5's count,
+    its heartbeat too: the others give up waiting (or commit) and go on for more than KEPT_ROUNDS rounds, so round 5
+    is forgotten. When it goes on it must neither write a verdict into the forgotten round nor take one the round
+    did not have: its verdict is unknown to it and it takes the live state again (it wrote "0", or proposed "1",
+    into the deleted round and took that: a verdict the others did not have)."""
+    monkeypatch.setitem(globals(), "ROUNDS", 60)  # (the job goes on after it wakes)
+    stopped = 2 if reporter == "last" else 1
+    schedule = {"world": 3, "faults": {stopped: ("pause after report", 5, "commit", 12.0)}, "lost_at": None}
+    ranks, seconds, lost_at = run_job(schedule)
+    check_invariants(schedule, ranks, seconds, lost_at)
+    assert ranks[stopped].end == "done" and ranks[stopped].log[-1][0] == ROUNDS

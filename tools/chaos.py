@@ -259,7 +259,7 @@ def check(
     commits = []
     for rank, entries in logs.items():
         for e in entries:
-            if "round" not in e:
+            if "round" not in e or e["committed"] is None:  # (None: forgotten while it was stopped; it rejoins)
                 continue
             seen = (e["members"], e["committed"], e["digest"])
             first = rounds.setdefault(e["round"], (*seen, rank))

@@ -85,7 +85,8 @@ def train(args: argparse.Namespace, log: Any) -> None:
         optimizer.zero_grad()
         quorum = manager.quorum
         assert quorum is not None
-        log({"round": quorum.round, "members": quorum.members, "committed": committed, "step": progress["step"],
+        log({"round": quorum.round, "members": quorum.members, "committed": quorum.committed,  # (None: unknown)
+             "step": progress["step"],
              "digest": digest(model) if committed else None, "t": time.time()})  # fmt: skip
         if committed:
             progress["step"] += 1

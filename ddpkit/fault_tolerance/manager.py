@@ -596,6 +596,10 @@ class Manager:
         quorum = self.current()
         since = time.monotonic()
         committed = self._verdict(quorum)
+        if quorum.verdict_unknown:  # stopped while the others went on: it takes the live state again
+            self._say(f"round {quorum.round} was over and forgotten before this rank learned its verdict (it was "
+                      "stopped meanwhile): it takes the live state again")  # fmt: skip
+            self._lost_track = True
         if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
             self._forget(quorum.round - KEPT_ROUNDS)
         self._blocked += time.monotonic() - since

@@ -66,6 +66,7 @@ POLL_SECONDS = 0.05  # how often it looks again after that
 NO_VALUE = "\x00none"  # a value no key holds: compare_set(key, NO_VALUE, NO_VALUE) reads a key that exists in one
 # request (a TCPStore's get waits for the key first: two), changing nothing
 KEPT_ROUNDS = 8  # a round's keys are deleted once this many later rounds committed (a late joiner may still read)
+UNKNOWN = b"?"  # the verdict of a round forgotten before this member learned it (it was stopped meanwhile)
 LATEST = "latest"  # key (under the prefix) of the latest decided round
 ENDED = "ended"  # key of the message that ended the job (too few replicas)
 FINAL = "final"  # key of the members of the job's last round: the job is over, nobody joins it any more
@@ -149,7 +150,8 @@ class Quorum:
     previous: list[int] | None = None  # the previous round's members (None before round 1)
     group: Any = None
     index: int | None = None
-    committed: bool | None = None  # the round's verdict, once `commit` returned
+    committed: bool | None = None  # the round's verdict, once `commit` returned (None: unknown to this member)
+    verdict_unknown: bool = False  # the round was forgotten before this member learned its verdict
     next_decided: bool = False  # its commit decided the next round too: the same members (module doc, step 4)
     waited: float = 0.0
     resume_at: int | None = None  # on a rank left out: the round it is expected at next (None: the next one)
@@ -551,8 +553,13 @@ class Membership:
         verdict_key = self._key(quorum.round, "verdict")
         if not ok:  # and no report of its own: nobody sees every report, nobody proposes "1"
             self._report_unreached(quorum)  # (before its verdict: the next decider reads it)
-            return self._take_verdict(quorum, self.store.compare_set(verdict_key, "", "0"))
+            return self._take_verdict(quorum, self._write_failed(quorum))
+        started = self.clock.monotonic()
         if self._reported_last(quorum):
+            # a member stopped between its report and its proposal longer than a round's timeout may find its round
+            # over and forgotten (the others gave up waiting): it proposes nothing there (one look, on that path only)
+            if self.clock.monotonic() - started > self.timeout and self._forgotten(quorum.round):
+                return self._take_verdict(quorum, UNKNOWN)
             verdict = self.store.compare_set(verdict_key, "", self._success_verdict(quorum))
             if verdict == b"1+":  # this report's writer won the verdict: it writes the next round it promised
                 self._decide_next(quorum)
@@ -597,16 +604,33 @@ class Membership:
         try:
             self.store.wait([key], timedelta(seconds=self.timeout))
         except dist.DistStoreError:
-            return self.store.compare_set(key, "", "0")
+            return self._write_failed(quorum)
         return self.store.compare_set(key, NO_VALUE, NO_VALUE)  # its value in one request (`NO_VALUE`)
 
-    @staticmethod
-    def _take_verdict(quorum: Quorum, verdict: bytes) -> bool:
-        quorum.committed = verdict in (b"1", b"1+")
+    def _write_failed(self, quorum: Quorum) -> bytes:
+        """Writes "0" as the round's verdict unless one was written first, and returns the verdict; `UNKNOWN` when
+        the round was forgotten (its tombstone covers it) before this member could learn it: this member was
+        stopped while the others went on, so the verdict it would write (or read) is not the round's. Checked
+        again after the write (a forget in between): what it wrote then goes."""
+        if self._forgotten(quorum.round):
+            return UNKNOWN
+        verdict = self.store.compare_set(self._key(quorum.round, "verdict"), "", "0")
+        if verdict == b"0" and self._forgotten(quorum.round):
+            self.store.delete_key(self._key(quorum.round, "verdict"))
+            return UNKNOWN
+        return verdict
+
+    def _take_verdict(self, quorum: Quorum, verdict: bytes) -> bool:
+        """`quorum`'s verdict as this member takes it; an `UNKNOWN` one makes this rank hold no live state (it was
+        stopped while the others went on: it joins again)."""
+        quorum.verdict_unknown = verdict == UNKNOWN
+        if quorum.verdict_unknown:
+            self.last = None
+        quorum.committed = None if quorum.verdict_unknown else verdict in (b"1", b"1+")
         quorum.next_decided = verdict == b"1+"
         if not quorum.committed and quorum.group is not None:
             quorum.group = None  # a failed round's group may hold a half-done collective: the next round makes anew
-        return quorum.committed
+        return bool(quorum.committed)
 
     def _success_verdict(self, quorum: Quorum) -> str:
         """The verdict of a round that succeeded on every member, proposed by its last reporter: "1+" when it also

@@ -147,14 +147,14 @@ class ReplicaMembership:
         """The replica's verdict: every lane's `ok` combined, the leader's commit, its verdict on every lane."""
         ok = self.replica.all_ok(ok)
         verdict = self._lead(self._commit, quorum, ok)
-        quorum.committed, quorum.next_decided = verdict
+        quorum.committed, quorum.next_decided, quorum.verdict_unknown = verdict
         if not quorum.committed:
             quorum.group = None  # (as `Membership.commit`: a failed round's group is made anew)
         return bool(quorum.committed)
 
-    def _commit(self, quorum: Quorum, ok: bool) -> tuple[bool, bool]:
-        committed = self.inner.commit(quorum, ok)
-        return committed, quorum.next_decided
+    def _commit(self, quorum: Quorum, ok: bool) -> tuple[bool | None, bool, bool]:
+        self.inner.commit(quorum, ok)
+        return quorum.committed, quorum.next_decided, quorum.verdict_unknown
 
     def forget_through(self, round_: int) -> None:
         if self.replica.leads:
