@@ -133,6 +133,8 @@ def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float]:
             faults_by_rank[f"rank{rank}"] = {"fail_round": round_}
         else:
             late[rank] = round_
+    for rank, after in sorted(late.items())[:1]:  # the job must not end before a late rank (a loaded machine) joins
+        faults_by_rank.setdefault("rank0", {})["await_join"] = (after, rank)
     results: dict = {}
     if schedule["lost_at"] is not None:
 
