@@ -362,7 +362,8 @@ def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fa
     return wrong + found, figures
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The chaos run's options (module doc)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", choices=["etcd", "embedded"], default="etcd")
     parser.add_argument("--hosts", type=int, default=4)
@@ -379,7 +380,11 @@ def main() -> int:
     parser.add_argument("--strict-drops", action="store_true", help="healthy ranks dropped are a violation")
     parser.add_argument("--out", type=Path, default=None, help="where the histories go (a new folder by default)")
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     why = netns.unavailable()
     if why:
         print(f"chaos: {why}")
