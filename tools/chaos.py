@@ -57,10 +57,19 @@ DROP_GRACE = 20.0  # seconds after a fault on its host during which a rank may s
 UNEXPLAINED_DROPS = 2  # healthy ranks dropped that a run tolerates (a machine too loaded to answer in time)
 WORKER = [sys.executable, str(ROOT / "tools" / "chaos_worker.py")]
 KINDS = {
-    "etcd": ["kill-rank", "kill-machine", "pause-rank", "cut-peers", "cut-store", "cut-both", "etcd-kill",
-             "etcd-pause", "etcd-blackhole"],
+    "etcd": [
+        "kill-rank",
+        "kill-machine",
+        "pause-rank",
+        "cut-peers",
+        "cut-store",
+        "cut-both",
+        "etcd-kill",
+        "etcd-pause",
+        "etcd-blackhole",
+    ],
     "embedded": ["kill-rank", "pause-rank", "cut-peers", "cut-both"],
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -110,22 +119,39 @@ class Job:
         if self.store == "etcd":
             address = self.hosts.addresses[k]
             initial = ",".join(f"e{i}=http://{a}:{ETCD_PEER}" for i, a in enumerate(self.hosts.addresses[:3]))
-            command = etcd_command(etcd_binary(), f"e{k}", self.out / f"etcd{k}", address, ETCD_CLIENT, ETCD_PEER,
-                                   initial)  # fmt: skip
+            command = etcd_command(
+                etcd_binary(), f"e{k}", self.out / f"etcd{k}", address, ETCD_CLIENT, ETCD_PEER, initial
+            )
         else:
             command = [sys.executable, "-m", "ddpkit", "store", "--port", str(EMBEDDED_PORT), "--timeout", "600"]
-        self.servers[k] = subprocess.Popen([*self.hosts.prefix(k), *command], stdout=log, stderr=log,
-                                           start_new_session=True)  # fmt: skip
+        self.servers[k] = subprocess.Popen(
+            [*self.hosts.prefix(k), *command], stdout=log, stderr=log, start_new_session=True
+        )
         log.close()
 
     def start_worker(self, k: int) -> None:
-        command = [*WORKER, "--rank", str(k), "--world", str(self.hosts.count), "--store", self.url,
-                   "--history", str(self.out / f"rank{k}.jsonl"), "--steps", str(self.steps),
-                   "--quorum-timeout", str(self.quorum_timeout), "--step-seconds", str(self.step_seconds)]  # fmt: skip
+        command = [
+            *WORKER,
+            "--rank",
+            str(k),
+            "--world",
+            str(self.hosts.count),
+            "--store",
+            self.url,
+            "--history",
+            str(self.out / f"rank{k}.jsonl"),
+            "--steps",
+            str(self.steps),
+            "--quorum-timeout",
+            str(self.quorum_timeout),
+            "--step-seconds",
+            str(self.step_seconds),
+        ]
         log = open(self.out / f"rank{k}.log", "ab")
         env = {**os.environ, "GLOO_SOCKET_IFNAME": self.hosts.ifnames[k], "OMP_NUM_THREADS": "1"}
-        self.workers[k] = subprocess.Popen([*self.hosts.prefix(k), *command], stdout=log, stderr=log, env=env,
-                                           start_new_session=True)  # fmt: skip
+        self.workers[k] = subprocess.Popen(
+            [*self.hosts.prefix(k), *command], stdout=log, stderr=log, env=env, start_new_session=True
+        )
         log.close()
 
     def supervise(self) -> None:
@@ -319,8 +345,10 @@ def _unexplained_drops(
         if number - 1 not in rounds:
             continue
         for rank in set(rounds[number - 1][0]) - set(rounds[number][0]):
-            hit = any(f.host == rank and not f.kind.startswith("etcd") and f.began - 1 <= when[number] <=
-                      f.ended + DROP_GRACE for f in faults)  # fmt: skip
+            hit = any(
+                f.host == rank and not f.kind.startswith("etcd") and f.began - 1 <= when[number] <= f.ended + DROP_GRACE
+                for f in faults
+            )
             if not hit:
                 drops.append((number, rank))
     return drops
@@ -354,11 +382,14 @@ def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fa
     finally:
         job.stop()
     time.sleep(1)
-    left = {ns: subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for ns in hosts.namespaces}  # fmt: skip
+    left = {
+        ns: subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for ns in hosts.namespaces
+    }
     wrong += [f"processes left in {ns}: {pids}" for ns, pids in left.items() if pids]
-    found, figures = check(histories(out, hosts.count), args.stuck_seconds, args.stuck_failures, faults,
-                           args.strict_drops)  # fmt: skip
+    found, figures = check(
+        histories(out, hosts.count), args.stuck_seconds, args.stuck_failures, faults, args.strict_drops
+    )
     return wrong + found, figures
 
 
@@ -415,8 +446,13 @@ def main() -> int:
     for fault in faults:
         if fault.at:
             mix[fault.kind] = mix.get(fault.kind, 0) + 1
-    record = {"settings": vars(args) | {"out": str(out)}, "fault_mix": mix, "faults": [vars(f) for f in faults],
-              "violations": wrong, "figures": figures}  # fmt: skip
+    record = {
+        "settings": vars(args) | {"out": str(out)},
+        "fault_mix": mix,
+        "faults": [vars(f) for f in faults],
+        "violations": wrong,
+        "figures": figures,
+    }
     (out / "chaos.json").write_text(json.dumps(record, indent=1, default=str))
     print(json.dumps({"fault_mix": mix, "figures": figures}, indent=1))
     print("violations:" if wrong else "no violation", *wrong, sep="\n  ")

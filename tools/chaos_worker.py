@@ -69,8 +69,16 @@ def train(args: argparse.Namespace, log: Any) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     progress = {"step": 0}
-    manager = Manager(open_store(args.store), args.rank, args.world, quorum_timeout=args.quorum_timeout,
-                      start_timeout=60, join_timeout=600, settings={"lr": LR}, report=None)  # fmt: skip
+    manager = Manager(
+        open_store(args.store),
+        args.rank,
+        args.world,
+        quorum_timeout=args.quorum_timeout,
+        start_timeout=60,
+        join_timeout=600,
+        settings={"lr": LR},
+        report=None,
+    )
     manager.register("model", model)
     manager.register("optimizer", optimizer)
     manager.register_state("progress", progress.copy, progress.update)
@@ -85,9 +93,16 @@ def train(args: argparse.Namespace, log: Any) -> None:
         optimizer.zero_grad()
         quorum = manager.quorum
         assert quorum is not None
-        log({"round": quorum.round, "members": quorum.members, "committed": quorum.committed,  # (None: unknown)
-             "step": progress["step"],
-             "digest": digest(model) if committed else None, "t": time.time()})  # fmt: skip
+        log(
+            {
+                "round": quorum.round,
+                "members": quorum.members,
+                "committed": quorum.committed,  # (None: unknown)
+                "step": progress["step"],
+                "digest": digest(model) if committed else None,
+                "t": time.time(),
+            }
+        )
         if committed:
             progress["step"] += 1
         if args.step_seconds:

@@ -211,8 +211,9 @@ class EtcdStore(dist.Store):
         key = self._key(put[0])
         success = [{"request_put": {"key": key, "value": _b64(put[1])}}]
         if token is not None:
-            success.append({"request_put": {"key": _b64(self._token_key()), "value": _b64(token),
-                                            "lease": self._token_lease_id()}})  # fmt: skip
+            success.append(
+                {"request_put": {"key": _b64(self._token_key()), "value": _b64(token), "lease": self._token_lease_id()}}
+            )
         compares, failure = [{"key": key, **compare}], [{"request_range": {"key": key}}]
         if self._required is not None:
             required = self._key(self._required[0])

@@ -597,8 +597,10 @@ class Manager:
         since = time.monotonic()
         committed = self._verdict(quorum)
         if quorum.verdict_unknown:  # stopped while the others went on: it takes the live state again
-            self._say(f"round {quorum.round} was over and forgotten before this rank learned its verdict (it was "
-                      "stopped meanwhile): it takes the live state again")  # fmt: skip
+            self._say(
+                f"round {quorum.round} was over and forgotten before this rank learned its verdict (it was "
+                "stopped meanwhile): it takes the live state again"
+            )
             self._lost_track = True
         if quorum.index == 0 and quorum.round >= KEPT_ROUNDS:  # the store keeps a bounded number of rounds
             self._forget(quorum.round - KEPT_ROUNDS)
@@ -714,9 +716,11 @@ class Manager:
         self._heartbeat = Heartbeat(connection, self.prefix, self.rank, on_error=self._heartbeat_failed)
 
     def _heartbeat_failed(self, error: BaseException) -> None:
-        self._say(f"its heartbeat failed ({type(error).__name__}: {error}): it keeps trying; while it fails the "
-                  "others may count this rank gone and go on without it, and it rejoins when its next round finds "
-                  "the store")  # fmt: skip
+        self._say(
+            f"its heartbeat failed ({type(error).__name__}: {error}): it keeps trying; while it fails the "
+            "others may count this rank gone and go on without it, and it rejoins when its next round finds "
+            "the store"
+        )
 
     def leave(self) -> None:
         """This rank takes part in no further round (its loop ends before the others', or it is told to stop): the

@@ -140,8 +140,16 @@ class ReplicaMembership:
 
     def _decision(self, round_: int) -> dict[str, Any]:
         q = self._decided = self.inner.quorum(round_)
-        return {"round": q.round, "members": q.members, "joined": q.joined, "left": q.left, "previous": q.previous,
-                "index": q.index, "waited": q.waited, "resume_at": q.resume_at}  # fmt: skip
+        return {
+            "round": q.round,
+            "members": q.members,
+            "joined": q.joined,
+            "left": q.left,
+            "previous": q.previous,
+            "index": q.index,
+            "waited": q.waited,
+            "resume_at": q.resume_at,
+        }
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
         """The replica's verdict: every lane's `ok` combined, the leader's commit, its verdict on every lane."""

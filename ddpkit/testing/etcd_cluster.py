@@ -123,8 +123,15 @@ class EtcdCluster:
 
     def _launch(self, member: Member, initial: str) -> None:
         log = open(self.folder / f"{member.name}.log", "ab")  # (open for the server's whole life)
-        command = etcd_command(self.binary, member.name, self.folder / member.name, "127.0.0.1", member.client_port,
-                               member.peer_port, initial)  # fmt: skip
+        command = etcd_command(
+            self.binary,
+            member.name,
+            self.folder / member.name,
+            "127.0.0.1",
+            member.client_port,
+            member.peer_port,
+            initial,
+        )
         member.process = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
 

@@ -77,8 +77,10 @@ def claim(out: str, incarnation: str, resume: bool) -> str | None:
     _write(out, {"incarnation": incarnation, "finished": False})
     if record.get("finished"):
         return None
-    return (f"--out {out} held a job that did not finish (its store: {theirs}); this run is a new job "
-            f"({incarnation}) resuming from its newest checkpoint")  # fmt: skip
+    return (
+        f"--out {out} held a job that did not finish (its store: {theirs}); this run is a new job "
+        f"({incarnation}) resuming from its newest checkpoint"
+    )
 
 
 def finished(out: str, incarnation: str) -> None:

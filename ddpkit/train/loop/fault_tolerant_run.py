@@ -225,8 +225,9 @@ def report(
         print(format_summary(summary), flush=True)
         if cfg.out:
             with fenced(cfg.out, final.round, "the job's outputs (metrics.json, steps.csv, metrics.png)") as stage:
-                staged = write_metrics(stage, summary, trainer.state.history, recorder.step_rows(),
-                                       recorder.heldout_rows())  # fmt: skip
+                staged = write_metrics(
+                    stage, summary, trainer.state.history, recorder.step_rows(), recorder.heldout_rows()
+                )
             for path in staged:
                 print(f"wrote {os.path.join(cfg.out, os.path.basename(path))}")
     if manager.leads:

@@ -418,8 +418,10 @@ class FaultTolerantSync(Callback):
                 break
             last = quorum.next_round  # (a member was lost in it: the survivors average again, in the next round)
             if attempt == FINAL_ATTEMPTS:
-                say(f"ddpkit: rank {self.manager.rank}: the job's last average failed {attempt} times: the "
-                    "replicas may end unequal (the summary's replicas_equal says)")  # fmt: skip
+                say(
+                    f"ddpkit: rank {self.manager.rank}: the job's last average failed {attempt} times: the "
+                    "replicas may end unequal (the summary's replicas_equal says)"
+                )
         self.final = True
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last checkpoint is written before the job ends
