@@ -57,8 +57,8 @@ class Logged(Manager):
     """The README's Manager, with a log of every round this rank committed or dropped, and faults on request:
     `fail_round` fails this rank's average in that round; `vanish_round`: the rank stops in that round's middle
     (after its backward, before averaging: its thread ends, as a process killed there would); `await_join`: (round,
-    rank): from that round on, each round waits a little until `rank` joined (at most 30 s in all), so that a rank
-    started again finds the job still running."""
+    rank): from that round on, each round waits a little until `rank` was a member of a committed round (at most 30 s
+    in all), so that a rank started again finds the job still running."""
 
     def __init__(self, *args: Any, fail_round: int = -1, vanish_round: int = -1,
                  await_join: tuple[int, int] | None = None, fail_when_joins: int = -1,
@@ -85,16 +85,19 @@ class Logged(Manager):
     def should_commit(self) -> bool:
         committed = super().should_commit()
         assert self.quorum is not None
-        if (
-            self.await_join is not None
-            and self.quorum.round >= self.await_join[0]
-            and time.monotonic() < self._patience
-        ):
-            if not any(self.await_join[1] in e.joined for e in self.events):
-                time.sleep(0.1)
+        if self.await_join is not None and self.quorum.round >= self.await_join[0]:
+            self._hold_for(self.await_join[1])
         if self.quorum.round > 0:
             self.log.append((self.quorum.round, list(self.quorum.members), committed))
         return committed
+
+    def _hold_for(self, rank: int) -> None:
+        """Holds this round up to 0.8 s (less than the quorum timeout: this rank is not dropped) until `rank` was a
+        member of a committed round: a joiner whose join round failed, or that was slower than the others out of
+        it, joins again a few rounds later, which a job of few steps would otherwise end before."""
+        until = min(time.monotonic() + 0.8, self._patience)
+        while time.monotonic() < until and not any(rank in members and ok for _, members, ok in self.log):
+            time.sleep(0.05)
 
 
 class Vanished(Exception):
