@@ -3,7 +3,9 @@
 Each example is a job of 3-5 ranks as threads running the documented own loop (`tests/test_manager.py`'s
 harness) on one in-memory store, with a random schedule drawn by hypothesis: ranks that vanish in the middle of a
 round (a killed process), stall for longer than the round's timeout (a paused one), fail a round, start late,
-and possibly the loss of the store itself. Whatever the schedule, the invariants of the protocol must hold:
+and possibly the loss of the store itself or its restart, empty, at the same place (`ddpkit store` started again:
+only a `Manager` that reconnects can meet it, which is why this fault is drawn here and not on simulated time).
+Whatever the schedule, the invariants of the protocol must hold:
 
 - every rank that logged a round logged the same members and the same verdict for it (no split);
 - every rank that finished holds the model of the reference (rank 0's initial model stepped by torch's SGD on
@@ -11,6 +13,8 @@ and possibly the loss of the store itself. Whatever the schedule, the invariants
   other finishers;
 - a stalled rank comes back and finishes like the others;
 - once the store is lost, no rank finishes: each stops with `StoreLost` (nobody decides alone to go on);
+- once it restarted, no rank finishes either, and none decides a round in the empty store (each reconnects, finds
+  another incarnation there and stops with `StoreLost`);
 - the whole job ends within a bound set by the schedule (no wait past its timeout).
 """
 
@@ -25,10 +29,11 @@ import pytest
 import test_manager as harness
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from ddpkit.fault_tolerance.manager import StoreLost
+from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, round_key
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +41,17 @@ STEPS = 16
 
 
 class LossyStore(dist.Store):
-    """An in-memory store (torch's HashStore behind it) that can be lost: after `lose()` every call raises the
-    error a broken connection raises (as the job's TCPStore does when its machine goes)."""
+    """An in-memory store (torch's HashStore behind it) that can be lost or restarted: after `lose()` every call
+    raises the error a broken connection raises (as the job's TCPStore does when its machine goes); after
+    `restart()` every connection made before fails so, and a new one (`clone`) reaches a new, empty store at the
+    same place (as `ddpkit store` started again on machine 0)."""
 
     def __init__(self, inner: dist.HashStore | None = None, shared: dict | None = None) -> None:
         super().__init__()
         self.inner = inner if inner is not None else dist.HashStore()
-        self.shared = shared if shared is not None else {"lost": False}  # (every connection's view of the store)
+        # (every connection's view of the store: lost, or which start of it is the live one)
+        self.shared = shared if shared is not None else {"lost": False, "inner": self.inner, "starts": 1}
+        self.start = self.shared["starts"]  # the store's start this connection reached
         self.broken = False  # this connection alone broke (the store lives)
 
     @property
@@ -52,12 +61,17 @@ class LossyStore(dist.Store):
     def lose(self) -> None:
         self.shared["lost"] = True
 
+    def restart(self) -> dist.HashStore:
+        """The store's process starts again, empty, at the same place; returns the new store."""
+        self.shared["inner"], self.shared["starts"] = dist.HashStore(), self.shared["starts"] + 1
+        return self.shared["inner"]
+
     def break_connection(self) -> None:
         """This connection's next call fails as one the store closed; a `clone` connects anew."""
         self.broken = True
 
     def _live(self) -> dist.HashStore:
-        if self.lost or self.broken:
+        if self.lost or self.broken or self.start != self.shared["starts"]:
             raise dist.DistNetworkError("Connection reset by peer (the store's machine is gone)")
         return self.inner
 
@@ -100,7 +114,7 @@ class LossyStore(dist.Store):
     def clone(self) -> LossyStore:
         if self.lost:
             raise dist.DistNetworkError("Connection refused (the store's machine is gone)")
-        return LossyStore(self.inner, self.shared)  # a new connection to the same store
+        return LossyStore(self.shared["inner"], self.shared)  # a new connection to the store at its place
 
 
 FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "none"])
@@ -109,15 +123,15 @@ FAULTS = st.sampled_from(["vanish", "pause", "fail", "late", "none"])
 @st.composite
 def schedules(draw: Any) -> dict[str, Any]:
     """A job's size and a fault (or none) for each rank but rank 0, each at a round of its own, and maybe the
-    store's loss."""
+    store's loss or its restart (empty, at the same place) once the job reached a round."""
     world = draw(st.integers(3, 5))
     faults = {}
     for rank in range(1, world):
         kind = draw(FAULTS)
         if kind != "none":
             faults[rank] = (kind, draw(st.integers(3, STEPS - 6)))
-    lost_at = draw(st.one_of(st.none(), st.integers(4, STEPS - 4)))
-    return {"world": world, "faults": faults, "lost_at": lost_at}
+    store = draw(st.one_of(st.none(), st.tuples(st.sampled_from(["lost", "restarted"]), st.integers(4, STEPS - 4))))
+    return {"world": world, "faults": faults, "store": store}
 
 
 def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float]:
@@ -131,26 +145,31 @@ def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float]:
             faults_by_rank[f"rank{rank}"] = {"pause_round": (round_, 3.0)}  # twice the round's timeout
         elif kind == "fail":
             faults_by_rank[f"rank{rank}"] = {"fail_round": round_}
-        else:
-            late[rank] = round_
+        elif schedule["store"] is None or schedule["store"][0] != "restarted":
+            late[rank] = round_  # (started after a restart, it would start a job of its own on the empty store)
     for rank, after in sorted(late.items())[:1]:  # the job must not end before a late rank (a loaded machine) joins
         faults_by_rank.setdefault("rank0", {})["await_join"] = (after, rank)
     results: dict = {}
-    if schedule["lost_at"] is not None:
+    if schedule["store"] is not None:
+        kind, at = schedule["store"]
+        job = store.inner
 
-        def lose() -> None:
+        def strike() -> None:
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not store.lost:
-                with_latest = store.inner.check(["ddpkit/ft/latest"])
-                if with_latest and int(store.inner.get("ddpkit/ft/latest")) >= schedule["lost_at"]:
-                    store.lose()
+            while time.monotonic() < deadline:
+                if job.check(["ddpkit/ft/latest"]) and int(job.get("ddpkit/ft/latest")) >= at:
+                    results["restarted"] = store.restart() if kind == "restarted" else store.lose()
+                    return
                 time.sleep(0.005)
 
-        threading.Thread(target=lose, daemon=True).start()
+        threading.Thread(target=strike, daemon=True).start()
     since = time.monotonic()
     got, managers = harness._run(world, late=late, client=lambda: store, results=results, **faults_by_rank)
+    struck[0] = got.pop("restarted", None)
     return got, managers, time.monotonic() - since
 
+
+struck: list = [None]  # the empty store of the last example's restart (None: none)
 
 # more, drawn afresh: a longer hunt by hand. The protocol's schedules are hunted on simulated time
 # (tests/test_protocol_fake_clock.py, 150 in CI); these real-time ones check the Manager and gloo around it.
@@ -166,6 +185,7 @@ EXAMPLES = int(os.environ.get("DDPKIT_PROPERTY_EXAMPLES", "4"))
     suppress_health_check=list(HealthCheck),
 )
 @given(schedules())
+@example({"world": 4, "faults": {1: ("pause", 6), 3: ("fail", 5)}, "store": ("restarted", 7)})  # (in every run)
 def test_any_schedule_of_faults_keeps_the_rounds_agreed_and_the_finishers_equal_to_the_reference(schedule):
     print(schedule)  # (shown with -s, and with a failure)
     old_steps = harness.STEPS
@@ -174,7 +194,7 @@ def test_any_schedule_of_faults_keeps_the_rounds_agreed_and_the_finishers_equal_
         got, managers, seconds = _run(schedule)
     finally:
         harness.STEPS = old_steps
-    faults, world = schedule["faults"], schedule["world"]
+    faults, world, restarted = schedule["faults"], schedule["world"], struck[0]
     ends = {rank: got[rank][0] for rank in range(world)}
     # bounded: a few rounds' timeouts per fault and a pause each, on a loaded machine
     assert seconds < 30 + 10 * len(faults), (seconds, schedule)
@@ -184,8 +204,12 @@ def test_any_schedule_of_faults_keeps_the_rounds_agreed_and_the_finishers_equal_
     logs = [managers[rank].log for rank in managers]
     reference = harness._reference(logs)  # (asserts that every round was logged alike by every rank)
     done = [rank for rank in range(world) if ends[rank] == "done"]
-    if schedule["lost_at"] is not None and any(e == "error" for e in ends.values()):
-        assert not done or all(managers[r].log[-1][0] <= schedule["lost_at"] + 1 for r in done), schedule
+    if schedule["store"] is not None and any(e == "error" for e in ends.values()):
+        at = schedule["store"][1]
+        assert not done or all(managers[r].log[-1][0] <= at + 1 for r in done), schedule
+        if restarted is not None:  # nobody took the empty store for the job's: no round was decided there
+            keys = [DEFAULT_PREFIX + "latest"] + [round_key(DEFAULT_PREFIX, r, "members") for r in range(STEPS + 3)]
+            assert not [key for key in keys if restarted.check([key])], schedule
         return  # (the store went before the end: every rank still training stopped with StoreLost)
     expected_done = {r for r in range(world) if faults.get(r, ("none",))[0] != "vanish"}
     assert set(done) == expected_done, (ends, schedule)

@@ -654,8 +654,9 @@ class Manager:
             return False
         if found != self.incarnation:  # the same address, another store: the job's store is gone
             where = unsigned(self.store)
+            address = f" at {where.host}:{where.port}" if hasattr(where, "host") else ""
             raise StoreLost(
-                f"rank {self.rank}: the job's store at {where.host}:{where.port} came back as another "
+                f"rank {self.rank}: the job's store{address} came back as another "
                 f"store (incarnation {found or 'none'}, this job's is {self.incarnation}): it was restarted, and "
                 "the job's rounds are gone from it. This rank stops rather than start a job of its own beside the "
                 "others; keep the job's coordination in an etcd cluster to survive the loss of its host"
