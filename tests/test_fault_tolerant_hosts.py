@@ -97,14 +97,16 @@ def _namespace_pids(hosts) -> list[int]:
 
 def _left_behind(shm_before: set[str]) -> set[str]:
     """Files new in /dev/shm since `shm_before` that no live process maps: a process of the run left them (a file
-    another process on the machine still maps, such as a parallel job's semaphore, is not this run's)."""
+    another process on the machine still maps is not this run's, nor is a named semaphore, `sem.*`: the run makes
+    none, and a parallel test's joblib workers leave theirs, seen in a full run of the suite)."""
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         with contextlib.suppress(OSError):
             mapped |= {
                 line.rsplit("/dev/shm/", 1)[1].strip() for line in maps.read_text().splitlines() if "/dev/shm/" in line
             }
-    return set(os.listdir("/dev/shm")) - shm_before - mapped
+    new = set(os.listdir("/dev/shm")) - shm_before - mapped
+    return {name for name in new if not name.startswith("sem.")}
 
 
 def _writer(run: Path) -> Path:
