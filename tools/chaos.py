@@ -363,6 +363,9 @@ def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fa
         job.start_store()
         for k in range(hosts.count):
             job.start_worker(k)
+        if faults and not _await_first_commit(job, out, hosts.count, args.finish_timeout):
+            wrong.append(f"the job committed no round within {args.finish_timeout:g} s of its start, before any fault")
+            faults = []
         began = time.monotonic()
         for fault in faults:
             if job.finished:
@@ -391,6 +394,19 @@ def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fa
         histories(out, hosts.count), args.stuck_seconds, args.stuck_failures, faults, args.strict_drops
     )
     return wrong + found, figures
+
+
+def _await_first_commit(job: Job, out: Path, hosts: int, timeout: float) -> bool:
+    """Waits until a rank's history holds a committed round (the job is under way), supervising the ranks: the
+    nemesis strikes a running job, not the first round's start, whose failure on every member ends them all (a
+    start that fails is not a round any rank holds live state from). False if none within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(entry.get("committed") for log in histories(out, hosts).values() for entry in log):
+            return True
+        job.supervise()
+        time.sleep(0.2)
+    return False
 
 
 def build_parser() -> argparse.ArgumentParser:
