@@ -134,15 +134,21 @@ class _Entry:
     load: Callable[[Any], None]
 
 
+def _store_address(store: Any) -> str | None:
+    """Where the job's store is, for messages: an etcd client's URL, a TCPStore's host:port; None for another
+    store (a user's own)."""
+    if isinstance(store, EtcdStore):
+        return store.url
+    return f"{store.host}:{store.port}" if hasattr(store, "host") else None
+
+
 def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
     """`StoreLost`, naming the store and what to do, when `exc` (raised by a store call of the rounds) says the
     store's connection broke; None otherwise."""
     if not is_store_loss(exc):
         return None
     store = unsigned(manager.store)
-    where = store.url if isinstance(store, EtcdStore) else None
-    if where is None and hasattr(store, "host"):
-        where = f"{store.host}:{store.port}"
+    where = _store_address(store)
     if isinstance(exc, StoreReplaced):
         advice = (
             "the job's coordination is gone from it, and this rank stops (it would otherwise take decisions of "
@@ -653,10 +659,9 @@ class Manager:
         except Exception:
             return False
         if found != self.incarnation:  # the same address, another store: the job's store is gone
-            where = unsigned(self.store)
-            address = f" at {where.host}:{where.port}" if hasattr(where, "host") else ""
+            where = _store_address(unsigned(self.store))
             raise StoreLost(
-                f"rank {self.rank}: the job's store{address} came back as another "
+                f"rank {self.rank}: the job's store{' at ' + where if where else ''} came back as another "
                 f"store (incarnation {found or 'none'}, this job's is {self.incarnation}): it was restarted, and "
                 "the job's rounds are gone from it. This rank stops rather than start a job of its own beside the "
                 "others; keep the job's coordination in an etcd cluster to survive the loss of its host"
