@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from ddpkit.fault_tolerance.manager import StoreLost
-from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, round_key
+from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, latest_round, round_key
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +134,9 @@ def schedules(draw: Any) -> dict[str, Any]:
     return {"world": world, "faults": faults, "store": store}
 
 
-def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float]:
+def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float, dist.HashStore | None]:
+    """The schedule's job: the ranks' ends, their managers, its seconds, and the empty store of its restart
+    (None: none)."""
     world, store = schedule["world"], LossyStore()
     faults_by_rank: dict[str, dict] = {}
     late = {}
@@ -150,6 +152,7 @@ def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float]:
     for rank, after in sorted(late.items())[:1]:  # the job must not end before a late rank (a loaded machine) joins
         faults_by_rank.setdefault("rank0", {})["await_join"] = (after, rank)
     results: dict = {}
+    struck: dict[str, dist.HashStore] = {}
     if schedule["store"] is not None:
         kind, at = schedule["store"]
         job = store.inner
@@ -157,19 +160,19 @@ def _run(schedule: dict[str, Any]) -> tuple[dict, dict, float]:
         def strike() -> None:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                if job.check(["ddpkit/ft/latest"]) and int(job.get("ddpkit/ft/latest")) >= at:
-                    results["restarted"] = store.restart() if kind == "restarted" else store.lose()
+                if latest_round(job) >= at:
+                    if kind == "restarted":
+                        struck["restarted"] = store.restart()
+                    else:
+                        store.lose()
                     return
                 time.sleep(0.005)
 
         threading.Thread(target=strike, daemon=True).start()
     since = time.monotonic()
     got, managers = harness._run(world, late=late, client=lambda: store, results=results, **faults_by_rank)
-    struck[0] = got.pop("restarted", None)
-    return got, managers, time.monotonic() - since
+    return got, managers, time.monotonic() - since, struck.get("restarted")
 
-
-struck: list = [None]  # the empty store of the last example's restart (None: none)
 
 # more, drawn afresh: a longer hunt by hand. The protocol's schedules are hunted on simulated time
 # (tests/test_protocol_fake_clock.py, 150 in CI); these real-time ones check the Manager and gloo around it.
@@ -191,10 +194,10 @@ def test_any_schedule_of_faults_keeps_the_rounds_agreed_and_the_finishers_equal_
     old_steps = harness.STEPS
     harness.STEPS = STEPS
     try:
-        got, managers, seconds = _run(schedule)
+        got, managers, seconds, restarted = _run(schedule)
     finally:
         harness.STEPS = old_steps
-    faults, world, restarted = schedule["faults"], schedule["world"], struck[0]
+    faults, world = schedule["faults"], schedule["world"]
     ends = {rank: got[rank][0] for rank in range(world)}
     # bounded: a few rounds' timeouts per fault and a pause each, on a loaded machine
     assert seconds < 30 + 10 * len(faults), (seconds, schedule)
@@ -208,8 +211,9 @@ def test_any_schedule_of_faults_keeps_the_rounds_agreed_and_the_finishers_equal_
         at = schedule["store"][1]
         assert not done or all(managers[r].log[-1][0] <= at + 1 for r in done), schedule
         if restarted is not None:  # nobody took the empty store for the job's: no round was decided there
-            keys = [DEFAULT_PREFIX + "latest"] + [round_key(DEFAULT_PREFIX, r, "members") for r in range(STEPS + 3)]
-            assert not [key for key in keys if restarted.check([key])], schedule
+            assert latest_round(restarted) == -1, schedule
+            decided = [r for r in range(STEPS + 3) if restarted.check([round_key(DEFAULT_PREFIX, r, "members")])]
+            assert not decided, (decided, schedule)
         return  # (the store went before the end: every rank still training stopped with StoreLost)
     expected_done = {r for r in range(world) if faults.get(r, ("none",))[0] != "vanish"}
     assert set(done) == expected_done, (ends, schedule)
@@ -228,7 +232,7 @@ def test_a_rank_whose_store_connection_broke_while_the_store_lives_takes_the_liv
     def break_at_round_8() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if store.inner.check(["ddpkit/ft/latest"]) and int(store.inner.get("ddpkit/ft/latest")) >= 8:
+            if latest_round(store.inner) >= 8:
                 connections[2].break_connection()
                 return
             time.sleep(0.005)
