@@ -27,7 +27,7 @@ from ddpkit.distributed.agreement import CannotCompare, RanksDisagree, optimizer
 from ddpkit.distributed.stats import comm_stats
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
 from ddpkit.fault_tolerance.manager import Manager, StoreLost
-from ddpkit.fault_tolerance.membership import TooFewReplicas
+from ddpkit.fault_tolerance.membership import TooFewReplicas, latest_round
 
 LR, MOMENTUM, STEPS = 0.1, 0.9, 40
 START = 3.0  # seconds round 0 waits for every rank: the threads start at once, the late one does not count
@@ -165,7 +165,7 @@ def _client(port: int) -> Any:
 def _reached(store: Any, round_: int) -> bool:
     """Whether the job decided round `round_` (or its store is gone: a rank started then stops at once)."""
     try:
-        return store.check(["ddpkit/ft/latest"]) and int(store.get("ddpkit/ft/latest")) >= round_
+        return latest_round(store) >= round_
     except dist.DistNetworkError:
         return True
 
