@@ -104,13 +104,21 @@ def compare(local: dict[str, Any], there: dict[str, Any], rate: str, latency_ms:
     nominal = link_from_mbit(_mbit(rate), latency_ms)
     for target, how in ((Link(**there["link"]), "measured link"), (nominal, "nominal")):
         predicted = predict_seconds(local, here, target) * 1e3
-        rows.append({
-            "rate": rate, "strategy": local["strategy"], "link": how, "link_mbit": target.mbit,
-            "link_latency_ms": target.latency * 1e3, "measured_ms": there["step_ms"],
-            "predicted_ms": predicted, "error": predicted / there["step_ms"] - 1,
-            "local_ms": local["step_ms"], "wire_mb": local["wire_bytes_per_step"] / 1e6,
-            "messages": local["messages_per_step"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "rate": rate,
+                "strategy": local["strategy"],
+                "link": how,
+                "link_mbit": target.mbit,
+                "link_latency_ms": target.latency * 1e3,
+                "measured_ms": there["step_ms"],
+                "predicted_ms": predicted,
+                "error": predicted / there["step_ms"] - 1,
+                "local_ms": local["step_ms"],
+                "wire_mb": local["wire_bytes_per_step"] / 1e6,
+                "messages": local["messages_per_step"],
+            }
+        )
     return rows
 
 
@@ -160,15 +168,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     figures, cfg = report["figures"], report["config"]
     low, high = figures["load_average_during"]
-    head = (f"{figures['workload']}; batch {cfg['batch']}/rank, {cfg['steps']} timed steps, medians of "
-            f"{cfg['rounds']} interleaved rounds; 2 hosts, tbf links (burst {cfg['burst']}, latency {cfg['latency']}); "
-            f"load average {low:.1f}-{high:.1f} on {report['machine']['cores']} cores")  # fmt: skip
+    head = (
+        f"{figures['workload']}; batch {cfg['batch']}/rank, {cfg['steps']} timed steps, medians of "
+        f"{cfg['rounds']} interleaved rounds; 2 hosts, tbf links (burst {cfg['burst']}, latency {cfg['latency']}); "
+        f"load average {low:.1f}-{high:.1f} on {report['machine']['cores']} cores"
+    )
     rows = [
-        (r["rate"], r["strategy"], r["link"], tables.num(r["link_mbit"], ".0f"), tables.num(r["link_latency_ms"]),
-         tables.num(r["local_ms"], ".0f"), tables.num(r["predicted_ms"], ".0f"), tables.num(r["measured_ms"], ".0f"),
-         f"{r['error']:+.0%}")
+        (
+            r["rate"],
+            r["strategy"],
+            r["link"],
+            tables.num(r["link_mbit"], ".0f"),
+            tables.num(r["link_latency_ms"]),
+            tables.num(r["local_ms"], ".0f"),
+            tables.num(r["predicted_ms"], ".0f"),
+            tables.num(r["measured_ms"], ".0f"),
+            f"{r['error']:+.0%}",
+        )
         for r in figures["rows"]
-    ]  # fmt: skip
+    ]
     header = (
         "rate",
         "strategy",

@@ -46,8 +46,15 @@ from benchmarks.lib.results import ROOT
 from ddpkit.distributed.launch import exit_without_teardown, leave
 
 QUESTION = "diloco: DDP, SlowMo, DiLoCo, streaming DiLoCo in fp32/bf16/int8/int4 over 100 and 10 Mbit/s (root)"
-QUICK = {"steps": 16, "warmup": 2, "eval_every": 8, "periods": "4,8", "rates": "100mbit", "compressions": "none,int4",
-         "gpt": "1,32,2,32"}  # fmt: skip
+QUICK = {
+    "steps": 16,
+    "warmup": 2,
+    "eval_every": 8,
+    "periods": "4,8",
+    "rates": "100mbit",
+    "compressions": "none,int4",
+    "gpt": "1,32,2,32",
+}
 PORT = 29530
 HELD_OUT = 128
 METHODS = ("local", "ddp", "slowmo3", "diloco", "streaming")

@@ -80,8 +80,15 @@ from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed.launch import free_port
 
 QUESTION = "fault_tolerance: what does --fault-tolerant cost per step when nothing fails, and per lost rank?"
-QUICK = {"workloads": "digits", "modes": "ddp", "rounds": 1, "steps": 40, "kill_steps": 100, "kill_after": 30,
-         "quorum_timeout": 1.0}  # fmt: skip
+QUICK = {
+    "workloads": "digits",
+    "modes": "ddp",
+    "rounds": 1,
+    "steps": 40,
+    "kill_steps": 100,
+    "kill_after": 30,
+    "quorum_timeout": 1.0,
+}
 MODES = ("ddp", "slowmo", "diloco")
 TORCHFT = {"ddp": "ddp", "slowmo": "localsgd", "diloco": "diloco"}  # torchft's counterpart of each mode
 
@@ -135,8 +142,11 @@ def _names(text: str, known: tuple[str, ...], option: str) -> list[str]:
 
 def _cases(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(workload, mode) pairs to run; checks that every local mode's run is a whole number of rounds."""
-    cases = [(w, m) for w in _names(args.workloads, tuple(WORKLOADS), "--workloads")
-             for m in _names(args.modes, MODES, "--modes")]  # fmt: skip
+    cases = [
+        (w, m)
+        for w in _names(args.workloads, tuple(WORKLOADS), "--workloads")
+        for m in _names(args.modes, MODES, "--modes")
+    ]
     for workload, mode in cases:
         for steps in (_overhead_steps(args, workload, mode), _kill_plan(args, workload, mode)[0]):
             if mode != "ddp" and steps % args.outer_every:
@@ -150,8 +160,11 @@ def _fields(workload: str, mode: str, args: argparse.Namespace) -> dict[str, Any
     if mode == "ddp":
         return {**fields, "strategy": "ddp"}
     h = args.outer_every
-    outer = {"slowmo_momentum": 0.0} if mode == "slowmo" else {**DILOCO_INNER, "slowmo_momentum": 0.9,
-                                                              "slowmo_lr": 0.7, "slowmo_nesterov": True}  # fmt: skip
+    outer = (
+        {"slowmo_momentum": 0.0}
+        if mode == "slowmo"
+        else {**DILOCO_INNER, "slowmo_momentum": 0.9, "slowmo_lr": 0.7, "slowmo_nesterov": True}
+    )
     return {**fields, "strategy": "slowmo", "localsgd_frequency": h, "slowmo_frequency": h, **outer}
 
 
@@ -197,8 +210,13 @@ def _train(flags: list[str], out: Path, threads: int | None = None) -> subproces
     shares the cores)."""
     env = _env() | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
     with open(out.with_suffix(".log"), "w") as sink:
-        return subprocess.Popen([sys.executable, "-m", "ddpkit", "train", *COMMON, *flags, "--out", str(out)],
-                                env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "train", *COMMON, *flags, "--out", str(out)],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _finish(proc: subprocess.Popen, out: Path, timeout: float = 900) -> None:
@@ -241,8 +259,9 @@ def windowed_ms(ends: list[float], window: int) -> float:
     return 1000 * statistics.median(spans) if spans else float("nan")
 
 
-def _per_step_ms(run: Callable[[int], dict[str, Any]], steps: int, once: bool,
-                 window: int) -> tuple[float, float, dict[str, Any]]:  # fmt: skip
+def _per_step_ms(
+    run: Callable[[int], dict[str, Any]], steps: int, once: bool, window: int
+) -> tuple[float, float, dict[str, Any]]:
     """(ms per step, windowed ms per step, the last run's figures): (T(2 x steps) - T(steps)) / steps of the runs'
     `training_seconds`, so that what a run spends once cancels out, and `windowed_ms` of the longer run; with
     `once` (--quick), T(steps) / steps of one run."""
@@ -272,30 +291,47 @@ def overhead(args: argparse.Namespace, work: Path, torchft_skipped: str | None) 
     """Per workload, mode and round: ms per step of plain ddpkit, fault-tolerant ddpkit and torchft (unless
     `torchft_skipped` says why not)."""
     runs = [(w, m, r) for w, m in _cases(args) for r in range(args.rounds)]
-    return [{"workload": w, "mode": m, "round": r, **_overhead_round(args, work, w, m, r, torchft_skipped)}
-            for w, m, r in progress(runs, desc="overhead")]  # fmt: skip
+    return [
+        {"workload": w, "mode": m, "round": r, **_overhead_round(args, work, w, m, r, torchft_skipped)}
+        for w, m, r in progress(runs, desc="overhead")
+    ]
 
 
-def _overhead_round(args: argparse.Namespace, work: Path, workload: str, mode: str, r: int,
-                    torchft_skipped: str | None) -> dict[str, Any]:  # fmt: skip
+def _overhead_round(
+    args: argparse.Namespace, work: Path, workload: str, mode: str, r: int, torchft_skipped: str | None
+) -> dict[str, Any]:
     fields, steps, name = _fields(workload, mode, args), _overhead_steps(args, workload, mode), f"{workload}-{mode}-{r}"
     # --quick: one rank of one thread per run, the runs at once (each rank spends ~6 s of CPU starting: torch, the
     # data, the first backward); else 2 ranks sharing the cores as ddpkit shares them
     ranks, threads = (1, 1) if args.quick else (2, None)
     flags = [*_flags(fields), "--nproc-per-node", str(ranks)]
-    runs = {kind: partial(_ddpkit_run, [*flags, extra], work / f"{name}-{kind}", threads)
-            for kind, extra in (("plain", "--no-checkpoints"), ("fault_tolerant", "--fault-tolerant"))}  # fmt: skip
+    runs = {
+        kind: partial(_ddpkit_run, [*flags, extra], work / f"{name}-{kind}", threads)
+        for kind, extra in (("plain", "--no-checkpoints"), ("fault_tolerant", "--fault-tolerant"))
+    }
     if not torchft_skipped:
         runs["torchft"] = partial(_torchft_job, args, work, f"torchft-{name}", mode, fields, None)
     window = WINDOW if mode == "ddp" else args.outer_every
-    timed = _together({kind: partial(_per_step_ms, run, steps, args.quick, window) for kind, run in runs.items()},
-                      args.quick)  # fmt: skip
+    timed = _together(
+        {kind: partial(_per_step_ms, run, steps, args.quick, window) for kind, run in runs.items()}, args.quick
+    )
     (plain_ms, plain_window, plain), (ft_ms, ft_window, ft) = timed["plain"], timed["fault_tolerant"]
     torchft = timed.get("torchft", (None, None, None))
-    return {"steps": steps, "ranks": ranks, "once": args.quick, "window": window, "plain_ms": plain_ms,
-            "fault_tolerant_ms": ft_ms, "ratio": ft_ms / plain_ms, "torchft_ms": torchft[0],
-            "plain_window_ms": plain_window, "fault_tolerant_window_ms": ft_window, "torchft_window_ms": torchft[1],
-            "plain_bytes": plain["sent_bytes_per_step"], "fault_tolerant_bytes": ft["sent_bytes_per_step"]}  # fmt: skip
+    return {
+        "steps": steps,
+        "ranks": ranks,
+        "once": args.quick,
+        "window": window,
+        "plain_ms": plain_ms,
+        "fault_tolerant_ms": ft_ms,
+        "ratio": ft_ms / plain_ms,
+        "torchft_ms": torchft[0],
+        "plain_window_ms": plain_window,
+        "fault_tolerant_window_ms": ft_window,
+        "torchft_window_ms": torchft[1],
+        "plain_bytes": plain["sent_bytes_per_step"],
+        "fault_tolerant_bytes": ft["sent_bytes_per_step"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,8 +365,17 @@ def _two_nodes(flags: list[str], work: Path, name: str, kill_after: int | None, 
     """A 2-rank fault-tolerant job, one launcher per rank; with `kill_after`, the second is killed after that many
     rounds (and with `restart`, started again at once). The survivor's summary (it writes the outputs)."""
     port = free_port()
-    where = ["--fault-tolerant", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", str(port)]  # fmt: skip
+    where = [
+        "--fault-tolerant",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
     # one thread per rank: two launchers on this machine would each take every core (two machines have their own)
     procs = [_train([*flags, *where, "--node-rank", str(n)], work / f"{name}-{n}", 1) for n in range(2)]
     try:
@@ -378,13 +423,25 @@ def lost_rank(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     rows = []
     for workload, mode in progress(_cases(args), desc="lost rank"):
         steps, kill_after = _kill_plan(args, workload, mode)
-        flags = [*_flags(_fields(workload, mode, args)), "--max-steps", str(steps),
-                 "--quorum-timeout", str(args.quorum_timeout)]  # fmt: skip
+        flags = [
+            *_flags(_fields(workload, mode, args)),
+            "--max-steps",
+            str(steps),
+            "--quorum-timeout",
+            str(args.quorum_timeout),
+        ]
         calm = None if args.quick else _two_nodes(flags, work, f"{workload}-{mode}-calm", None, False)
         # --quick: the run is over before a restarted rank could be back
         hit = _two_nodes(flags, work, f"{workload}-{mode}-killed", kill_after, restart=not args.quick)
-        rows.append({"workload": workload, "mode": mode, "steps": steps, "killed_after_round": kill_after,
-                     **_lost_rank_row(calm, hit)})  # fmt: skip
+        rows.append(
+            {
+                "workload": workload,
+                "mode": mode,
+                "steps": steps,
+                "killed_after_round": kill_after,
+                **_lost_rank_row(calm, hit),
+            }
+        )
     return rows
 
 
@@ -411,8 +468,15 @@ class TorchftFailed(RuntimeError):
         super().__init__(f"torchft replica {replica} failed; its log ends:\n{log[-3000:]}")
 
 
-def _torchft_job(args: argparse.Namespace, work: Path, name: str, mode: str, fields: dict[str, Any],
-                 kill_after: int | None, steps: int) -> dict[str, Any]:  # fmt: skip
+def _torchft_job(
+    args: argparse.Namespace,
+    work: Path,
+    name: str,
+    mode: str,
+    fields: dict[str, Any],
+    kill_after: int | None,
+    steps: int,
+) -> dict[str, Any]:
     """Two torchft replicas of `mode`'s counterpart on `fields`' workload for `steps` steps (files NAME-STEPS*);
     with `kill_after`, replica 1 is killed after that many rounds and started again. Replica 0's figures."""
     from torchft._torchft import LighthouseServer
@@ -423,9 +487,20 @@ def _torchft_job(args: argparse.Namespace, work: Path, name: str, mode: str, fie
     config.write_text(json.dumps(fields))
 
     def start(replica: int, tag: str) -> subprocess.Popen:
-        command = [sys.executable, "-m", "benchmarks.ft_torchft_worker", TORCHFT[mode], str(replica), "2", str(steps),
-                   lighthouse.address(), str(work / f"{name}-{replica}{tag}.json"), str(args.quorum_timeout), str(go),
-                   str(config)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.ft_torchft_worker",
+            TORCHFT[mode],
+            str(replica),
+            "2",
+            str(steps),
+            lighthouse.address(),
+            str(work / f"{name}-{replica}{tag}.json"),
+            str(args.quorum_timeout),
+            str(go),
+            str(config),
+        ]
         with open(work / f"{name}-{replica}{tag}.log", "w") as log:
             return subprocess.Popen(command, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -529,18 +604,37 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, 
 def _overhead_table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for (workload, mode), mine in _groups(rows).items():
-        for label, kind in (("ddpkit plain", "plain"), ("ddpkit --fault-tolerant", "fault_tolerant"),
-                            (f"torchft {TORCHFT[mode]}", "torchft")):  # fmt: skip
+        for label, kind in (
+            ("ddpkit plain", "plain"),
+            ("ddpkit --fault-tolerant", "fault_tolerant"),
+            (f"torchft {TORCHFT[mode]}", "torchft"),
+        ):
             cells = []
             for key, plain in ((f"{kind}_ms", "plain_ms"), (f"{kind}_window_ms", "plain_window_ms")):
                 timed = [r for r in mine if r.get(key) is not None and r.get(plain)]
                 ratios = _ratios(mine, key, plain)
-                cells += [num(statistics.median(r[key] for r in timed)), num(statistics.median(ratios), ".3f"),
-                          " ".join(num(x, ".3f") for x in ratios)] if timed else ["", "", ""]  # fmt: skip
+                cells += (
+                    [
+                        num(statistics.median(r[key] for r in timed)),
+                        num(statistics.median(ratios), ".3f"),
+                        " ".join(num(x, ".3f") for x in ratios),
+                    ]
+                    if timed
+                    else ["", "", ""]
+                )
             if any(cells):
                 lines.append([workload, mode, label, *cells])
-    header = ["workload", "mode", "run", "ms/step (T(2N)-T(N))/N", "x plain", "x plain per round",
-              "ms/step windowed", "x plain", "x plain per round"]  # fmt: skip
+    header = [
+        "workload",
+        "mode",
+        "run",
+        "ms/step (T(2N)-T(N))/N",
+        "x plain",
+        "x plain per round",
+        "ms/step windowed",
+        "x plain",
+        "x plain per round",
+    ]
     return f"{_method(rows)}\n\n{markdown(header, lines)}"
 
 
@@ -554,8 +648,10 @@ def _method(rows: list[dict[str, Any]]) -> str:
     n = ", ".join(f"{w} {m} {mine[0].get('steps', '?')}" for (w, m), mine in _groups(rows).items())
     ranks = rows[0].get("ranks", 2) if rows else 2
     if rows and rows[0].get("once"):
-        return f"ms/step: one run of N steps on {ranks} rank(s), T(N) / N, its set-up included (--quick: a smoke " \
-               f"test, not a measurement); N: {n}"  # fmt: skip
+        return (
+            f"ms/step: one run of N steps on {ranks} rank(s), T(N) / N, its set-up included (--quick: a smoke "
+            f"test, not a measurement); N: {n}"
+        )
     return (
         f"ms/step on {ranks} ranks: (T(2N) - T(N)) / N, T the training loop's wall time, and windowed: the "
         f"median over the 2N run's windows of {WINDOW} steps (ddp) or H steps (local modes) of each window's "
@@ -564,25 +660,73 @@ def _method(rows: list[dict[str, Any]]) -> str:
 
 
 def _lost_rank_table(rows: list[dict[str, Any]]) -> str:
-    lines = [[*_key(r), r["killed_after_round"], num(r["calm_training_s"], ".1f"),
-              num(r["killed_training_s"], ".1f"), num(r["extra_s"], ".1f"), num(r["waited_s"], ".1f"),
-              num(r["held_up_s"], ".1f"), r["dropped_rounds"], "yes" if r["replicas_equal"] else "NO",
-              num(r["calm_test_loss"], ".4f"), num(r["killed_test_loss"], ".4f"), num(r["bytes_per_step"] / 1e3, ".1f")]
-             for r in rows]  # fmt: skip
-    header = ["workload", "mode", "killed after round", "calm s", "with a loss s", "extra s", "waited s", "held up s",
-              "dropped rounds", "replicas equal", "calm held-out loss", "held-out loss", "kB/step"]  # fmt: skip
+    lines = [
+        [
+            *_key(r),
+            r["killed_after_round"],
+            num(r["calm_training_s"], ".1f"),
+            num(r["killed_training_s"], ".1f"),
+            num(r["extra_s"], ".1f"),
+            num(r["waited_s"], ".1f"),
+            num(r["held_up_s"], ".1f"),
+            r["dropped_rounds"],
+            "yes" if r["replicas_equal"] else "NO",
+            num(r["calm_test_loss"], ".4f"),
+            num(r["killed_test_loss"], ".4f"),
+            num(r["bytes_per_step"] / 1e3, ".1f"),
+        ]
+        for r in rows
+    ]
+    header = [
+        "workload",
+        "mode",
+        "killed after round",
+        "calm s",
+        "with a loss s",
+        "extra s",
+        "waited s",
+        "held up s",
+        "dropped rounds",
+        "replicas equal",
+        "calm held-out loss",
+        "held-out loss",
+        "kB/step",
+    ]
     return f"ddpkit --fault-tolerant, a lost rank:\n\n{markdown(header, lines)}"
 
 
 def _torchft_lost_rank_table(rows: list[dict[str, Any]]) -> str:
     done = [r for r in rows if "failed" not in r]
-    lines = [[r["workload"], r["mode"], r["torchft"], r["killed_after_round"], num(r["calm_training_s"], ".1f"),
-              num(r["killed_training_s"], ".1f"), num(r["extra_s"], ".1f"), r["one_participant_rounds"],
-              num(r["calm_test_loss"], ".4f"), num(r["killed_test_loss"], ".4f")] for r in done]  # fmt: skip
-    header = ["workload", "mode", "torchft 0.2.0", "killed after round", "calm s", "with a loss s", "extra s",
-              "rounds with one replica", "calm held-out loss", "held-out loss"]  # fmt: skip
-    failures = [f"torchft {r['torchft']} on {r['workload']}, with a lost replica: {r['failed']}"
-                for r in rows if "failed" in r]  # fmt: skip
+    lines = [
+        [
+            r["workload"],
+            r["mode"],
+            r["torchft"],
+            r["killed_after_round"],
+            num(r["calm_training_s"], ".1f"),
+            num(r["killed_training_s"], ".1f"),
+            num(r["extra_s"], ".1f"),
+            r["one_participant_rounds"],
+            num(r["calm_test_loss"], ".4f"),
+            num(r["killed_test_loss"], ".4f"),
+        ]
+        for r in done
+    ]
+    header = [
+        "workload",
+        "mode",
+        "torchft 0.2.0",
+        "killed after round",
+        "calm s",
+        "with a loss s",
+        "extra s",
+        "rounds with one replica",
+        "calm held-out loss",
+        "held-out loss",
+    ]
+    failures = [
+        f"torchft {r['torchft']} on {r['workload']}, with a lost replica: {r['failed']}" for r in rows if "failed" in r
+    ]
     return "\n".join([f"torchft, a lost replica:\n\n{markdown(header, lines)}", *failures])
 
 
@@ -596,15 +740,28 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     groups = _groups(rows)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 3.5))
     for i, mine in enumerate(groups.values()):
-        for offset, key, plain, how, filled in ((-0.12, "ms", "plain_ms", "(T(2N)-T(N))/N", False),
-                                                (0.12, "window_ms", "plain_window_ms", "windowed", True)):  # fmt: skip
-            for kind, color, marker, name in (("fault_tolerant", "C0", "o", "ddpkit --fault-tolerant"),
-                                              ("torchft", "C1", "x", "torchft")):  # fmt: skip
+        for offset, key, plain, how, filled in (
+            (-0.12, "ms", "plain_ms", "(T(2N)-T(N))/N", False),
+            (0.12, "window_ms", "plain_window_ms", "windowed", True),
+        ):
+            for kind, color, marker, name in (
+                ("fault_tolerant", "C0", "o", "ddpkit --fault-tolerant"),
+                ("torchft", "C1", "x", "torchft"),
+            ):
                 ratios = _ratios(mine, f"{kind}_{key}", plain)
-                style = {"color": color} if marker == "x" else {"edgecolors": color,
-                                                                 "facecolors": color if filled else "none"}  # fmt: skip
-                ax.scatter([i + offset] * len(ratios), ratios, marker=marker, label=f"{name}, {how}" if ratios else "_",
-                           alpha=1.0 if filled else 0.5, **style)  # fmt: skip
+                style = (
+                    {"color": color}
+                    if marker == "x"
+                    else {"edgecolors": color, "facecolors": color if filled else "none"}
+                )
+                ax.scatter(
+                    [i + offset] * len(ratios),
+                    ratios,
+                    marker=marker,
+                    label=f"{name}, {how}" if ratios else "_",
+                    alpha=1.0 if filled else 0.5,
+                    **style,
+                )
     handles, names = ax.get_legend_handles_labels()
     once = dict(zip(names, handles, strict=True))  # each label once
     ax.legend(once.values(), once.keys())

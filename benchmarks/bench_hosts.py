@@ -161,10 +161,17 @@ def host_main(argv: list[str]) -> None:
 def _run_rate(args: argparse.Namespace, rate: str, strategies: list[str], workdir: str) -> list[dict[str, Any]]:
     with netns.Hosts(2, rate, args.burst, args.latency) as hosts:
         config = {
-            "init": f"tcp://{hosts.addresses[0]}:29671", "per_host": args.per_host, "workload": args.workload,
-            "batch": args.batch, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-            "strategies": strategies, "pg_timeout": args.pg_timeout, "run_timeout": args.run_timeout,
-        }  # fmt: skip
+            "init": f"tcp://{hosts.addresses[0]}:29671",
+            "per_host": args.per_host,
+            "workload": args.workload,
+            "batch": args.batch,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "strategies": strategies,
+            "pg_timeout": args.pg_timeout,
+            "run_timeout": args.run_timeout,
+        }
         commands, envs, outs = [], [], []
         for k in range(2):
             path = os.path.join(workdir, f"config-{rate}-{k}.json")
@@ -180,8 +187,15 @@ def _run_rate(args: argparse.Namespace, rate: str, strategies: list[str], workdi
     for strategy in strategies:
         step_ms = statistics.median(per_host[0][strategy]["step_ms"])  # every host saw the same slowest step
         host_bytes = max(statistics.mean(h[strategy]["host_bytes"]) for h in per_host)
-        rows.append({"rate": rate, "strategy": strategy, "step_ms": step_ms, "host_mb": host_bytes / 1e6,
-                     "round_step_ms": per_host[0][strategy]["step_ms"]})  # fmt: skip
+        rows.append(
+            {
+                "rate": rate,
+                "strategy": strategy,
+                "step_ms": step_ms,
+                "host_mb": host_bytes / 1e6,
+                "round_step_ms": per_host[0][strategy]["step_ms"],
+            }
+        )
     base = next((r for r in rows if r["strategy"] == "ddp"), None)
     for row in rows:
         row["x_ddp"] = row["step_ms"] / base["step_ms"] if base else None
@@ -214,14 +228,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     figures, cfg = report["figures"], report["config"]
     low, high = figures["load_average_during"]
-    head = (f"{figures['workload']}; 2 hosts x {cfg['per_host']} ranks, batch {cfg['batch']}/rank, {cfg['steps']} "
-            f"timed steps, medians of {cfg['rounds']} interleaved rounds; tbf links (burst {cfg['burst']}, latency "
-            f"{cfg['latency']}); load average {low:.1f}-{high:.1f} on {report['machine']['cores']} cores")  # fmt: skip
+    head = (
+        f"{figures['workload']}; 2 hosts x {cfg['per_host']} ranks, batch {cfg['batch']}/rank, {cfg['steps']} "
+        f"timed steps, medians of {cfg['rounds']} interleaved rounds; tbf links (burst {cfg['burst']}, latency "
+        f"{cfg['latency']}); load average {low:.1f}-{high:.1f} on {report['machine']['cores']} cores"
+    )
     rows = [
-        (r["rate"], r["strategy"], tables.num(r["step_ms"], ".0f"), tables.num(r["x_ddp"]),
-         tables.num(r["host_mb"], ".2f"), tables.num(r["bytes_x_ddp"]))
+        (
+            r["rate"],
+            r["strategy"],
+            tables.num(r["step_ms"], ".0f"),
+            tables.num(r["x_ddp"]),
+            tables.num(r["host_mb"], ".2f"),
+            tables.num(r["bytes_x_ddp"]),
+        )
         for r in figures["rows"]
-    ]  # fmt: skip
+    ]
     header = ("rate", "strategy", "step ms", "x DDP", "MB leaving a host per step", "x DDP")
     verdict = f"goal (sharded step <= {GOAL_STEP}x DDP's and bytes leaving a host <= DDP's at every rate): "
     verdict += "met" if figures["goal_met"] else "NOT met"

@@ -81,12 +81,24 @@ def _job(spec: dict[str, Any], limit_bytes: int | None = None) -> tuple[cgroup.O
 
 
 def _spec(args: argparse.Namespace, workload: str, world_size: int, strategy: str, **model: Any) -> dict[str, Any]:
-    shape = {"depth": args.depth, "width": args.width} if workload == "mlp" else {
-        "layers": args.gpt_layers, "width": args.gpt_width}  # fmt: skip
+    shape = (
+        {"depth": args.depth, "width": args.width}
+        if workload == "mlp"
+        else {"layers": args.gpt_layers, "width": args.gpt_width}
+    )
     shape.update(model)
-    return {"strategy": strategy, "world_size": world_size, "workload": workload, "steps": args.steps,
-            "batch": args.batch, "seed": 0, "timeout": args.timeout, "allocator": "default", "hosts": args.hosts,
-            **shape}  # fmt: skip
+    return {
+        "strategy": strategy,
+        "world_size": world_size,
+        "workload": workload,
+        "steps": args.steps,
+        "batch": args.batch,
+        "seed": 0,
+        "timeout": args.timeout,
+        "allocator": "default",
+        "hosts": args.hosts,
+        **shape,
+    }
 
 
 def _checked(outcome: cgroup.Outcome, reports: dict[str, Any] | None, what: str) -> dict[str, Any]:
@@ -172,8 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if why := netns.unavailable():
             raise Skip(f"memory --hosts: {why}")
         if args.search or any(size % args.hosts for size in sizes):
-            raise UsageError(f"--hosts {args.hosts}: every --world-size must be a multiple of it, and --search "
-                             "runs on one host only")  # fmt: skip
+            raise UsageError(
+                f"--hosts {args.hosts}: every --world-size must be a multiple of it, and --search runs on one host only"
+            )
     keys = parse_strategies(args.strategies)
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not chosen or any(w not in TINY for w in chosen):
@@ -191,8 +204,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     found = []
     if args.search:
         for key in progress(keys, desc="largest model"):
-            row = next((r for r in rows if r["key"] == key and r["workload"] == "mlp" and
-                        r["world_size"] == args.search_world_size), None)  # fmt: skip
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r["key"] == key and r["workload"] == "mlp" and r["world_size"] == args.search_world_size
+                ),
+                None,
+            )
             measured = row.get(args.search_allocator) if row else None
             tiny = measured["tiny_job_peak_mb"] if measured else 600.0
             try:
@@ -215,9 +234,12 @@ def table(report: dict[str, Any]) -> str:
         rows = [r for r in figures["rows"] if r["workload"] == workload]
         params = rows[0]["parameters"]
         where = f"; on {config['hosts']} namespace hosts" if config.get("hosts", 1) > 1 else ""
-        out += ["", f"{workload}: {params:,} parameters, P = {4 * params / 2**20:.0f} MiB{where}; Adam, batch "
-                f"{config['batch']} per rank, {config['steps']} steps; whole-job peak per rank above the same job "
-                "on a tiny model, in units of P"]  # fmt: skip
+        out += [
+            "",
+            f"{workload}: {params:,} parameters, P = {4 * params / 2**20:.0f} MiB{where}; Adam, batch "
+            f"{config['batch']} per rank, {config['steps']} steps; whole-job peak per rank above the same job "
+            "on a tiny model, in units of P",
+        ]
         allocators = config["allocators"].split(",")
         header = ["strategy", "ranks"]
         for allocator in allocators:
@@ -229,20 +251,28 @@ def table(report: dict[str, Any]) -> str:
             for allocator in allocators:
                 got = r[allocator]
                 limit = figures["limits"][str(r["world_size"])]
-                cell += [num(got["job_per_rank_p"]), num(got["job_per_rank_p"] / limit),
-                         " / ".join(num(p) for p in got["own_peak_p"])]  # fmt: skip
+                cell += [
+                    num(got["job_per_rank_p"]),
+                    num(got["job_per_rank_p"] / limit),
+                    " / ".join(num(p) for p in got["own_peak_p"]),
+                ]
             cells.append([*cell, num(r["state_p"])])
         out.append(markdown(header, cells))
-        out.append("allocators: default = glibc as it comes; mmap = ddpkit.distributed.allocator.return_freed_memory "
-                   "(blocks of 1 MiB or more mapped alone, given back when freed); mapped = ddpkit train's "
-                   "--allocator mapped (blocks of 8 MiB or more mapped alone, in huge pages)")  # fmt: skip
+        out.append(
+            "allocators: default = glibc as it comes; mmap = ddpkit.distributed.allocator.return_freed_memory "
+            "(blocks of 1 MiB or more mapped alone, given back when freed); mapped = ddpkit train's "
+            "--allocator mapped (blocks of 8 MiB or more mapped alone, in huge pages)"
+        )
     limits = ", ".join(f"{num(v)} P at {s} ranks" for s, v in figures["limits"].items())
     out.append(f"ZeRO-2's limit with Adam (P + 3P/N per rank): {limits}")
     if figures["largest"]:
         search_cfg = figures["search"]
         base = {r["key"]: r["largest_parameters"] for r in figures["largest"]}
-        out += ["", f"largest MLP of {search_cfg['width']}-wide layers that trains 3 steps under "
-                f"{search_cfg['limit_gb']:g} GiB (the whole job), {search_cfg['world_size']} ranks"]  # fmt: skip
+        out += [
+            "",
+            f"largest MLP of {search_cfg['width']}-wide layers that trains 3 steps under "
+            f"{search_cfg['limit_gb']:g} GiB (the whole job), {search_cfg['world_size']} ranks",
+        ]
         cells = [
             [
                 r["label"],
@@ -255,8 +285,9 @@ def table(report: dict[str, Any]) -> str:
             ]
             for r in figures["largest"]
         ]
-        out.append(markdown(["strategy", "layers", "parameters", "x DDP", "x FSDP2", "x fairscale",
-                             "depths probed"], cells))  # fmt: skip
+        out.append(
+            markdown(["strategy", "layers", "parameters", "x DDP", "x FSDP2", "x fairscale", "depths probed"], cells)
+        )
     out += [f"skipped {k}: {why}" for k, why in figures["skipped"].items()]
     return "\n".join(out).strip()
 
@@ -273,8 +304,13 @@ def plot(report: dict[str, Any], out_dir: Path) -> None:
     for ((workload, size), marker), allocator in itertools.product(zip(groups, "osD^v<>", strict=False), allocators):
         rows = [r for r in figures["rows"] if (r["workload"], r["world_size"]) == (workload, size)]
         fill = "full" if allocator == allocators[0] else "none"
-        ax.plot([r[allocator]["job_per_rank_p"] for r in rows], [r["key"] for r in rows], marker, fillstyle=fill,
-                label=f"{workload}, {size} ranks, {allocator} allocator")  # fmt: skip
+        ax.plot(
+            [r[allocator]["job_per_rank_p"] for r in rows],
+            [r["key"] for r in rows],
+            marker,
+            fillstyle=fill,
+            label=f"{workload}, {size} ranks, {allocator} allocator",
+        )
         ax.axvline(figures["limits"][str(size)], ls=":", color="gray")
     ax.set_xlabel("whole-job peak per rank, units of P (dotted: ZeRO-2's limit P + 3P/N)")
     ax.legend()
@@ -302,16 +338,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-gb", type=float, default=8.0, help="the search's memory limit for the whole job")
     parser.add_argument("--search-world-size", type=int, default=2, help="ranks in the search")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per job")
-    parser.add_argument("--cold", action="store_true",
-                        help="no warm-up jobs first (files read for the first time are then charged to the job that "
-                             "reads them: a smoke test, not a measurement)")  # fmt: skip
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="no warm-up jobs first (files read for the first time are then charged to the job that "
+        "reads them: a smoke test, not a measurement)",
+    )
     parser.add_argument(
         "--allocators", default="default,mmap", help="allocator settings to measure: default, mmap, mapped"
     )
     parser.add_argument("--search-allocator", default="mmap", help="the allocator setting of the search")
-    parser.add_argument("--hosts", type=int, default=1,
-                        help="network-namespace hosts each job's ranks are spread over, evenly (2: every world size "
-                             "split over two hosts, each host's memory a cgroup of its own; needs root)")  # fmt: skip
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="network-namespace hosts each job's ranks are spread over, evenly (2: every world size "
+        "split over two hosts, each host's memory a cgroup of its own; needs root)",
+    )
 
 
 def result_name(args: argparse.Namespace) -> str:

@@ -191,9 +191,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stores", default="tcp,etcd", help="tcp (torch's TCPStore), etcd (one etcd member)")
     parser.add_argument("--rounds", type=int, default=40, help="rounds per configuration, warm-up included")
     parser.add_argument("--warmup", type=int, default=10, help="rounds left out of the figures (round 0 included)")
-    parser.add_argument("--max-world-factor", type=int, default=4,
-                        help="also run the smallest and largest member counts with max_world this many times the "
-                             "members (the round's work should not change)")  # fmt: skip
+    parser.add_argument(
+        "--max-world-factor",
+        type=int,
+        default=4,
+        help="also run the smallest and largest member counts with max_world this many times the "
+        "members (the round's work should not change)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,27 +213,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     figures = report["figures"]
-    header = ["store", "round", "members", "max_world", "median ms", "p99 ms", "store ops per member per round",
-              "by kind", "etcd requests per member per round", "deletions per round (forget)"]  # fmt: skip
+    header = [
+        "store",
+        "round",
+        "members",
+        "max_world",
+        "median ms",
+        "p99 ms",
+        "store ops per member per round",
+        "by kind",
+        "etcd requests per member per round",
+        "deletions per round (forget)",
+    ]
     lines = []
     for row in figures["rows"]:
         kinds = ", ".join(f"{name} {n:.2f}" for name, n in row["ops_by_kind"].items() if name != REQUESTS)
         forget = row["forget_ops_per_round"]
-        lines.append([row["store"], row["round"], str(row["members"]), str(row["max_world"]),
-                      num(row["latency_median_ms"]), num(row["latency_p99_ms"]), num(row["ops_per_member_round"]),
-                      kinds, num(row["requests_per_member_round"]) if row["requests_per_member_round"] else "-",
-                      num(forget) if forget is not None else "-"])  # fmt: skip
+        lines.append(
+            [
+                row["store"],
+                row["round"],
+                str(row["members"]),
+                str(row["max_world"]),
+                num(row["latency_median_ms"]),
+                num(row["latency_p99_ms"]),
+                num(row["ops_per_member_round"]),
+                kinds,
+                num(row["requests_per_member_round"]) if row["requests_per_member_round"] else "-",
+                num(forget) if forget is not None else "-",
+            ]
+        )
     out = [markdown(header, lines)]
     for kind in sorted({row["store"] for row in figures["rows"]}):
         for round_ in ("steady", "full"):
-            mine = [r for r in figures["rows"]
-                    if r["store"] == kind and r["round"] == round_ and r["max_world"] == r["members"]]  # fmt: skip
+            mine = [
+                r
+                for r in figures["rows"]
+                if r["store"] == kind and r["round"] == round_ and r["max_world"] == r["members"]
+            ]
             if len(mine) > 1:
                 small, large = min(mine, key=lambda r: r["members"]), max(mine, key=lambda r: r["members"])
                 ratio = large["latency_median_ms"] / small["latency_median_ms"]
                 goal = figures["goal_latency_ratio"]
-                out.append(f"{kind}, {round_} rounds: median latency at {large['members']} members / at "
-                           f"{small['members']}: {ratio:.1f}x (goal <= {goal:g}x)")  # fmt: skip
+                out.append(
+                    f"{kind}, {round_} rounds: median latency at {large['members']} members / at "
+                    f"{small['members']}: {ratio:.1f}x (goal <= {goal:g}x)"
+                )
     return "\n\n".join(out)
 
 

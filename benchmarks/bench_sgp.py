@@ -38,8 +38,13 @@ from benchmarks.lib.tables import markdown, num
 from ddpkit.distributed.launch import exit_without_teardown, leave
 
 QUESTION = "sgp: SGP and overlap SGP against DDP, local SGD and SlowMo on 4 hosts at 100 Mbit/s, and a straggler (root)"
-QUICK = {"steps": 12, "warmup": 3, "configs": "ddp,overlap_sgp3", "settings": "uniform,straggler",
-         "reuse_processes": True}  # fmt: skip
+QUICK = {
+    "steps": 12,
+    "warmup": 3,
+    "configs": "ddp,overlap_sgp3",
+    "settings": "uniform,straggler",
+    "reuse_processes": True,
+}
 PORT = 29500
 WORLD = 4
 SETTINGS = ("uniform", "straggler")
@@ -392,9 +397,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--straggler-rate", default="20mbit", help="the straggler's link rate, both ways")
     parser.add_argument("--straggler-host", type=int, default=3, help="which host straggles")
     netns.add_link_arguments(parser, 900.0, "configuration", tbf=False)
-    parser.add_argument("--reuse-processes", action="store_true",
-                        help="one job runs every configuration in every setting and round, in turn (quicker; each "
-                             "run then starts in processes that have run others)")  # fmt: skip
+    parser.add_argument(
+        "--reuse-processes",
+        action="store_true",
+        help="one job runs every configuration in every setting and round, in turn (quicker; each "
+        "run then starts in processes that have run others)",
+    )
     parser.add_argument("--variant", default="", help="writes results/sgp_<variant>.json instead of sgp.json")
 
 

@@ -304,9 +304,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", default="100mbit", help="tbf rate of each link, both ways")
     parser.add_argument("--loopback", action="store_true", help="no namespaces or shaping (losses only)")
     netns.add_link_arguments(parser, 900.0, "configuration")
-    parser.add_argument("--reuse-processes", action="store_true",
-                        help="one job runs every configuration in turn (quicker; each configuration then starts in "
-                             "processes that have run others)")  # fmt: skip
+    parser.add_argument(
+        "--reuse-processes",
+        action="store_true",
+        help="one job runs every configuration in turn (quicker; each configuration then starts in "
+        "processes that have run others)",
+    )
 
 
 if __name__ == "__main__":  # a rank: python -m benchmarks.bench_slowmo_link '<job as JSON>'

@@ -96,8 +96,9 @@ def wrap(mode: str, manager: Any, work: Workload, inner: torch.optim.Optimizer, 
     every = sync_every(mode, cfg)
     if mode == "localsgd":
         return work.module, inner, LocalSGD(manager, work.module, inner, sync_every=every)
-    outer = torch.optim.SGD(work.module.parameters(), lr=cfg.slowmo_lr, momentum=cfg.slowmo_momentum,
-                            nesterov=cfg.slowmo_nesterov)  # fmt: skip
+    outer = torch.optim.SGD(
+        work.module.parameters(), lr=cfg.slowmo_lr, momentum=cfg.slowmo_momentum, nesterov=cfg.slowmo_nesterov
+    )
     return work.module, inner, DiLoCo(manager, [work.module], inner, outer, sync_every=every)
 
 
@@ -121,8 +122,13 @@ def train(manager: Any, model: Any, optimizer: Any, loss_fn: Any, data: Any, rou
             if manager.current_step() >= rounds:
                 break
         epoch += 1
-    return {"training_seconds": time.perf_counter() - started, "steps": steps, "rounds": manager.current_step(),
-            "participants": participants, "step_ends": ends}  # fmt: skip
+    return {
+        "training_seconds": time.perf_counter() - started,
+        "steps": steps,
+        "rounds": manager.current_step(),
+        "participants": participants,
+        "step_ends": ends,
+    }
 
 
 def heldout_loss(work: Workload, loader: Any) -> float:
@@ -132,8 +138,17 @@ def heldout_loss(work: Workload, loader: Any) -> float:
     return sum(s for s, _ in losses) / sum(n for _, n in losses)
 
 
-def main(mode: str, replica: int, replicas: int, steps: int, lighthouse: str, out: str, quorum_timeout: float,
-         go: str, fields: dict[str, Any]) -> None:  # fmt: skip
+def main(
+    mode: str,
+    replica: int,
+    replicas: int,
+    steps: int,
+    lighthouse: str,
+    out: str,
+    quorum_timeout: float,
+    go: str,
+    fields: dict[str, Any],
+) -> None:
     torch.set_num_threads(1)
     cfg = TrainConfig(**fields)
     every = sync_every(mode, cfg)

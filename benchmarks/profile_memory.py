@@ -54,12 +54,27 @@ def profile(strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     folder = os.path.join(args.out, strategy)
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
-    spec = {"strategy": strategy, "world_size": args.world_size, "workload": "mlp", "depth": args.depth,
-            "width": args.width, "steps": args.steps, "batch": args.batch, "seed": 0, "timeout": 900.0,
-            "allocator": args.allocator, "memray": folder, "hosts": args.hosts}  # fmt: skip
+    spec = {
+        "strategy": strategy,
+        "world_size": args.world_size,
+        "workload": "mlp",
+        "depth": args.depth,
+        "width": args.width,
+        "steps": args.steps,
+        "batch": args.batch,
+        "seed": 0,
+        "timeout": 900.0,
+        "allocator": args.allocator,
+        "memray": folder,
+        "hosts": args.hosts,
+    }
     if args.hosts == 1:
-        done = subprocess.run([sys.executable, "-m", "benchmarks.lib.memory_job", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.lib.memory_job", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{strategy}: the memory job failed: {done.stderr[-800:]}")
         ranks = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])["ranks"]

@@ -77,10 +77,16 @@ def _wrap(owner: Any, name: str, label: str, after: Callable[..., None] | None =
 
 def _note_launch(args: tuple, start: float, took: float) -> None:
     bucket = args[0]
-    CLOCK.buckets.append({
-        "key": bucket.key, "owner": bucket.owner, "numel": bucket.numel, "params": len(bucket.params),
-        "launch_ms": (start - CLOCK.backward_start) * 1e3, "launch_cost_ms": took * 1e3,
-    })  # fmt: skip
+    CLOCK.buckets.append(
+        {
+            "key": bucket.key,
+            "owner": bucket.owner,
+            "numel": bucket.numel,
+            "params": len(bucket.params),
+            "launch_ms": (start - CLOCK.backward_start) * 1e3,
+            "launch_cost_ms": took * 1e3,
+        }
+    )
 
 
 def _note_finish(args: tuple, start: float, took: float) -> None:
@@ -207,8 +213,11 @@ def summarise(per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
         calls[strategy] = dict(rounds[0][-1]["calls"])
     ddp = table.get("ddp", {}).get("wall:total")
     ratios = {s: t["wall:total"] / ddp for s, t in table.items()} if ddp else {}
-    last_buckets = {s: [next(r for r in reversed(records) if r["strategy"] == s)["buckets"] for records in per_rank]
-                    for s in strategies if s.startswith("sharded")}  # fmt: skip
+    last_buckets = {
+        s: [next(r for r in reversed(records) if r["strategy"] == s)["buckets"] for records in per_rank]
+        for s in strategies
+        if s.startswith("sharded")
+    }
     return {"ms_per_step": table, "calls_per_step": calls, "ratio_to_ddp": ratios, "buckets": last_buckets}
 
 

@@ -227,16 +227,23 @@ def _show_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) ->
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ddpkit", description="Data-parallel training that costs less memory and network than DDP.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-    )  # fmt: skip
+        prog="ddpkit",
+        description="Data-parallel training that costs less memory and network than DDP.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     # allow_abbrev=False everywhere: `--nproc 4` must not silently become --nproc-per-node 4
     train = sub.add_parser(
-        "train", help="train a model data-parallel", argument_default=argparse.SUPPRESS, allow_abbrev=False,
-        epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "train",
+        help="train a model data-parallel",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+        epilog=TRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_training_flags(train)
     _add_placement_flags(train)
     _add_fault_tolerance_flags(train)

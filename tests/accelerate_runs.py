@@ -105,9 +105,18 @@ def run(mode: str, out: Path) -> None:
     again = _setup(resumed, mode)
     resumed.load_state(str(out / f"{mode}-ckpt"))
     resumed_losses = _train(resumed, mode, again, rest, 4)
-    record = {"losses": losses, "params": final, "resumed_losses": resumed_losses, "resumed": _params(again[0]),
-              "state_bytes": held, "model": type(parts[0]).__name__, "saved": saved, "reloaded": reloaded,
-              "reloaded_losses": reloaded_losses, "whole_state_here": whole_state_here}  # fmt: skip
+    record = {
+        "losses": losses,
+        "params": final,
+        "resumed_losses": resumed_losses,
+        "resumed": _params(again[0]),
+        "state_bytes": held,
+        "model": type(parts[0]).__name__,
+        "saved": saved,
+        "reloaded": reloaded,
+        "reloaded_losses": reloaded_losses,
+        "whole_state_here": whole_state_here,
+    }
     (out / f"{mode}.rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
@@ -127,8 +136,13 @@ def run_scaled(mode: str, out: Path) -> None:
     owned = [p for p in module.parameters() if probe.owner_of(p) == 0]
     spike = owned[-1] if accelerator.process_index == 0 else None
     losses = _train(accelerator, mode, parts, list(parts[2]), 6, clip=None, spike=spike)
-    record = {"losses": losses, "params": _params(parts[0]), "scale": float(accelerator.scaler.get_scale()),
-              "scaler": type(accelerator.scaler).__name__, "spiked_numel": owned[-1].numel()}  # fmt: skip
+    record = {
+        "losses": losses,
+        "params": _params(parts[0]),
+        "scale": float(accelerator.scaler.get_scale()),
+        "scaler": type(accelerator.scaler).__name__,
+        "spiked_numel": owned[-1].numel(),
+    }
     (out / f"{mode}-scaled.rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
@@ -147,8 +161,13 @@ def run_documented(out: Path) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3)
     loader = DataLoader(_data(), batch_size=16)
-    namespace = {"model": model, "optimizer": optimizer, "loss_fn": F.cross_entropy, "loader": loader,
-                 "scheduler": scheduler}  # fmt: skip
+    namespace = {
+        "model": model,
+        "optimizer": optimizer,
+        "loss_fn": F.cross_entropy,
+        "loader": loader,
+        "scheduler": scheduler,
+    }
     previous = os.getcwd()
     os.chdir(out)
     try:

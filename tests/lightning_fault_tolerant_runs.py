@@ -69,8 +69,15 @@ class Watch:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int, epoch: int, module: torch.nn.Module) -> None:
-        self.steps.append({"step": step, "epoch": epoch, "digest": digest(module), "forming": self.manager.forming,
-                           "batch": self.batch})  # fmt: skip
+        self.steps.append(
+            {
+                "step": step,
+                "epoch": epoch,
+                "digest": digest(module),
+                "forming": self.manager.forming,
+                "batch": self.batch,
+            }
+        )
         if self.args.wait_for_joiner is None or step < self.args.wait_for_joiner:
             return
         started = Path(self.args.out, "joiner-started")
@@ -81,8 +88,9 @@ class Watch:
 
     def write(self, mode: str, module: torch.nn.Module) -> None:
         flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist()
-        events = [{"step": e.step, "joined": e.joined, "left": e.left, "committed": e.committed}
-                  for e in self.manager.events]  # fmt: skip
+        events = [
+            {"step": e.step, "joined": e.joined, "left": e.left, "committed": e.committed} for e in self.manager.events
+        ]
         record = {"steps": self.steps, "params": flat, "events": events, "rejoined": self.manager.rejoined}
         Path(self.args.out, f"{mode}.rank{self.args.rank}.json").write_text(json.dumps(record))
 
@@ -108,9 +116,18 @@ def loader(args: argparse.Namespace) -> DataLoader:
 
 def run_trainer(args: argparse.Namespace, manager: Manager, watch: Watch) -> torch.nn.Module:
     model = SGDNet()
-    trainer = L.Trainer(strategy=DDPKitFaultTolerantStrategy(manager), accelerator="cpu", devices=1,
-                        max_steps=STEPS, callbacks=[_Callbacks(watch)], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+    trainer = L.Trainer(
+        strategy=DDPKitFaultTolerantStrategy(manager),
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        callbacks=[_Callbacks(watch)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, loader(args))
     return model
 
@@ -150,8 +167,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=120))
-    manager = Manager(store, args.rank, args.max_world, min_replicas=1, quorum_timeout=4.0, start_timeout=120.0,
-                      settings={"lr": 0.1, "mode": args.mode}, report=print)  # fmt: skip
+    manager = Manager(
+        store,
+        args.rank,
+        args.max_world,
+        min_replicas=1,
+        quorum_timeout=4.0,
+        start_timeout=120.0,
+        settings={"lr": 0.1, "mode": args.mode},
+        report=print,
+    )
     if manager.under_way():
         Path(args.out, "joiner-started").touch()
     watch = Watch(args, manager)

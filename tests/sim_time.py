@@ -116,9 +116,12 @@ class SimStore(dist.Store):
     """torch's Store API on a dict shared by every connection (`clone`), waiting on `time` (module doc)."""
 
     def __init__(
-        self, time: VirtualTime, data: dict[str, bytes] | None = None, shared: dict | None = None,
+        self,
+        time: VirtualTime,
+        data: dict[str, bytes] | None = None,
+        shared: dict | None = None,
         machine: dict | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.time = time
         self.data = data if data is not None else {}

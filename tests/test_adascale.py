@@ -97,8 +97,12 @@ def _linear_step(micro_grads, opt_kwargs=None, is_scaled_loss=True, lr=0.1):
     n = len(micro_grads)
     layer = nn.Linear(len(micro_grads[0]), 1, bias=False)
     nn.init.zeros_(layer.weight)
-    opt = AdaScale(torch.optim.SGD(layer.parameters(), lr=lr), num_gradients_to_accumulate=n,
-                   is_scaled_loss=is_scaled_loss, **(opt_kwargs or {}))  # fmt: skip
+    opt = AdaScale(
+        torch.optim.SGD(layer.parameters(), lr=lr),
+        num_gradients_to_accumulate=n,
+        is_scaled_loss=is_scaled_loss,
+        **(opt_kwargs or {}),
+    )
     for g in micro_grads:
         loss = (layer.weight @ torch.tensor(g)).sum()
         (loss / n if is_scaled_loss else loss).backward()
@@ -341,8 +345,9 @@ def test_clear_errors():
 
 def test_wrapper_passes_each_option_to_its_place():
     model = _toy()
-    opt = AdaScaleWrapper(_groups(model), num_gradients_to_accumulate=3, debias_ewma=False, smoothing=0.25,
-                          scale=5, momentum=0.5, lr=0.2)  # fmt: skip
+    opt = AdaScaleWrapper(
+        _groups(model), num_gradients_to_accumulate=3, debias_ewma=False, smoothing=0.25, scale=5, momentum=0.5, lr=0.2
+    )
     assert isinstance(opt.optimizer, torch.optim.SGD) and opt.param_groups is opt.optimizer.param_groups
     assert opt.param_groups[0]["momentum"] == 0.5 and opt.param_groups[0]["lr"] == 0.2
     assert opt.param_groups[1]["lr"] == BIAS_LR
@@ -545,8 +550,13 @@ def _wrapper_in_oss_owning_nothing(rank, world):
         gains.append(oss.optim.gain())
     # an OSS over a pair of ranks: its AdaScale follows the OSS's group (world size 2, scale 2 x 2), not the 4 ranks
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    paired = OSS(nn.Linear(6, 3).parameters(), optim=AdaScaleWrapper, group=pairs[rank // 2], lr=LR,
-                 num_gradients_to_accumulate=2)  # fmt: skip
+    paired = OSS(
+        nn.Linear(6, 3).parameters(),
+        optim=AdaScaleWrapper,
+        group=pairs[rank // 2],
+        lr=LR,
+        num_gradients_to_accumulate=2,
+    )
     pair = (paired.optim.world_size, paired.optim.scale)
     return [p.detach().clone() for p in model.parameters()], gains, oss.optim._meter.watching, pair
 
@@ -714,9 +724,12 @@ def _run_hand_case(rank, world, n, is_scaled_loss, debias, smoothing, scale):
     wrapped = DDP(model) if world > 1 else model
     opt = AdaScale(
         torch.optim.SGD([{"params": [model.w1]}, {"params": [model.w2]}], lr=_HAND_LR),
-        num_gradients_to_accumulate=n, is_scaled_loss=is_scaled_loss, debias_ewma=debias,
-        smoothing=smoothing, scale=scale,
-    )  # fmt: skip
+        num_gradients_to_accumulate=n,
+        is_scaled_loss=is_scaled_loss,
+        debias_ewma=debias,
+        smoothing=smoothing,
+        scale=scale,
+    )
     after_backward, after_step = [], []
     for step in range(_HAND_STEPS):
         opt.zero_grad()
@@ -740,9 +753,14 @@ def _check_hand_case(world, case, result):
     n, is_scaled_loss, debias, smoothing, scale = case
     cn = world * n
     expected = _hand_gains(
-        world, n, _HAND_STEPS, is_scaled_loss, debias,
-        max(1 - cn / 1000, 0) if smoothing is None else smoothing, cn if scale is None else scale,
-    )  # fmt: skip
+        world,
+        n,
+        _HAND_STEPS,
+        is_scaled_loss,
+        debias,
+        max(1 - cn / 1000, 0) if smoothing is None else smoothing,
+        cn if scale is None else scale,
+    )
     after_backward, after_step, weights = result
     previous, weight = (1.0, 1.0, 1.0), torch.zeros(5, dtype=torch.float64)
     for step, (g0, g1, g, mean) in enumerate(expected):
@@ -806,10 +824,13 @@ def test_loads_a_fairscale_checkpoint_with_its_estimates():
     nn.init.zeros_(layer.weight)
     saved = torch.optim.SGD(layer.parameters(), lr=0.1).state_dict()
     saved["state"]["adascale"] = {
-        "grad_var_avg": np.array([4.0]), "grad_sqr_avg": np.array([3.0]),
-        "grad_var_avg_biased": np.array([3.0]), "grad_var_avg_unbias": np.array([0.75]),
-        "grad_sqr_avg_biased": np.array([2.25]), "grad_sqr_avg_unbias": np.array([0.75]),
-    }  # fmt: skip
+        "grad_var_avg": np.array([4.0]),
+        "grad_sqr_avg": np.array([3.0]),
+        "grad_var_avg_biased": np.array([3.0]),
+        "grad_var_avg_unbias": np.array([0.75]),
+        "grad_sqr_avg_biased": np.array([2.25]),
+        "grad_sqr_avg_unbias": np.array([0.75]),
+    }
     opt = AdaScale(torch.optim.SGD(layer.parameters(), lr=0.1), num_gradients_to_accumulate=2, smoothing=0.5)
     opt.load_state_dict(saved)
     assert "adascale" not in opt.optimizer.state and opt.gain() == pytest.approx(7 / (4 / 2 + 3), rel=1e-12)

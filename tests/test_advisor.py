@@ -112,8 +112,10 @@ def test_the_recommendation_follows_from_the_table_it_prints():
     assert advice.strategy == "ddp"
     assert "; ddp: 2257.5 ms per step measured here, 1.50x the fastest (oss, 1506.0 ms)" in advice.reason
     # the fastest among equals on memory and state
-    tie = [_result("ddp", 20.0, 0, 0, 600, optimizer_state_bytes_per_rank=1e6),
-           _result("sharded", 19.5, 0, 0, 600, optimizer_state_bytes_per_rank=1e6)]  # fmt: skip
+    tie = [
+        _result("ddp", 20.0, 0, 0, 600, optimizer_state_bytes_per_rank=1e6),
+        _result("sharded", 19.5, 0, 0, 600, optimizer_state_bytes_per_rank=1e6),
+    ]
     assert advise(tie, None).strategy == "sharded" and advise(tie[::-1], None).strategy == "sharded"
 
 
@@ -204,10 +206,17 @@ def test_plots(tmp_path):
     assert smooth([0.0, 10.0], 0.5) == pytest.approx([0.0, 10.0 * 0.5 / 0.75])
     assert smoothing_weight(60) == pytest.approx(1 - 10 / 60) and smoothing_weight(10**6) == 0.98
     results = [
-        {**_result(name, 10.0, 1e6, 2, 300), "sent_bytes_per_step": 1e6, "shared_memory_bytes_per_step": shared,
-         "optimizer_state_bytes_per_rank": 4e6, "parameters": 1e6, "workload": "gpt on text", "world_size": 2}
+        {
+            **_result(name, 10.0, 1e6, 2, 300),
+            "sent_bytes_per_step": 1e6,
+            "shared_memory_bytes_per_step": shared,
+            "optimizer_state_bytes_per_rank": 4e6,
+            "parameters": 1e6,
+            "workload": "gpt on text",
+            "world_size": 2,
+        }
         for name, shared in (("ddp", 0.0), ("sharded", 5e5))
-    ]  # fmt: skip
+    ]
     plot_bench(results, str(tmp_path / "bench.png"), link_from_mbit(100))
     summary = {"strategy": "ddp", "world_size": 2, "workload": "gpt on text", "title": "adam lr 0.001", "steps": 3}
     assert run_title(summary) == "ddp on 2 processes, gpt on text, adam lr 0.001, 3 steps"

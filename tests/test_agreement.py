@@ -104,8 +104,9 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
     before = _my_segments()
     for option, mine, theirs in SDP_OPTIONS:
         model = _mlp(8)
-        seen[f"sdp_{option}"] = _error(ShardedDataParallel, model, OSS(model.parameters(), lr=0.1),
-                                       **{option: theirs if other else mine})  # fmt: skip
+        seen[f"sdp_{option}"] = _error(
+            ShardedDataParallel, model, OSS(model.parameters(), lr=0.1), **{option: theirs if other else mine}
+        )
     seen["sdp_options_no_segment_left"] = repr(_my_segments() <= before)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one node: "nothing to average between nodes"
@@ -129,8 +130,9 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
         warnings.simplefilter("always")
         seen["oss_rank_kwarg"] = _error(OSS, _mlp(8).parameters(), optim=_SGDWithRank, lr=0.1, rank=rank)
     seen["oss_rank_kwarg_warning"] = " | ".join(str(w.message) for w in caught)
-    seen["oss_rank_kwarg_lr"] = _error(OSS, _mlp(8).parameters(), optim=_SGDWithRank, lr=0.2 if other else 0.1,
-                                       rank=rank)  # fmt: skip
+    seen["oss_rank_kwarg_lr"] = _error(
+        OSS, _mlp(8).parameters(), optim=_SGDWithRank, lr=0.2 if other else 0.1, rank=rank
+    )
     # ... but a hyper-parameter torch's SGD takes, set per group, must agree
     momentum = [{"params": list(_mlp(8).parameters()), "momentum": 0.9 if other else 0.0}]
     seen["oss_group_momentum"] = _error(OSS, momentum, optim=torch.optim.SGD, lr=0.1)
@@ -214,7 +216,9 @@ def test_sharded_data_parallel_options_that_differ_are_refused_on_every_rank_nam
         for option, mine, theirs in SDP_OPTIONS:
             message = seen[f"sdp_{option}"]
             assert message.startswith(f"ShardedDataParallel: ranks disagree (seen from rank {rank}): {option}: "), (
-                option, message)  # fmt: skip
+                option,
+                message,
+            )
             assert f"{mine} on rank 0; {theirs} on rank 1" in message, message
         assert seen["sdp_options_no_segment_left"] == "True"
 

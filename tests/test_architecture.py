@@ -197,8 +197,23 @@ def test_measuring_and_workloads_load_without_the_trainer():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-COLLECTIVES = {"all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv", "all_gather", "barrier",
-               "all_to_all", "all_to_all_single", "gather", "scatter", "reduce_scatter", "new_group"}  # fmt: skip
+COLLECTIVES = {
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_gather",
+    "barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "new_group",
+}
 
 
 def test_only_the_transport_layer_issues_collectives():

@@ -120,8 +120,12 @@ def test_every_benchmark_quick_writes_its_result_file(tmp_path):
     began = time.time()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=QUICK_ALL_SECONDS,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=QUICK_ALL_SECONDS,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     skipped_link = netns_unavailable()
     from benchmarks.lib import cgroup
@@ -153,8 +157,12 @@ def test_every_benchmark_quick_writes_its_result_file(tmp_path):
         assert hosts["sharded"]["bytes_x_ddp"] < 0.8, hosts
     redraw = subprocess.run(
         [sys.executable, "-m", "benchmarks", "sharding", "--plot-only", "--out", str(tmp_path)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert redraw.returncode == 0 and "world size 2" in redraw.stdout, redraw.stderr
 
 

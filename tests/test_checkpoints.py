@@ -24,8 +24,16 @@ from ddpkit.train.checkpoints import checkpoint_files as files
 from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
 from ddpkit.train.workloads.sampler import ResumableSampler
 
-SETTINGS = {"strategy": "oss", "world_size": 2, "optimizer": "adam", "adascale": False, "amp": "off", "lr": 0.01,
-            "momentum": None, "weight_decay": 0.0}  # fmt: skip
+SETTINGS = {
+    "strategy": "oss",
+    "world_size": 2,
+    "optimizer": "adam",
+    "adascale": False,
+    "amp": "off",
+    "lr": 0.01,
+    "momentum": None,
+    "weight_decay": 0.0,
+}
 
 
 def commit(out, step, payload):
@@ -243,8 +251,12 @@ def test_resume_refusals_and_a_corrupt_file_are_clear_errors(tmp_path):
     out = tmp_path / "out"
     commit(out, 10, {"x": torch.zeros(1)})
     started = time.monotonic()
-    result = run([*DDPKIT, "train", *TRAIN, "--strategy", "oss", "--optimizer", "sgd", "--resume", "--out", out],
-                 120, tmp_path, "sgd")  # fmt: skip
+    result = run(
+        [*DDPKIT, "train", *TRAIN, "--strategy", "oss", "--optimizer", "sgd", "--resume", "--out", out],
+        120,
+        tmp_path,
+        "sgd",
+    )
     assert result.returncode == 1 and "its state cannot drive --optimizer sgd" in result.stderr, str(result)
     assert "Traceback" not in result.stderr
     # a corrupt file in the newest committed checkpoint (a torn newer folder is ignored): every rank stops
@@ -274,8 +286,24 @@ def test_a_real_full_disk_fails_naming_the_path_and_keeps_the_last_checkpoint(tm
     _mount_tmpfs(disk, "4m")
     try:
         out = disk / "out"
-        job = procs([*DDPKIT, "train", *TRAIN, "--epochs", "1000", "--checkpoint-every", "5", "--hidden", "32",
-                     "--depth", "1", "--out", out], "full")  # fmt: skip
+        job = procs(
+            [
+                *DDPKIT,
+                "train",
+                *TRAIN,
+                "--epochs",
+                "1000",
+                "--checkpoint-every",
+                "5",
+                "--hidden",
+                "32",
+                "--depth",
+                "1",
+                "--out",
+                out,
+            ],
+            "full",
+        )
         wait_for(out / "checkpoint" / "step-*" / "COMMIT.json", [job])
         with open(disk / "filler", "wb", buffering=0) as f:  # (unbuffered: nothing left for close to write)
             try:
@@ -326,8 +354,10 @@ def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replic
     summary = json.loads((out / "metrics.json").read_text())["summary"]
     assert summary["parameter_digests"] == [parameter_digest(model)]  # 0 steps on 1 rank: the mean, exactly
     mean = mean_state([s["optimizer"] for s in saved])
-    assert torch.equal(mean["state"][0]["exp_avg"], (saved[0]["optimizer"]["state"][0]["exp_avg"] +
-                                                    saved[1]["optimizer"]["state"][0]["exp_avg"]) / 2)  # fmt: skip
+    assert torch.equal(
+        mean["state"][0]["exp_avg"],
+        (saved[0]["optimizer"]["state"][0]["exp_avg"] + saved[1]["optimizer"]["state"][0]["exp_avg"]) / 2,
+    )
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tmp_path):

@@ -124,13 +124,18 @@ def test_slow_link_flags_reach_slowmo_and_the_metrics():
     ]
     cfg = config_from(flags)
     assert slow_link_arguments(cfg) == {
-        "slowmo_compression": "int4", "slowmo_compression_block": 32, "slowmo_error_feedback": True,
-        "slowmo_fragments": 4, "slowmo_sync_delay": 1, "slowmo_merge_alpha": 0.25,
-    }  # fmt: skip
+        "slowmo_compression": "int4",
+        "slowmo_compression_block": 32,
+        "slowmo_error_feedback": True,
+        "slowmo_fragments": 4,
+        "slowmo_sync_delay": 1,
+        "slowmo_merge_alpha": 0.25,
+    }
     assert cfg.slowmo_nesterov
     defaults = slow_link_arguments(config_from(SLOW))
-    assert defaults == {k: v.default for k, v in inspect.signature(SlowMoDistributedDataParallel).parameters.items()
-                        if k in defaults}  # fmt: skip
+    assert defaults == {
+        k: v.default for k, v in inspect.signature(SlowMoDistributedDataParallel).parameters.items() if k in defaults
+    }
 
 
 def test_bench_passes_the_slow_link_flags_to_its_slowmo_run():
@@ -288,13 +293,20 @@ def _help_entries(text: str) -> dict[str, str]:
 def test_help_shows_every_default():
     result = subprocess.run(
         [sys.executable, "-m", "ddpkit", "train", "--help"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     entries = _help_entries(result.stdout)
-    options = {o for a in cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions  # type: ignore[union-attr]
-               for o in a.option_strings[:1] if o != "-h"}  # fmt: skip
+    options = {
+        o
+        for a in cli.build_parser()._subparsers._group_actions[0].choices["train"]._actions  # type: ignore[union-attr]
+        for o in a.option_strings[:1]
+        if o != "-h"
+    }
     assert options <= set(entries) and len(options) > 35
     for option in options:
         assert "(default: " in entries[option], entries[option]
@@ -382,8 +394,10 @@ def test_every_example_in_train_help_is_a_valid_command():
     commands = [part.split() for line in lines for part in line.split("&&") if "ddpkit train" in part]
     assert len(commands) >= 10
     for words in commands:
-        flags = [w.replace("HOST0", "10.0.0.1").replace("K", "0") if w in ("HOST0", "K") else w
-                 for w in words[words.index("train") + 1 :]]  # fmt: skip
+        flags = [
+            w.replace("HOST0", "10.0.0.1").replace("K", "0") if w in ("HOST0", "K") else w
+            for w in words[words.index("train") + 1 :]
+        ]
         if "mypkg.models:build" in flags:
             continue
         if "--resume" in flags:  # (the line after a run that wrote the checkpoint)

@@ -66,8 +66,12 @@ def namespace(rank: int, store_port: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,), generator=generator)
     dataset = torch.utils.data.TensorDataset(x, y)
-    names = {name: getattr(module, name) for module in (ddpkit.optim, ddpkit.nn, ddpkit.fault_tolerance, ddpkit.train)
-             for name in getattr(module, "__all__", dir(module)) if not name.startswith("_")}  # fmt: skip
+    names = {
+        name: getattr(module, name)
+        for module in (ddpkit.optim, ddpkit.nn, ddpkit.fault_tolerance, ddpkit.train)
+        for name in getattr(module, "__all__", dir(module))
+        if not name.startswith("_")
+    }
     names.update(
         torch=torch,
         nn=nn,

@@ -240,8 +240,13 @@ def test_max_steps_stops_mid_epoch_and_ends_that_epoch():
     train, held = regression_data()
     module = nn.Linear(4, 1)
     recorder = MetricsRecorder(DataLoader(held, batch_size=30))
-    trainer = Trainer(module, torch.optim.SGD(module.parameters(), lr=0.05), DataLoader(train, batch_size=60),
-                      F.l1_loss, callbacks=[recorder])  # fmt: skip
+    trainer = Trainer(
+        module,
+        torch.optim.SGD(module.parameters(), lr=0.05),
+        DataLoader(train, batch_size=60),
+        F.l1_loss,
+        callbacks=[recorder],
+    )
     trainer.fit(epochs=3, max_steps=6)  # 4 steps per epoch: epoch 0 whole, epoch 1 cut after 2 steps
     assert trainer.state.step == 6 and trainer.state.epoch == 1 and len(recorder.steps) == 6
     assert trainer.state.epoch_samples == 120  # epoch 1 keeps its place: a resumed run trains its other half

@@ -189,8 +189,9 @@ def test_the_docs_one_machine_etcd_commands_run_as_written(tmp_path, procs):  # 
     store = EtcdStore(f"etcd://127.0.0.1:{ports['2379']},127.0.0.1:{ports['22379']}/try-1", timeout=30)
     store.set("ready", "1")  # the cluster elected a leader
     store.delete_key("ready")
-    machines = [procs([*DDPKIT, *local(command(line, page))[1:]], f"n{k}", env=ENV)
-                for k, line in enumerate(ONE_MACHINE_TRAIN)]  # fmt: skip
+    machines = [
+        procs([*DDPKIT, *local(command(line, page))[1:]], f"n{k}", env=ENV) for k, line in enumerate(ONE_MACHINE_TRAIN)
+    ]
     for machine in machines:
         result = machine.wait(180)
         assert result.returncode == 0, result

@@ -38,9 +38,22 @@ RUN += ["--no-progress", "--quorum-timeout", "2", "--timeout", "60", "--eval-eve
 MODES = {
     "ddp": ["--strategy", "ddp", "--optimizer", "sgd", "--lr", "0.05"],
     # the DiLoCo family: local SGD, an outer Nesterov step on the averaged pseudo-gradient every 10 steps
-    "slowmo": ["--strategy", "slowmo", "--optimizer", "sgd", "--lr", "0.05", "--localsgd-frequency", "10",
-               "--slowmo-frequency", "10", "--slowmo-momentum", "0.5", "--slowmo-nesterov"],
-}  # fmt: skip
+    "slowmo": [
+        "--strategy",
+        "slowmo",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--localsgd-frequency",
+        "10",
+        "--slowmo-frequency",
+        "10",
+        "--slowmo-momentum",
+        "0.5",
+        "--slowmo-nesterov",
+    ],
+}
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -134,8 +147,10 @@ def _run_all(procs, hosts, out: Path, flags: list[str], *, kill: int | None = No
     env = {**ENV, "DDPKIT_TEST_HOLD_FILE": str(hold)}
     started = [_host(procs, hosts, k, out / f"h{k}", flags, f"{out.name}-h{k}", env) for k in range(4)]
     if kill is not None:
-        store = _in_namespace(hosts.namespaces[0], lambda: dist.TCPStore(
-            hosts.addresses[0], PORT, is_master=False, timeout=timedelta(seconds=120)))  # fmt: skip
+        store = _in_namespace(
+            hosts.namespaces[0],
+            lambda: dist.TCPStore(hosts.addresses[0], PORT, is_master=False, timeout=timedelta(seconds=120)),
+        )
         target = STEPS // 4 if flags[1] == "ddp" else STEPS // 40  # rounds: per step, or per outer sync of 10
         _wait_for_round(store, target, 180)
         _kill_host(hosts, kill)
@@ -177,9 +192,11 @@ def test_a_lost_host_of_four_costs_seconds_and_comes_back_bit_identical(tmp_path
     outer_period = reference["training_seconds"] / (STEPS / 10) if mode == "slowmo" else 0.0
     assert lost_seconds <= 10 + 5 * len(failed_joins) + outer_period, events
     assert summary["final_members"] == [0, 1, 2, 3] and summary["replicas_equal"], summary["parameter_digests"]
-    print(f"{mode}: lost {lost_seconds:.2f} s; held-out loss {summary['test_loss']:.4f} against the uninterrupted "
-          f"run's {reference['test_loss']:.4f}; training {summary['training_seconds']:.1f} s against "
-          f"{reference['training_seconds']:.1f} s")  # fmt: skip
+    print(
+        f"{mode}: lost {lost_seconds:.2f} s; held-out loss {summary['test_loss']:.4f} against the uninterrupted "
+        f"run's {reference['test_loss']:.4f}; training {summary['training_seconds']:.1f} s against "
+        f"{reference['training_seconds']:.1f} s"
+    )
     # the goal's 2% holds for DDP here (0.6% measured); local SGD with an outer Nesterov step moved further
     # (-9% and +8.5% in two runs) on this small run, whose seed-to-seed spread is 0.055-0.12: held to 15%
     assert summary["test_loss"] == pytest.approx(reference["test_loss"], rel=0.02 if mode == "ddp" else 0.15)

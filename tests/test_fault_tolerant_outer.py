@@ -69,8 +69,13 @@ def _held(sync: FaultTolerantSync, flat: torch.Tensor) -> dict[str, torch.Tensor
     assert sync.pseudo is not None and sync.slow is not None
     outer = sync.pseudo.outer
     assert outer.residual is not None and sync.slow.x0 is not None and sync.slow.u is not None
-    return {"params": flat.clone(), "synced": outer.synced.clone(), "residual": outer.residual.clone(),
-            "x0": sync.slow.x0.clone(), "u": sync.slow.u.clone()}  # fmt: skip
+    return {
+        "params": flat.clone(),
+        "synced": outer.synced.clone(),
+        "residual": outer.residual.clone(),
+        "x0": sync.slow.x0.clone(),
+        "u": sync.slow.u.clone(),
+    }
 
 
 def _rank(store: Any, rank: int, fail_round: int, out: dict) -> None:

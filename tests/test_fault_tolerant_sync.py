@@ -60,8 +60,16 @@ def _scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # grows every 2 good steps
 
 
-def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, out: dict, overlap: bool,
-          scaled: bool = False, gossip: GossipSchedule | None = None) -> None:  # fmt: skip
+def _rank(
+    store: Any,
+    rank: int,
+    outer: OuterSchedule | None,
+    fail_round: int,
+    out: dict,
+    overlap: bool,
+    scaled: bool = False,
+    gossip: GossipSchedule | None = None,
+) -> None:
     model = _model(rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     manager = Manager(store, rank, 2, quorum_timeout=1.0, start_timeout=20, report=None)
@@ -69,8 +77,17 @@ def _rank(store: Any, rank: int, outer: OuterSchedule | None, fail_round: int, o
         for name in ("collective", "average_gradients"):
             _fail_after(manager, name, fail_round)
     scaler = _scaler() if scaled else None
-    sync = FaultTolerantSync(manager, model, optimizer, _Recorder(), STEPS, outer, gossip, overlap=overlap,  # type: ignore[arg-type]
-                             scaler=scaler)  # fmt: skip
+    sync = FaultTolerantSync(
+        manager,
+        model,
+        optimizer,
+        _Recorder(),
+        STEPS,
+        outer,
+        gossip,
+        overlap=overlap,  # type: ignore[arg-type]
+        scaler=scaler,
+    )
     loader = DataLoader(TensorDataset(*_data(rank, scaled)), batch_size=BATCH, shuffle=False)
     trainer = Trainer(model, optimizer, loader, scaler=scaler, callbacks=[sync])
     trainer.fit(epochs=1)
@@ -91,11 +108,18 @@ def _fail_after(manager: Manager, name: str, fail_round: int) -> None:
     setattr(manager, name, failing)
 
 
-def _train(outer: OuterSchedule | None, fail_round: int, overlap: bool = True, scaled: bool = False,
-           gossip: GossipSchedule | None = None) -> dict:  # fmt: skip
+def _train(
+    outer: OuterSchedule | None,
+    fail_round: int,
+    overlap: bool = True,
+    scaled: bool = False,
+    gossip: GossipSchedule | None = None,
+) -> dict:
     store, out = dist.HashStore(), {}
-    threads = [threading.Thread(target=_rank, args=(store, r, outer, fail_round, out, overlap, scaled, gossip),
-                                daemon=True) for r in (0, 1)]  # fmt: skip
+    threads = [
+        threading.Thread(target=_rank, args=(store, r, outer, fail_round, out, overlap, scaled, gossip), daemon=True)
+        for r in (0, 1)
+    ]
     for t in threads:
         t.start()
     for t in threads:

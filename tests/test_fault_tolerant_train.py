@@ -78,8 +78,11 @@ def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_compressed_diloco_
     runs["ddp-fp16"] = ["--strategy", "ddp", "--lr", "0.01", "--amp", "fp16"]  # torch's loss scaler on each rank
     for name, flags in runs.items():
         plain = procs([*DDPKIT, "train", *flags, *SHORT, "--out", tmp_path / name], name, env=ENV)
-        ft = procs([*DDPKIT, "train", "--fault-tolerant", *flags, *SHORT, "--out", tmp_path / f"{name}-ft"],
-                   f"{name}-ft", env=ENV)  # fmt: skip
+        ft = procs(
+            [*DDPKIT, "train", "--fault-tolerant", *flags, *SHORT, "--out", tmp_path / f"{name}-ft"],
+            f"{name}-ft",
+            env=ENV,
+        )
         for proc in (plain, ft):
             result = proc.wait(180)
             assert result.returncode == 0, result
@@ -98,8 +101,11 @@ def test_without_failures_it_trains_exactly_as_ddp_slowmo_sgp_compressed_diloco_
     # checkpoints: 20 steps saving every 10, then --resume to 30 goes on exactly as the uninterrupted DDP run
     out = tmp_path / "ddp-resumed"
     for extra in (["--max-steps", "20", "--checkpoint-every", "10"], ["--resume"]):
-        result = procs([*DDPKIT, "train", "--fault-tolerant", *runs["ddp"], *SHORT, *extra, "--out", out],
-                       f"resume{len(extra)}", env=ENV).wait(180)  # fmt: skip
+        result = procs(
+            [*DDPKIT, "train", "--fault-tolerant", *runs["ddp"], *SHORT, *extra, "--out", out],
+            f"resume{len(extra)}",
+            env=ENV,
+        ).wait(180)
         assert result.returncode == 0, result
     assert "resuming from step 20" in result.stderr, result.stderr
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-00000010", "step-00000020"]
@@ -173,8 +179,10 @@ def test_ranks_that_disagree_are_refused_and_a_rank_that_never_starts_is_named(t
     so on stdout as it happens and record it)."""
     flags = ["--strategy", "slowmo", *SLOW_RUN, "--max-steps", "20"]
     port_a, port_b = free_port(), free_port()
-    a = [_node(procs, port_a, r, 2, tmp_path / f"a{r}", *flags, *(["--lr", "0.2"] if r else []), name=f"a{r}")
-         for r in range(2)]  # fmt: skip
+    a = [
+        _node(procs, port_a, r, 2, tmp_path / f"a{r}", *flags, *(["--lr", "0.2"] if r else []), name=f"a{r}")
+        for r in range(2)
+    ]
     # (--timeout also bounds how long rank 0 waits for rank 1 to start: room for a loaded machine)
     b = [_node(procs, port_b, r, 3, tmp_path / f"b{r}", *flags, "--timeout", "15", name=f"b{r}") for r in range(2)]
     for proc in a:
@@ -220,8 +228,10 @@ def test_under_torchrun_a_lost_worker_is_restarted_by_torchrun_and_rejoins(tmp_p
     torchrun += ["--max-restarts", "1", "-m", "ddpkit", "train", "--fault-tolerant", *flags]
     hold = tmp_path / "hold"  # (tests/ft_factories.py: training waits while it exists)
     env = {**ENV, "DDPKIT_TEST_HOLD_FILE": str(hold)}
-    agents = [procs([*torchrun, "--node-rank", str(k), "--out", tmp_path / f"m{k}"], f"torchrun{k}", env=env)
-              for k in range(2)]  # fmt: skip
+    agents = [
+        procs([*torchrun, "--node-rank", str(k), "--out", tmp_path / f"m{k}"], f"torchrun{k}", env=env)
+        for k in range(2)
+    ]
     store = _store(port)
     _wait_for_round(store, 40, 120)
     worker = _wait_for_worker(agents[1].popen.pid, None, 10)
@@ -373,8 +383,9 @@ def test_sharded_replicas_of_two_machines_train_as_plain_sharded_training(tmp_pa
     plain ``--strategy sharded --nproc-per-node 4`` (the same four data shards): the same step losses (float
     rounding apart: a mean of two means), the same held-out loss; each machine's processes hold one shard each."""
     port = free_port()
-    plain = procs([*DDPKIT, "train", *SHARDED, *SHORT, "--nproc-per-node", "4", "--out", tmp_path / "plain"],
-                  "plain", env=ENV)  # fmt: skip
+    plain = procs(
+        [*DDPKIT, "train", *SHARDED, *SHORT, "--nproc-per-node", "4", "--out", tmp_path / "plain"], "plain", env=ENV
+    )
     machines = [_machine(procs, port, n, tmp_path / f"m{n}", *SHARDED, *SHORT, name=f"m{n}") for n in range(2)]
     for proc in (plain, *machines):
         result = proc.wait(180)
@@ -487,8 +498,10 @@ def test_a_rank_of_another_job_at_the_same_address_is_refused_by_name(tmp_path):
     command = [*DDPKIT, "train", "--fault-tolerant", *where, "--master-port", str(port), *SHORT, "--job-id", "beta"]
     result = run(command, 60, tmp_path, "beta")
     assert result.returncode == 1, result
-    assert f"the store at 127.0.0.1:{port} belongs to job 'alpha', and this rank was started for job 'beta'" in \
-        result.stderr, result  # fmt: skip
+    assert (
+        f"the store at 127.0.0.1:{port} belongs to job 'alpha', and this rank was started for job 'beta'"
+        in result.stderr
+    ), result
     assert result.seconds < 30, result
     assert store.get(job_store.JOB_KEY) == b"alpha" and not store.check([job_store.PREFIX + "latest"])
 
@@ -508,9 +521,14 @@ def test_a_job_with_a_secret_trains_and_a_rank_without_it_or_with_another_is_ref
     _wait_for_round(SignedStore(_store(port), secret.encode()), 0, 120)  # (a reader with the secret)
     where = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
     command = [*DDPKIT, "train", "--fault-tolerant", *where, "--master-port", str(port), *SHORT]
-    for name, env, says in (("without", ENV, "belongs to a job with a secret, and this rank was started without one"),
-                            ("another", {**ENV, "DDPKIT_JOB_SECRET": "another secret of 32 bytes long"},
-                             "was written by a job with another secret, or without one")):  # fmt: skip
+    for name, env, says in (
+        ("without", ENV, "belongs to a job with a secret, and this rank was started without one"),
+        (
+            "another",
+            {**ENV, "DDPKIT_JOB_SECRET": "another secret of 32 bytes long"},
+            "was written by a job with another secret, or without one",
+        ),
+    ):
         result = procs([*command, "--out", tmp_path / name], name, env=env).wait(60)
         assert result.returncode == 1 and says in result.stderr, result
         assert "DDPKIT_JOB_SECRET" in result.stderr and result.seconds < 30, result

@@ -143,10 +143,20 @@ def _train_every_strategy(rank: int, world_size: int) -> dict[str, dict]:
     results = {}
     for name in STRATEGIES:
         cfg = TrainConfig(
-            strategy=name, model="gpt", data="text", gpt_layers=2, gpt_width=64, gpt_heads=2, context=64,
-            batch_size=16, lr=3e-3, max_steps=GPT_STEPS, progress=False, nproc_per_node=world_size,
+            strategy=name,
+            model="gpt",
+            data="text",
+            gpt_layers=2,
+            gpt_width=64,
+            gpt_heads=2,
+            context=64,
+            batch_size=16,
+            lr=3e-3,
+            max_steps=GPT_STEPS,
+            progress=False,
+            nproc_per_node=world_size,
             eval_every=0,  # one held-out evaluation, where the run stops (the default's 15 cost more than training)
-        )  # fmt: skip
+        )
         summary = train(cfg, Placement(rank, world_size, rank, "127.0.0.1", 0), "gloo")
         keep = ("heldout_bits_per_byte", "replicas_equal", "steps", "sent_bytes_per_step", "test_accuracy")
         results[name] = {k: summary[k] for k in keep}

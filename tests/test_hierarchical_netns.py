@@ -53,10 +53,12 @@ def test_a_lost_rank_during_hierarchical_training_ends_every_process_within_the_
     common = ["--nnodes", "2", "--master-addr", "10.78.0.1", "--master-port", str(free_port()), "--nproc-per-node", "2"]
     common += [*LONG_RUN, "--strategy", "sharded", "--timeout", str(TIMEOUT), "--checkpoint-every", "5"]
     jobs = [
-        procs(["ip", "netns", "exec", ns, *DDPKIT, "train", *common, "--node-rank", i, "--out", tmp_path / f"h{i}"],
-              f"host{i}")
+        procs(
+            ["ip", "netns", "exec", ns, *DDPKIT, "train", *common, "--node-rank", i, "--out", tmp_path / f"h{i}"],
+            f"host{i}",
+        )
         for i, ns in enumerate(two_hosts)
-    ]  # fmt: skip
+    ]
     wait_for(tmp_path / "h0" / "checkpoint" / "step-*" / "COMMIT.json", jobs)
     victims = workers(jobs[1])
     assert len(victims) == 2, victims

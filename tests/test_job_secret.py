@@ -61,8 +61,12 @@ def test_every_value_is_tagged_over_its_key_and_bytes_and_a_forged_moved_or_fore
     raw.set("moved", raw.get("a"))  # a genuine value replayed under another key
     SignedStore(raw, OTHER).set("foreign", "1")
     raw.append("list", "7,")  # a rank listed by someone without the secret
-    for key, why in (("forged", "has no tag"), ("moved", "has a wrong tag"), ("foreign", "has a wrong tag"),
-                     ("list", "has no tag")):  # fmt: skip
+    for key, why in (
+        ("forged", "has no tag"),
+        ("moved", "has a wrong tag"),
+        ("foreign", "has a wrong tag"),
+        ("list", "has no tag"),
+    ):
         with pytest.raises(UnsignedValue, match=f"the value of '{key}' in the job's store {why}: .* DDPKIT_JOB_SECRET"):
             store.get(key)
     with pytest.raises(UnsignedValue):
@@ -91,8 +95,9 @@ def test_a_sealed_message_is_refused_when_a_byte_its_context_or_the_secret_diffe
 def _round_0(stores: list, world: int) -> list:
     memberships = [Membership(s, r, world, quorum_timeout=5.0, start_timeout=20.0) for r, s in enumerate(stores)]
     quorums: list = [None] * world
-    threads = [threading.Thread(target=lambda r=r: quorums.__setitem__(r, memberships[r].quorum(0))) for r in
-               range(world)]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda r=r: quorums.__setitem__(r, memberships[r].quorum(0))) for r in range(world)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

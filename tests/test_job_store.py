@@ -121,8 +121,11 @@ def test_a_rank_of_another_job_is_refused_by_name_and_the_first_rank_names_an_un
     hosted = job_store.host(0, 10.0, "alpha")  # as node 0's launcher or `ddpkit store --job-id alpha` hosts it
     client = dist.TCPStore("127.0.0.1", hosted.port, is_master=False, timeout=timedelta(seconds=10))
     job_store.check_job(client, "alpha", "here:1")  # the job's own rank: goes on
-    with pytest.raises(LaunchError, match=r"the store at here:1 belongs to job 'alpha', and this rank was "
-                                          r"started for job 'beta' \(--job-id\)"):  # fmt: skip
+    with pytest.raises(
+        LaunchError,
+        match=r"the store at here:1 belongs to job 'alpha', and this rank was "
+        r"started for job 'beta' \(--job-id\)",
+    ):
         job_store.check_job(client, "beta", "here:1")
     with pytest.raises(LaunchError, match="belongs to job 'alpha', and this rank was started for an unnamed job"):
         job_store.check_job(client, None, "here:1")

@@ -49,8 +49,15 @@ def _run(args: list, cwd: Path | None = None, **env: str) -> subprocess.Complete
     included) that is killed whole after 280 s; fails the test with its output if it fails or times out."""
     path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
     environment = {**os.environ, "PYTHONPATH": path, **env}
-    process = subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=cwd, env=environment, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        [str(a) for a in args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=environment,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=280)
     except subprocess.TimeoutExpired:
@@ -93,8 +100,10 @@ def runs(request, tmp_path_factory):
     _train(out, world, names, resume)
     if world == 2:  # (written by its ddpkit_sharded:adam-save-after-1 run, read by its resumed runs only)
         _saved_by_two_processes["ddpkit_sharded"] = out / "ddpkit_sharded.ckpt"
-    return {name: [json.loads((out / f"{name.replace('/', '-')}.rank{r}.json").read_text()) for r in range(world)]
-            for name in names}  # fmt: skip
+    return {
+        name: [json.loads((out / f"{name.replace('/', '-')}.rank{r}.json").read_text()) for r in range(world)]
+        for name in names
+    }
 
 
 def _close(a: list[float], b: list[float], tol: float = 1e-6) -> float:
@@ -246,9 +255,15 @@ def test_options_the_strategy_would_drop_are_refused(name, kwargs, needle):
 
 @pytest.mark.parametrize(
     "name",
-    ["DDPKitShardedStrategy", "DDPKitOSSStrategy", "DDPKitSlowMoStrategy", "DDPKitFabricShardedStrategy",
-     "DDPKitFabricOSSStrategy", "DDPKitFabricSlowMoStrategy"],
-)  # fmt: skip
+    [
+        "DDPKitShardedStrategy",
+        "DDPKitOSSStrategy",
+        "DDPKitSlowMoStrategy",
+        "DDPKitFabricShardedStrategy",
+        "DDPKitFabricOSSStrategy",
+        "DDPKitFabricSlowMoStrategy",
+    ],
+)
 def test_every_strategy_with_its_precision_plugin_survives_pickling(name):
     """Lightning's spawn launcher pickles the strategy to each process: the plug-in ddpkit adjusts (global-norm
     clipping bound onto it) must come back working (issue 43: it died with 'Precision' object has no attribute
@@ -316,8 +331,11 @@ def test_fairscales_variant_names_have_ddpkit_counterparts():
     import ddpkit.integrations.lightning as integration
 
     for name in ("ddpkit_sharded", "ddpkit_oss"):
-        for suffix, spawn, unused in [("_spawn", True, None), ("_find_unused_parameters_false", False, False),
-                                      ("_spawn_find_unused_parameters_false", True, False)]:  # fmt: skip
+        for suffix, spawn, unused in [
+            ("_spawn", True, None),
+            ("_find_unused_parameters_false", False, False),
+            ("_spawn_find_unused_parameters_false", True, False),
+        ]:
             strategy = StrategyRegistry.get(name + suffix)
             assert type(strategy).strategy_name == name
             assert (strategy._start_method == "spawn") == spawn, (name, suffix)

@@ -93,8 +93,9 @@ def test_a_replica_killed_in_a_round_rejoins_and_ends_equal(tmp_path, mode):
     # restarted one resumed at the members' data position (the same epoch and batch of its share)
     for rank, record in ((0, first), (1, back)):
         batches = _batches(rank)
-        assert [s["batch"] for s in record["steps"]] == [batches[(s["step"] - 1) % len(batches)] for s in
-                                                         record["steps"]], (rank, record["steps"])  # fmt: skip
+        assert [s["batch"] for s in record["steps"]] == [
+            batches[(s["step"] - 1) % len(batches)] for s in record["steps"]
+        ], (rank, record["steps"])
 
 
 def test_the_strategies_refuse_what_they_cannot_do(tmp_path):
@@ -111,14 +112,22 @@ def test_the_strategies_refuse_what_they_cannot_do(tmp_path):
         with pytest.raises(TypeError, match=r"manager must be a ddpkit\.fault_tolerance\.Manager"):
             strategy(object())  # type: ignore[arg-type]
     data = DataLoader(TensorDataset(torch.randn(8, 16), torch.zeros(8, dtype=torch.long)), batch_size=4)
-    for options, message in (({"accumulate_grad_batches": 2}, "accumulate_grad_batches must be 1, got 2"),
-                             ({}, "manual optimization is not supported")):  # fmt: skip
+    for options, message in (
+        ({"accumulate_grad_batches": 2}, "accumulate_grad_batches must be 1, got 2"),
+        ({}, "manual optimization is not supported"),
+    ):
         model = SGDNet()
         model.automatic_optimization = "accumulate_grad_batches" in options
         manager = Manager(dist.HashStore(), 0, 1, report=None)
-        trainer = L.Trainer(strategy=DDPKitFaultTolerantStrategy(manager), max_steps=2, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
-                            **options)  # fmt: skip
+        trainer = L.Trainer(
+            strategy=DDPKitFaultTolerantStrategy(manager),
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+            **options,
+        )
         with pytest.raises(ValueError, match=message):
             trainer.fit(model, data)
         manager.close()

@@ -60,9 +60,16 @@ class Logged(Manager):
     rank): from that round on, each round waits a little until `rank` was a member of a committed round (at most 30 s
     in all), so that a rank started again finds the job still running."""
 
-    def __init__(self, *args: Any, fail_round: int = -1, vanish_round: int = -1,
-                 await_join: tuple[int, int] | None = None, fail_when_joins: int = -1,
-                 pause_round: tuple[int, float] | None = None, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *args: Any,
+        fail_round: int = -1,
+        vanish_round: int = -1,
+        await_join: tuple[int, int] | None = None,
+        fail_when_joins: int = -1,
+        pause_round: tuple[int, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.pause_round = pause_round  # (round, seconds): this rank stalls that long before the round's average
         self.fail_round, self.vanish_round, self.await_join = fail_round, vanish_round, await_join
@@ -114,8 +121,15 @@ def _rank(store: Any, rank: int, world: int, results: dict, **faults: Any) -> No
     with SEEDING:  # the global generator, one thread at a time
         model = MyModel(seed=rank)
     steps = STEPS
-    namespace: dict[str, Any] = {"store": store, "rank": rank, "world_size": world, "MyModel": lambda: model,
-                                 "batch": batch, "loss_fn": loss_fn, "total_steps": steps}  # fmt: skip
+    namespace: dict[str, Any] = {
+        "store": store,
+        "rank": rank,
+        "world_size": world,
+        "MyModel": lambda: model,
+        "batch": batch,
+        "loss_fn": loss_fn,
+        "total_steps": steps,
+    }
 
     def make(*args: Any, **kwargs: Any) -> Logged:
         kwargs.update(quorum_timeout=1.5, start_timeout=START, report=None)
@@ -192,8 +206,12 @@ def _run(
     threads = {}
     for rank in range(world):
         if rank not in late:
-            threads[rank] = threading.Thread(target=_rank, args=(store(), rank, world, results),
-                                             kwargs=faults_by_rank.get(f"rank{rank}", {}), daemon=True)  # fmt: skip
+            threads[rank] = threading.Thread(
+                target=_rank,
+                args=(store(), rank, world, results),
+                kwargs=faults_by_rank.get(f"rank{rank}", {}),
+                daemon=True,
+            )
             threads[rank].start()
     for rank, after in late.items():
         deadline = time.monotonic() + 60
@@ -389,8 +407,15 @@ def test_on_etcd_the_job_outlives_machine_0_and_an_etcd_member_and_machine_0_com
     helper = threading.Thread(target=lose_a_member_then_start_rank_0_again, daemon=True)
     helper.start()
     waiting = {"await_join": (11, 0)}
-    got, managers = _run(3, client=lambda: EtcdStore(url, 30), results=results, close=False,
-                         rank0={"vanish_round": 10}, rank1=waiting, rank2=waiting)  # fmt: skip
+    got, managers = _run(
+        3,
+        client=lambda: EtcdStore(url, 30),
+        results=results,
+        close=False,
+        rank0={"vanish_round": 10},
+        rank1=waiting,
+        rank2=waiting,
+    )
     helper.join(90)
     assert {rank: got[rank][0] for rank in range(3)} == {0: "vanished", 1: "done", 2: "done"}, got
     assert restarted.get(0, ("missing",))[0] == "done", restarted

@@ -38,8 +38,15 @@ def _progress(rank: int, round_: int) -> float:
 def _manager(rank: int, port: int, settings: dict) -> Manager:
     """A rank's manager; the job's first rank(s) form round 0 (the start), a replacement joins the job under way."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    manager = Manager(store, rank, settings["world"], min_replicas=settings.get("min_replicas", 1),
-                      quorum_timeout=TIMEOUT, start_timeout=30, report=None)  # fmt: skip
+    manager = Manager(
+        store,
+        rank,
+        settings["world"],
+        min_replicas=settings.get("min_replicas", 1),
+        quorum_timeout=TIMEOUT,
+        start_timeout=30,
+        report=None,
+    )
     return manager
 
 

@@ -125,8 +125,16 @@ def _loop(manager: Manager, rounds: int, leave_at: int | None, before_commit: bo
         if quorum.round == leave_at and before_commit:
             manager.leave()
         committed = manager.should_commit()
-        log.append((quorum.round, list(quorum.members), committed, manager.events[-1].waited_seconds
-                    if manager.events and manager.events[-1].round == quorum.round else 0.0))  # fmt: skip
+        log.append(
+            (
+                quorum.round,
+                list(quorum.members),
+                committed,
+                manager.events[-1].waited_seconds
+                if manager.events and manager.events[-1].round == quorum.round
+                else 0.0,
+            )
+        )
         if quorum.round == leave_at:
             if not before_commit:
                 manager.leave()
@@ -139,8 +147,10 @@ def _leave(before_commit: bool) -> list:
     store = dist.HashStore()
     managers = [Manager(store, r, 3, quorum_timeout=3.0, start_timeout=5.0, report=None) for r in range(3)]
     logs: list[list] = [[], [], []]
-    threads = [threading.Thread(target=_loop, args=(managers[r], 12, 6 if r == 2 else None, before_commit, logs[r]))
-               for r in range(3)]  # fmt: skip
+    threads = [
+        threading.Thread(target=_loop, args=(managers[r], 12, 6 if r == 2 else None, before_commit, logs[r]))
+        for r in range(3)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

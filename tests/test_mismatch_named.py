@@ -49,8 +49,14 @@ def test_an_uncaught_mismatch_names_each_ranks_collective(tmp_path, case):
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER", "LOCAL"))}
-        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")  # fmt: skip
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=str(ROOT),
+            PYTHONUNBUFFERED="1",
+        )
         out, err = tmp_path / f"rank{rank}.out", tmp_path / f"rank{rank}.err"
         procs.append(warm_processes.popen([sys.executable, script, case], out, err, env, tmp_path))
     try:

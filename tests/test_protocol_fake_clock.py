@@ -149,8 +149,9 @@ def _run_rank(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: in
 
 
 def _rounds(time: VirtualTime, hub: dict, store: SimStore, me: Rank, world: int) -> None:
-    membership = SimMembership(hub, time, store, me.rank, world, MIN_REPLICAS, TIMEOUT, start_timeout=START_TIMEOUT,
-                               join_timeout=JOIN_TIMEOUT)  # fmt: skip
+    membership = SimMembership(
+        hub, time, store, me.rank, world, MIN_REPLICAS, TIMEOUT, start_timeout=START_TIMEOUT, join_timeout=JOIN_TIMEOUT
+    )
     membership.liveness = Liveness(DEFAULT_PREFIX, min(TIMEOUT, STALE_AFTER), clock=time)
     membership.reach = SimReach(hub, me.rank)  # (what the data plane reports after a failed round)
     time.start(_beat, time, store.clone(), me)

@@ -39,13 +39,15 @@ class Vanished(Exception):
     pass
 
 
-def _lane(store: Any, replica: int, lane: int, launch: int, out: dict, fail_round: int = -1,
-          vanish_round: int = -1) -> None:  # fmt: skip
+def _lane(
+    store: Any, replica: int, lane: int, launch: int, out: dict, fail_round: int = -1, vanish_round: int = -1
+) -> None:
     """Replica `replica`'s lane `lane` (its `launch`-th start): the loop of a user's own code under the manager."""
     control_store = dist.PrefixStore(f"test/replica{replica}/launch{launch}", store)
     control = dist.ProcessGroupGloo(control_store, lane, LANES, timedelta(seconds=30))
-    manager = Manager(store, replica, 2, quorum_timeout=1.0, start_timeout=START, report=None,
-                      replica=Replica(lane, LANES, control))  # fmt: skip
+    manager = Manager(
+        store, replica, 2, quorum_timeout=1.0, start_timeout=START, report=None, replica=Replica(lane, LANES, control)
+    )
     x, step, log = initial(replica, lane), [0], []
     manager.register_state("x", lambda: x.clone(), x.copy_)
     manager.register_state("step", lambda: step[0], lambda s: step.__setitem__(0, s))
@@ -77,8 +79,12 @@ def _lane(store: Any, replica: int, lane: int, launch: int, out: dict, fail_roun
 def _start(store: Any, replica: int, launch: int, out: dict, faults: dict | None = None) -> list[threading.Thread]:
     """Replica `replica`'s lanes as threads; `faults`: lane -> `_lane`'s fault arguments."""
     faults = faults or {}
-    threads = [threading.Thread(target=_lane, args=(store, replica, lane, launch, out),
-                                kwargs=faults.get(lane, {}), daemon=True) for lane in range(LANES)]  # fmt: skip
+    threads = [
+        threading.Thread(
+            target=_lane, args=(store, replica, lane, launch, out), kwargs=faults.get(lane, {}), daemon=True
+        )
+        for lane in range(LANES)
+    ]
     for thread in threads:
         thread.start()
     return threads

@@ -30,19 +30,50 @@ ROOT = Path(__file__).resolve().parents[1]
 def _summary(**changes: Any) -> dict[str, Any]:
     """A summary as `ddpkit train` builds it (ddpkit.train.loop.summary.summarize), written out by hand."""
     settings = {
-        "optimizer": "adam", "optimizer_arguments": {"lr": 0.001}, "batch_size_per_process": 16, "world_size": 2,
-        "grad_accum": 1, "samples_per_step": 32, "amp": "off", "adascale": False, "slowmo": None, "model": "mlp",
-        "model_size": "2 hidden layers of 256; 85,002 parameters", "parameters": 85_002, "data": "digits",
-        "epochs": 5, "seed": 0, "hosts": ["h"], "torch_version": "2.13.0", "ddpkit_version": "0.1.0",
-    }  # fmt: skip
+        "optimizer": "adam",
+        "optimizer_arguments": {"lr": 0.001},
+        "batch_size_per_process": 16,
+        "world_size": 2,
+        "grad_accum": 1,
+        "samples_per_step": 32,
+        "amp": "off",
+        "adascale": False,
+        "slowmo": None,
+        "model": "mlp",
+        "model_size": "2 hidden layers of 256; 85,002 parameters",
+        "parameters": 85_002,
+        "data": "digits",
+        "epochs": 5,
+        "seed": 0,
+        "hosts": ["h"],
+        "torch_version": "2.13.0",
+        "ddpkit_version": "0.1.0",
+    }
     summary = {
-        "strategy": "sharded", "world_size": 2, "backend": "gloo", "epochs": 5, "epochs_completed": 5,
-        "last_epoch": 4, "steps_per_epoch": 23, "stopped_by_max_steps": False, "steps": 115,
-        "test_accuracy": 0.96, "test_loss": 0.12, "train_loss": 0.08, "wall_seconds": 16.0,
-        "training_seconds": 2.5, "evaluation_seconds": 0.5, "resumed": False, "samples_per_second": 2000.0,
-        "sent_bytes_per_step": 2e5, "sent_bytes_total": 4e6, "peak_memory_mb": [300.0, 301.0],
-        "replicas_equal": True, "parameter_digests": [1, 1], "settings": settings,
-    }  # fmt: skip
+        "strategy": "sharded",
+        "world_size": 2,
+        "backend": "gloo",
+        "epochs": 5,
+        "epochs_completed": 5,
+        "last_epoch": 4,
+        "steps_per_epoch": 23,
+        "stopped_by_max_steps": False,
+        "steps": 115,
+        "test_accuracy": 0.96,
+        "test_loss": 0.12,
+        "train_loss": 0.08,
+        "wall_seconds": 16.0,
+        "training_seconds": 2.5,
+        "evaluation_seconds": 0.5,
+        "resumed": False,
+        "samples_per_second": 2000.0,
+        "sent_bytes_per_step": 2e5,
+        "sent_bytes_total": 4e6,
+        "peak_memory_mb": [300.0, 301.0],
+        "replicas_equal": True,
+        "parameter_digests": [1, 1],
+        "settings": settings,
+    }
     return {**summary, **changes}
 
 
@@ -119,8 +150,13 @@ def test_heldout_is_evaluated_every_eval_every_steps_within_an_epoch() -> None:
     torch.manual_seed(0)
     module = nn.Linear(4, 1)
     recorder = MetricsRecorder(DataLoader(held, batch_size=25), eval_every=3)
-    trainer = Trainer(module, torch.optim.SGD(module.parameters(), lr=0.05), DataLoader(train, batch_size=30),
-                      F.mse_loss, callbacks=[recorder])  # fmt: skip
+    trainer = Trainer(
+        module,
+        torch.optim.SGD(module.parameters(), lr=0.05),
+        DataLoader(train, batch_size=30),
+        F.mse_loss,
+        callbacks=[recorder],
+    )
     trainer.fit(epochs=3, max_steps=13)  # 8 steps per epoch: epoch 0 whole, epoch 1 cut after 5 steps
     rows = recorder.heldout_rows()
     # every 3 steps, and at the end of each epoch (8; 13, where --max-steps stopped): one evaluation per step
@@ -139,8 +175,13 @@ def test_eval_every_zero_evaluates_at_epoch_ends_only() -> None:
     train, held = _regression()
     module = nn.Linear(4, 1)
     recorder = MetricsRecorder(DataLoader(held, batch_size=60), eval_every=0)
-    trainer = Trainer(module, torch.optim.SGD(module.parameters(), lr=0.05), DataLoader(train, batch_size=30),
-                      F.mse_loss, callbacks=[recorder])  # fmt: skip
+    trainer = Trainer(
+        module,
+        torch.optim.SGD(module.parameters(), lr=0.05),
+        DataLoader(train, batch_size=30),
+        F.mse_loss,
+        callbacks=[recorder],
+    )
     trainer.fit(epochs=2)
     assert [r["step"] for r in recorder.heldout_rows()] == [8, 16]
 

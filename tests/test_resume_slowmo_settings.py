@@ -11,8 +11,17 @@ import torch
 from ddpkit.algorithms.pseudo_gradient import OuterSync, OuterSyncSettings
 from ddpkit.train.checkpoints import checkpoint_files as files
 
-BASE = {"strategy": "slowmo", "world_size": 2, "optimizer": "sgd", "adascale": False, "amp": "off", "lr": 0.1,
-        "momentum": 0.9, "weight_decay": 0.0, "data": "digits"}  # fmt: skip
+BASE = {
+    "strategy": "slowmo",
+    "world_size": 2,
+    "optimizer": "sgd",
+    "adascale": False,
+    "amp": "off",
+    "lr": 0.1,
+    "momentum": 0.9,
+    "weight_decay": 0.0,
+    "data": "digits",
+}
 EXACT = {"base": "localsgd", "compression": "none", "error_feedback": False, "fragments": 1, "sync_delay": 0}
 
 

@@ -69,8 +69,11 @@ def _both(rank: int, world_size: int, slow: bool, adascale: bool) -> dict:
     return {"equal": equal, "shared": layout, "plain": private}
 
 
-@pytest.mark.parametrize(("slow", "adascale"), [(False, False), (True, False), (True, True)],
-                         ids=["even", "rank-0-slow", "rank-0-slow-adascale"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("slow", "adascale"),
+    [(False, False), (True, False), (True, True)],
+    ids=["even", "rank-0-slow", "rank-0-slow-adascale"],
+)
 def test_shared_parameters_train_bit_identically_to_a_replica_per_rank(slow, adascale):
     for rank, got in enumerate(run_distributed(_both, 2, slow, adascale)):
         assert all(got["equal"]), (rank, got["equal"])

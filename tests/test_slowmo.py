@@ -676,9 +676,16 @@ def test_clear_errors_before_any_collective():
 
 
 FAIRSCALE_ATTRIBUTES = [  # read by fairscale users' code
-    "process_rank", "process_world_size", "local_rank", "localsgd", "sgp", "slowmo_num_shards",
-    "is_current_node_a_slowmo_shard", "slowmo_memory_efficient", "broadcast_buffers",
-]  # fmt: skip
+    "process_rank",
+    "process_world_size",
+    "local_rank",
+    "localsgd",
+    "sgp",
+    "slowmo_num_shards",
+    "is_current_node_a_slowmo_shard",
+    "slowmo_memory_efficient",
+    "broadcast_buffers",
+]
 
 
 def _warnings_and_api(rank, world):

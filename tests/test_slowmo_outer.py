@@ -33,9 +33,21 @@ STEPS = 12
 
 def _cfg(n, lf, sf, compression="int8", k=1, tau=0, **kw):
     cfg = {
-        "n": n, "lf": lf, "sf": sf, "compression": compression, "block": 8, "k": k, "tau": tau, "ef": False,
-        "beta": 0.7, "alpha": 0.9, "nesterov": False, "merge": 0.5, "base_momentum": 0.0, "sched": False,
-    }  # fmt: skip
+        "n": n,
+        "lf": lf,
+        "sf": sf,
+        "compression": compression,
+        "block": 8,
+        "k": k,
+        "tau": tau,
+        "ef": False,
+        "beta": 0.7,
+        "alpha": 0.9,
+        "nesterov": False,
+        "merge": 0.5,
+        "base_momentum": 0.0,
+        "sched": False,
+    }
     cfg.update(kw)
     return cfg
 
@@ -191,8 +203,15 @@ class _Recorder:
             pending.wait()
             sent = [to_bytes(q) for q in pending.sent]
             scales = torch.cat([q.scales for q in pending.sent]) if pending.sent[0].scales is not None else None
-            out.append({"input": flat, "sent": sent, "owner": to_bytes(pending.owner), "scales": scales,
-                        "sent_values": pending.sent_values()})  # fmt: skip
+            out.append(
+                {
+                    "input": flat,
+                    "sent": sent,
+                    "owner": to_bytes(pending.owner),
+                    "scales": scales,
+                    "sent_values": pending.sent_values(),
+                }
+            )
         return out
 
 

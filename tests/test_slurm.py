@@ -76,8 +76,9 @@ def test_two_srun_tasks_train_as_one_job(tmp_path):
         env.update(SLURM_JOB_ID=str(90000 + port - 15000))  # the port every task derives: 15000 + last 4 digits
         out = tmp_path / f"out{rank}"
         args = [sys.executable, "-m", "ddpkit", "train", "--max-steps", "3", "--no-progress", "--out", str(out)]
-        procs.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     summary = json.loads((tmp_path / "out0" / "metrics.json").read_text())["summary"]

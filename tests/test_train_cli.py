@@ -359,8 +359,10 @@ def test_slowmo_over_slow_links_trains_and_records_its_settings(one_epoch):
     metrics = check_run(result, out, "slowmo")
     slowmo = metrics["summary"]["settings"]["slowmo"]
     assert {k: slowmo[k] for k in ("slowmo_compression", "slowmo_fragments", "slowmo_sync_delay")} == {
-        "slowmo_compression": "int8", "slowmo_fragments": 2, "slowmo_sync_delay": 2,
-    }  # fmt: skip
+        "slowmo_compression": "int8",
+        "slowmo_fragments": 2,
+        "slowmo_sync_delay": 2,
+    }
     assert slowmo["slowmo_error_feedback"] and slowmo["slowmo_nesterov"] and slowmo["slowmo_merge_alpha"] == 0.5
     assert "int8 pseudo-gradients in 2 fragment(s), merged 2 step(s) late (alpha 0.5), error feedback" in result.stdout
     plain = one_epoch("slowmo")[1]
@@ -578,10 +580,12 @@ def test_two_hosts_in_network_namespaces(tmp_path, procs, two_hosts):
     common = ["--nnodes", "2", "--master-addr", "10.78.0.1", "--master-port", "29500", "--nproc-per-node", "1"]
     common += [*TRAIN, *variant_flags("slowmo")]
     hosts = [
-        procs(["ip", "netns", "exec", ns, *DDPKIT, "train", *common, "--node-rank", i, "--out", tmp_path / f"host{i}"],
-              f"host{i}")
+        procs(
+            ["ip", "netns", "exec", ns, *DDPKIT, "train", *common, "--node-rank", i, "--out", tmp_path / f"host{i}"],
+            f"host{i}",
+        )
         for i, ns in enumerate(two_hosts)
-    ]  # fmt: skip
+    ]
     first, second = (h.wait(300) for h in hosts)
     assert second.returncode == 0, str(second)
     check_run(first, tmp_path / "host0", "slowmo", here=1)
@@ -621,10 +625,13 @@ def test_two_hosts_that_cannot_connect_fail_within_the_timeout(tmp_path, procs, 
     common += ["--no-progress", "--timeout", timeout]
     joining = time.monotonic()
     hosts = [
-        procs(["ip", "netns", "exec", ns, *DDPKIT, "train", *common, "--node-rank", i], f"host{i}",
-              env=_env(GLOO_SOCKET_IFNAME="lo"))
+        procs(
+            ["ip", "netns", "exec", ns, *DDPKIT, "train", *common, "--node-rank", i],
+            f"host{i}",
+            env=_env(GLOO_SOCKET_IFNAME="lo"),
+        )
         for i, ns in enumerate(two_hosts)
-    ]  # fmt: skip
+    ]
     # Joining begins when the master's rendezvous store listens. A refused connection can fail the join in less
     # than one poll interval, so the master may be gone before it is ever seen listening. The last poll that saw
     # it alive and not listening is a lower bound on when joining began, which keeps the time check strict.

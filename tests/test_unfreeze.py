@@ -30,10 +30,19 @@ class Combo(dict):
     no_sync, then sdp.reduce()); clip (OSS.clip_grad_norm); amp None, 'bf16' (autocast) or 'fp16' (autocast and
     ShardedGradScaler); reduce_fp16; forwards (forwards summed into one backward); optim 'adam' or 'sgd'."""
 
-    def __init__(self, wrapper, accum=1, manual=False, clip=False, amp=None, reduce_fp16=False, forwards=1,
-                 optim="adam"):  # fmt: skip
-        super().__init__(wrapper=wrapper, accum=accum, manual=manual, clip=clip, amp=amp, reduce_fp16=reduce_fp16,
-                         forwards=forwards, optim=optim)  # fmt: skip
+    def __init__(
+        self, wrapper, accum=1, manual=False, clip=False, amp=None, reduce_fp16=False, forwards=1, optim="adam"
+    ):
+        super().__init__(
+            wrapper=wrapper,
+            accum=accum,
+            manual=manual,
+            clip=clip,
+            amp=amp,
+            reduce_fp16=reduce_fp16,
+            forwards=forwards,
+            optim=optim,
+        )
 
     @property
     def tolerance(self):

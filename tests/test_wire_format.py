@@ -48,8 +48,9 @@ def test_a_module_and_an_optimizer_state_dict_come_back_bit_for_bit_and_load():
     torch.optim.Adam(model.parameters()).load_state_dict(back["optimizer"])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
-                                   torch.complex64, torch.uint8])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint8]
+)
 def test_tensors_of_every_dtype_and_shape_come_back_exactly(dtype):
     for shape in ((), (0,), (3,), (2, 0, 3), (4, 5)):
         tensor = (torch.randn(shape) * 100).to(dtype) if dtype != torch.bool else torch.rand(shape) > 0.5

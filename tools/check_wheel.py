@@ -59,8 +59,13 @@ def _main_job(version: str) -> list[str]:
     said = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=120)
     problems = [] if said.stdout.startswith(f"ddpkit {version} (torch ") else [f"ddpkit --version said {said!r}"]
     with tempfile.TemporaryDirectory() as folder:
-        run = subprocess.run([command, "train", "--out", "runs/digits", "--max-steps", "2", "--no-progress"],
-                             capture_output=True, text=True, timeout=600, cwd=folder)  # fmt: skip
+        run = subprocess.run(
+            [command, "train", "--out", "runs/digits", "--max-steps", "2", "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=folder,
+        )
         metrics = Path(folder) / "runs" / "digits" / "metrics.json"
         if run.returncode != 0 or not metrics.is_file():
             return [*problems, f"ddpkit train failed ({run.returncode}): {run.stderr[-2000:]}"]

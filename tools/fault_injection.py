@@ -69,8 +69,11 @@ class Job:
         self.procs = []
         for i, args in enumerate(commands):
             with open(folder / f"err{i}", "w") as err:
-                self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                                                   cwd=ROOT, start_new_session=True))  # fmt: skip
+                self.procs.append(
+                    subprocess.Popen(
+                        args, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT, start_new_session=True
+                    )
+                )
         self.folder, self.seen = folder, set()
 
     def watch(self) -> None:
@@ -180,13 +183,21 @@ def one_run(fault: str, timeout: float) -> dict[str, bool] | None:
         ended = job.wait(timeout + 60)
         time.sleep(15 if fault == "launcher-kill" else 2)
         orphans = alive(job.seen)
-        litter = [n for n in os.listdir(SHM_DIR) if re.search(r"-(\d+)-", n) and n.startswith("ddpkit-")
-                  and int(n.split("-")[3]) in job.seen]  # fmt: skip
+        litter = [
+            n
+            for n in os.listdir(SHM_DIR)
+            if re.search(r"-(\d+)-", n) and n.startswith("ddpkit-") and int(n.split("-")[3]) in job.seen
+        ]
         text = job.stderr()
         codes = [p.poll() for p in job.procs]
         clear = all(c not in (0, None) for c in codes) and (fault == "launcher-kill" or "ddpkit: " in text)
-        return {"hang": not ended, "orphans": bool(orphans), "shm": bool(litter), "corrupt": not checkpoint_ok(out),
-                "unclear": not clear}  # fmt: skip
+        return {
+            "hang": not ended,
+            "orphans": bool(orphans),
+            "shm": bool(litter),
+            "corrupt": not checkpoint_ok(out),
+            "unclear": not clear,
+        }
     finally:
         job.kill_all()
         subprocess.run(["umount", "-l", str(folder / "disk")], capture_output=True)
@@ -210,8 +221,10 @@ def main() -> None:
             for key, bad in result.items():
                 counts[key] += int(bad)
         c = counts
-        print(f"{fault:<18}{c['runs']:>5}{c['hang']:>7}{c['orphans']:>9}{c['shm']:>10}{c['corrupt']:>9}"
-              f"{c['unclear']:>9}", flush=True)  # fmt: skip
+        print(
+            f"{fault:<18}{c['runs']:>5}{c['hang']:>7}{c['orphans']:>9}{c['shm']:>10}{c['corrupt']:>9}{c['unclear']:>9}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

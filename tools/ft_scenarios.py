@@ -107,8 +107,9 @@ class Command:
         self.name, self.args = name, args
         self.out_path, self.err_path = folder / f"{name}.out", folder / f"{name}.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.popen = subprocess.Popen(args, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
-                                          start_new_session=True)  # fmt: skip
+            self.popen = subprocess.Popen(
+                args, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=ROOT, start_new_session=True
+            )
         self.pid = self.popen.pid
         self.ended_at: float | None = None
         self.killed_by_us = False
@@ -181,8 +182,10 @@ def ddpkit_lines(text: str) -> list[str]:
 def raw_error(stderr: str) -> bool:
     """A raw error: a Traceback / DistNetworkError / Failed to recv with no ddpkit: line after its last one."""
     lines = stderr.splitlines()
-    last = max((i for i, line in enumerate(lines) if any(p in line for p in RAW) and not line.startswith("ddpkit:")),
-               default=None)  # fmt: skip
+    last = max(
+        (i for i, line in enumerate(lines) if any(p in line for p in RAW) and not line.startswith("ddpkit:")),
+        default=None,
+    )
     if last is None:
         return False
     return not any(line.startswith("ddpkit:") for line in lines[last + 1 :])
@@ -312,9 +315,11 @@ def run_once(sc: Scenario, folder: Path, index: int, log: Callable[[str], None])
         }
     record["machines"] = machines
     record["wrong"] = classify(sc, record)
-    log(f"{sc.name} run {index}: {'correct' if not record['wrong'] else 'WRONG ' + ', '.join(record['wrong'])} "
+    log(
+        f"{sc.name} run {index}: {'correct' if not record['wrong'] else 'WRONG ' + ', '.join(record['wrong'])} "
         f"({record['seconds']:.0f} s; exits {[m['exit'] for m in machines.values()]}; "
-        f"writers {[n for n, m in machines.items() if m['wrote']]}; {folder})")  # fmt: skip
+        f"writers {[n for n, m in machines.items() if m['wrote']]}; {folder})"
+    )
     return record
 
 
@@ -413,12 +418,17 @@ def table(sc: Scenario, records: list[dict]) -> str:
     writers = Counter(sum(m["wrote"] for m in r["machines"].values()) for r in records if "machines" in r)
     alone = sum(1 for r in records if any(m["alone_lines"] for m in r.get("machines", {}).values()))
     lines.append(f"   runs with a 'training with 1 of N' line: {alone}")
-    lines.append(f"   splits {splits}, hangs {hangs}, raw errors {raws}; writers per run: "
-                 + ", ".join(f"{k}: {v} runs" for k, v in sorted(writers.items())))  # fmt: skip
+    lines.append(
+        f"   splits {splits}, hangs {hangs}, raw errors {raws}; writers per run: "
+        + ", ".join(f"{k}: {v} runs" for k, v in sorted(writers.items()))
+    )
     exits = Counter(json.dumps([m["exit"] for m in r["machines"].values()]) for r in records if "machines" in r)
     lines.append("   exit codes (n0, n1, ...): " + "; ".join(f"{k} x{v}" for k, v in exits.most_common()))
-    finals = Counter(json.dumps([m["final_members"] for m in r["machines"].values() if m["wrote"]])
-                     for r in records if "machines" in r)  # fmt: skip
+    finals = Counter(
+        json.dumps([m["final_members"] for m in r["machines"].values() if m["wrote"]])
+        for r in records
+        if "machines" in r
+    )
     lines.append("   final_members written: " + "; ".join(f"{k} x{v}" for k, v in finals.most_common()))
     for what, count in sorted(counts.items()):
         lines.append(f"   wrong: {what}: {count} runs")
@@ -432,11 +442,13 @@ def table(sc: Scenario, records: list[dict]) -> str:
             failing = m["hung"] or m["exit"] != 0
             if failing or m["raw_error"] or m["wrote"]:
                 after = m["seconds_after_fault"]
-                lines.append(f"      n{n}: exit {m['exit']}{' (hung)' if m['hung'] else ''}"
-                             f"{'' if after is None else f' {after:.1f} s after the fault'}, wrote {m['wrote']}, "
-                             f"final {m['final_members']}, replicas_equal {m['replicas_equal']}, "
-                             f"raw {m['raw_error']} (seen {m['raw_seen']}), alone rows {m['alone_rows']}, "
-                             f"alone lines {m['alone_lines']}")  # fmt: skip
+                lines.append(
+                    f"      n{n}: exit {m['exit']}{' (hung)' if m['hung'] else ''}"
+                    f"{'' if after is None else f' {after:.1f} s after the fault'}, wrote {m['wrote']}, "
+                    f"final {m['final_members']}, replicas_equal {m['replicas_equal']}, "
+                    f"raw {m['raw_error']} (seen {m['raw_seen']}), alone rows {m['alone_rows']}, "
+                    f"alone lines {m['alone_lines']}"
+                )
                 for line in m["last_ddpkit"]:
                     lines.append(f"          {line}")
     return "\n".join(lines)
@@ -485,8 +497,15 @@ def main() -> int:
                 records.append(run_once(sc, logs / f"{name}-{i}", i, log))
             except Exception as error:  # (the harness itself failed: counted, not hidden)
                 log(f"{name} run {i}: harness error {type(error).__name__}: {error}")
-                records.append({"run": i, "folder": str(logs / f"{name}-{i}"), "wrong": ["harness-error"],
-                                "events": [f"{type(error).__name__}: {error}"], "seconds": 0.0})  # fmt: skip
+                records.append(
+                    {
+                        "run": i,
+                        "folder": str(logs / f"{name}-{i}"),
+                        "wrong": ["harness-error"],
+                        "events": [f"{type(error).__name__}: {error}"],
+                        "seconds": 0.0,
+                    }
+                )
         everything[name] = records
         log(table(sc, records))
     if args.json:
@@ -496,8 +515,10 @@ def main() -> int:
         seconds = [r["seconds"] for r in records]
         counts = Counter(kind(w) for r in records for w in r["wrong"])
         wrong = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
-        log(f"{name:14s} runs {len(records):3d}  correct {sum(not r['wrong'] for r in records):3d}  wrong: {wrong}  "
-            f"seconds median {statistics.median(seconds):.1f} max {max(seconds):.1f}")  # fmt: skip
+        log(
+            f"{name:14s} runs {len(records):3d}  correct {sum(not r['wrong'] for r in records):3d}  wrong: {wrong}  "
+            f"seconds median {statistics.median(seconds):.1f} max {max(seconds):.1f}"
+        )
     return 0
 
 

@@ -88,8 +88,9 @@ def _host_rank(local: int, spec: dict[str, Any], queue: Any) -> None:
     host = spec["host"]
     os.environ["GLOO_SOCKET_IFNAME"] = host["ifname"]
     rank = host["index"] * host["per_host"] + local
-    dist.init_process_group("gloo", init_method=host["init"], rank=rank, world_size=spec["world_size"],
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=host["init"], rank=rank, world_size=spec["world_size"], timeout=timedelta(seconds=300)
+    )
     try:
         queue.put((local, rank_main(rank, spec["world_size"], spec)))
     finally:
@@ -116,8 +117,9 @@ def main(argv: list[str]) -> int:
     if "host" in spec:
         ranks = _on_this_host(spec)
     else:
-        ranks = run_distributed(rank_main, spec["world_size"], spec, fresh=True, timeout=spec.get("timeout", 900.0),
-                                pg_timeout=300)  # fmt: skip
+        ranks = run_distributed(
+            rank_main, spec["world_size"], spec, fresh=True, timeout=spec.get("timeout", 900.0), pg_timeout=300
+        )
     print(json.dumps({"ranks": ranks}), flush=True)
     return 0
 

@@ -128,8 +128,10 @@ class Hosts:
         link), for a job to run between its runs: a process on any of the hosts may run them (as root)."""
         if not 0 <= k < self.count:
             raise ValueError(f"Hosts.rate_commands: k must be in [0, {self.count}), got {k!r}")
-        return [self._tbf(self.namespaces[k], self.ifnames[k], rate, "change"),
-                self._tbf(self.switch, f"port{k}", rate, "change")]  # fmt: skip
+        return [
+            self._tbf(self.namespaces[k], self.ifnames[k], rate, "change"),
+            self._tbf(self.switch, f"port{k}", rate, "change"),
+        ]
 
     def _open(self) -> None:
         self._namespace(self.switch)

@@ -157,8 +157,9 @@ class MeanWay:
     A job's group is one of the job (`channel_for`) or a fault-tolerant round's (`ddpkit.distributed.
     round_channel.RoundChannel`, whose jobs run at once on the caller's thread)."""
 
-    def __init__(self, size: int, rank: int, label: str, channel: Callable[[], Any],
-                 counted: list[bool] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, size: int, rank: int, label: str, channel: Callable[[], Any], counted: list[bool] | None = None
+    ) -> None:
         if counted is not None and len(counted) != size:
             raise ValueError(f"compressed mean: counted has {len(counted)} entries for {size} ranks")
         self.size, self.rank, self.label, self.channel, self.counted = size, rank, label, channel, counted

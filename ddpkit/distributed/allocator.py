@@ -254,9 +254,21 @@ class MallocInfo(ctypes.Structure):
     """glibc's ``struct mallinfo2``: the heap's counters (``arena``: bytes of the heap; ``uordblks``: handed out from
     it; ``hblkhd``: in blocks mapped alone)."""
 
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]  # fmt: skip
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def malloc_info() -> MallocInfo | None:

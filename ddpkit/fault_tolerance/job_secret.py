@@ -74,8 +74,10 @@ def secret_from_environment(environ: Any = None) -> bytes | None:
     else:
         return None
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the job's secret in {where} has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
-                         "(for instance the output of `openssl rand -hex 32`)")  # fmt: skip
+        raise ValueError(
+            f"the job's secret in {where} has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
+            "(for instance the output of `openssl rand -hex 32`)"
+        )
     return secret
 
 

@@ -63,8 +63,10 @@ def check_job(store: Any, job_id: str | None, where: str) -> None:
     try:
         answer = store.compare_set(JOB_KEY, "", mine)
     except UnsignedValue as exc:
-        raise LaunchError(f"the store at {where} was written by a job with another secret, or without one: this rank "
-                          f"cannot read it ({exc})") from exc  # fmt: skip
+        raise LaunchError(
+            f"the store at {where} was written by a job with another secret, or without one: this rank "
+            f"cannot read it ({exc})"
+        ) from exc
     if is_tagged(answer):
         raise LaunchError(
             f"the store at {where} belongs to a job with a secret, and this rank was started without one: give it "

@@ -49,8 +49,9 @@ class Heartbeat:
     ) -> None:
         self._stop = threading.Event()
         self._on_error = on_error
-        self._thread = threading.Thread(target=self._beat, args=(store, alive_key(prefix, rank)), daemon=True,
-                                        name="ddpkit-alive")  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._beat, args=(store, alive_key(prefix, rank)), daemon=True, name="ddpkit-alive"
+        )
         self._thread.start()
 
     def _beat(self, store: Any, key: str) -> None:

@@ -167,8 +167,10 @@ def _store_lost(manager: Manager, exc: BaseException) -> StoreLost | None:
             "keep the job's coordination in an etcd cluster (--store etcd://HOST:PORT,... or "
             "Manager(EtcdStore(...))) to survive the loss of any one machine"
         )
-    return StoreLost(f"rank {manager.rank}: the fault-tolerant job's store{' at ' + str(where) if where else ''} "
-                    f"is gone ({exc}); {advice}")  # fmt: skip
+    return StoreLost(
+        f"rank {manager.rank}: the fault-tolerant job's store{' at ' + str(where) if where else ''} "
+        f"is gone ({exc}); {advice}"
+    )
 
 
 def _stops_if_store_lost(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,8 +190,9 @@ def _stops_if_store_lost(method: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             if not self._reconnect():
                 raise lost from exc
-            self._say(f"its connection to the job's store broke ({exc}) and was made again: it takes the live "
-                      "state again")  # fmt: skip
+            self._say(
+                f"its connection to the job's store broke ({exc}) and was made again: it takes the live state again"
+            )
             self._lost_track = True
             if method.__name__ == "should_commit":
                 return False
@@ -265,8 +268,16 @@ class Manager:
         replica: Replica | None = None,
     ) -> None:
         store = job_secret.protect(store)  # (with the job's secret: its values tagged)
-        membership = Membership(store, rank, max_world, min_replicas, quorum_timeout, prefix,
-                                start_timeout=start_timeout, join_timeout=join_timeout)  # fmt: skip
+        membership = Membership(
+            store,
+            rank,
+            max_world,
+            min_replicas,
+            quorum_timeout,
+            prefix,
+            start_timeout=start_timeout,
+            join_timeout=join_timeout,
+        )
         membership.liveness = Liveness(prefix, min(quorum_timeout, STALE_AFTER))
         membership.first_round_check = self._agree
         self.membership: Membership | ReplicaMembership = membership
@@ -378,8 +389,9 @@ class Manager:
         quorum = self.round(0)  # (the settings were compared as its members were decided: `_agree`)
         self.never_joined = [r for r in range(self.max_world) if r not in quorum.members]
         if self.never_joined:
-            self._say(f"{_ranks(self.never_joined)} never joined: training with {len(quorum.members)} of "
-                      f"{self.max_world}")  # fmt: skip
+            self._say(
+                f"{_ranks(self.never_joined)} never joined: training with {len(quorum.members)} of {self.max_world}"
+            )
         if share_state:
             state = self.broadcast_object(self.live_state() if quorum.index == 0 else None, 0)
             if self.ok and quorum.index != 0:
@@ -478,8 +490,9 @@ class Manager:
         if self._buckets is not None:
             self._buckets.reset()  # a backward that raised FellBehind half-way is abandoned
         if self.leads:
-            store_agreement.check_joiner(self.store, self.prefix, self.rank, self.settings,
-                                         self.membership.join_timeout)  # fmt: skip
+            store_agreement.check_joiner(
+                self.store, self.prefix, self.rank, self.settings, self.membership.join_timeout
+            )
         self._beat()
         decided, self._joining = self._joining, None  # a round decided with this rank as a joiner already
         round_ = self.membership.announce_join() if decided is None else decided.round
@@ -548,8 +561,9 @@ class Manager:
         accumulation, call `average_gradients` without it (the hooks would send every micro-batch)."""
         if self._buckets is not None:
             self._buckets.remove()
-        self._buckets = RoundBuckets(params, int(bucket_mb * 2**20), self._round_group,
-                                     lambda: len(self.current().members), self.fail)  # fmt: skip
+        self._buckets = RoundBuckets(
+            params, int(bucket_mb * 2**20), self._round_group, lambda: len(self.current().members), self.fail
+        )
 
     def _round_group(self) -> Any:
         quorum = self.current()
@@ -627,8 +641,9 @@ class Manager:
             reader = getattr(self.membership, "read_verdict", None)  # (a replica's processes follow their leader)
             if _store_lost(self, exc) is None or reader is None or not self._reconnect():
                 raise
-            self._say(f"its connection to the job's store broke in round {quorum.round}'s commit ({exc}) and was "
-                      "made again")  # fmt: skip
+            self._say(
+                f"its connection to the job's store broke in round {quorum.round}'s commit ({exc}) and was made again"
+            )
             return reader(quorum)
 
     def _hold_incarnation(self) -> str:
@@ -681,8 +696,10 @@ class Manager:
                 return
             error = previous.exception()
             if error is not None:
-                self._say(f"could not delete old rounds' keys from the store ({type(error).__name__}: {error}); "
-                          "the store keeps them")  # fmt: skip
+                self._say(
+                    f"could not delete old rounds' keys from the store ({type(error).__name__}: {error}); "
+                    "the store keeps them"
+                )
         self._forgetting = self._cleaner.submit(self.membership.forget_through, round_)
 
     # -- a lost store ----------------------------------------------------------------------------------------------
@@ -693,8 +710,16 @@ class Manager:
         if not (quorum.changed or quorum.committed is False):
             return
         step = quorum.round if self.step is None else self.step
-        event = MembershipEvent(step, quorum.round, quorum.members, quorum.joined, quorum.left, quorum.committed,
-                                round(quorum.waited, 3), round(self._blocked, 3))  # fmt: skip
+        event = MembershipEvent(
+            step,
+            quorum.round,
+            quorum.members,
+            quorum.joined,
+            quorum.left,
+            quorum.committed,
+            round(quorum.waited, 3),
+            round(self._blocked, 3),
+        )
         self.events.append(event)
         self.never_joined = [r for r in self.never_joined if r not in quorum.members]
         parts = [f"{_ranks(quorum.left)} left"] if quorum.left else []

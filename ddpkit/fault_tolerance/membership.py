@@ -764,8 +764,15 @@ def heal_object(quorum: Quorum, obj: Callable[[], Any] | None) -> Any:
 def broadcast_object_from(quorum: Quorum, obj: Any, root: int) -> Any:
     """`obj` (what `wire_format` sends) as member index `root` has it, on every member (a collective of the members)."""
     assert quorum.index is not None
-    return broadcast_object_over(quorum.group, quorum.index, len(quorum.members), obj, root, "quorum",
-                                 (quorum.secret, f"broadcast of round {quorum.round}"))  # fmt: skip
+    return broadcast_object_over(
+        quorum.group,
+        quorum.index,
+        len(quorum.members),
+        obj,
+        root,
+        "quorum",
+        (quorum.secret, f"broadcast of round {quorum.round}"),
+    )
 
 
 def broadcast_object_over(
@@ -796,8 +803,12 @@ def quorum_mean(quorum: Quorum, flat: torch.Tensor, counts: bool) -> None:
     ranks that just joined, send zeros and receive the mean). One all-reduce of `flat` with the count appended,
     over the round's group; counted in `comm_stats` under the group label ``quorum``."""
     assert quorum.is_member
-    both = torch.cat([flat.detach().reshape(-1) if counts else torch.zeros_like(flat).reshape(-1),
-                      torch.ones(1, dtype=flat.dtype) if counts else torch.zeros(1, dtype=flat.dtype)])  # fmt: skip
+    both = torch.cat(
+        [
+            flat.detach().reshape(-1) if counts else torch.zeros_like(flat).reshape(-1),
+            torch.ones(1, dtype=flat.dtype) if counts else torch.zeros(1, dtype=flat.dtype),
+        ]
+    )
     n = len(quorum.members)
     comm_stats.record("all_reduce", "quorum", nbytes(both), wire_bytes("all_reduce", nbytes(both), n))
     quorum.group.allreduce([both]).wait()

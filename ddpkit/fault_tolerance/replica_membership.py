@@ -69,8 +69,9 @@ class Replica:
         return int(flag.item()) == 0
 
 
-def join_replica(store: Any, prefix: str, replica: int, lane: int, lanes: int, timeout: float,
-                 control_timeout: float) -> Replica:  # fmt: skip
+def join_replica(
+    store: Any, prefix: str, replica: int, lane: int, lanes: int, timeout: float, control_timeout: float
+) -> Replica:
     """Makes this process lane `lane` of replica `replica` (a machine's `lanes` processes): the default process
     group becomes the replica's own (what sharding runs over; `timeout` seconds), beside a control group (its
     collectives wait up to `control_timeout` seconds: the leader's longest wait for a quorum). Both meet in the
@@ -78,10 +79,16 @@ def join_replica(store: Any, prefix: str, replica: int, lane: int, lanes: int, t
     started again makes fresh groups (its processes start and end together)."""
     launch = store.add(f"{prefix}replica{replica}/lane{lane}/starts", 1)
     where = f"{prefix}replica{replica}/start{launch}/"
-    dist.init_process_group("gloo", store=dist.PrefixStore(where + "local", store), rank=lane, world_size=lanes,
-                            timeout=timedelta(seconds=timeout))  # fmt: skip
-    control = dist.ProcessGroupGloo(dist.PrefixStore(where + "control", store), lane, lanes,
-                                    timedelta(seconds=control_timeout))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(where + "local", store),
+        rank=lane,
+        world_size=lanes,
+        timeout=timedelta(seconds=timeout),
+    )
+    control = dist.ProcessGroupGloo(
+        dist.PrefixStore(where + "control", store), lane, lanes, timedelta(seconds=control_timeout)
+    )
     return Replica(lane, lanes, control, secret_of(store))
 
 

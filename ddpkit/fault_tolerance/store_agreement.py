@@ -73,8 +73,10 @@ def check_joiner(store: Any, prefix: str, rank: int, settings: dict[str, str], t
     job = json.loads(store.get(key))
     differ = [k for k in dict.fromkeys([*job, *settings]) if job.get(k) != settings.get(k)]
     if differ:
-        named = " | ".join(f"{k}: {job.get(k, '(none)')} in the job, {settings.get(k, '(none)')} on rank {rank}"
-                           for k in differ[:MAX_NAMED])  # fmt: skip
+        named = " | ".join(
+            f"{k}: {job.get(k, '(none)')} in the job, {settings.get(k, '(none)')} on rank {rank}"
+            for k in differ[:MAX_NAMED]
+        )
         raise RanksDisagree(f"rank {rank} may not join: its settings differ from the job's: {named}")
 
 
@@ -84,5 +86,6 @@ def _ranks(ranks: list[int]) -> str:
 
 def _relabel(line: str, members: list[int]) -> str:
     """`describe_differences`'s line, whose ranks are positions among `members`, in global ranks."""
-    return re.sub(r"(ranks?) (\d+(?:, \d+)*)", lambda m: _ranks([members[int(r)] for r in m.group(2).split(", ")]),
-                  line)  # fmt: skip
+    return re.sub(
+        r"(ranks?) (\d+(?:, \d+)*)", lambda m: _ranks([members[int(r)] for r in m.group(2).split(", ")]), line
+    )

@@ -421,8 +421,10 @@ def _register() -> None:
         variants: dict[str, dict[str, Any]] = {"": {}, "_spawn": {"start_method": "spawn"}}
         if cls is not DDPKitSlowMoStrategy:
             unused = {"find_unused_parameters": False}
-            variants |= {"_find_unused_parameters_false": unused, "_spawn_find_unused_parameters_false":
-                         {"start_method": "spawn", **unused}}  # fmt: skip
+            variants |= {
+                "_find_unused_parameters_false": unused,
+                "_spawn_find_unused_parameters_false": {"start_method": "spawn", **unused},
+            }
         for suffix, init_params in variants.items():
             if cls.strategy_name + suffix not in StrategyRegistry:
                 StrategyRegistry.register(cls.strategy_name + suffix, cls, description=description, **init_params)

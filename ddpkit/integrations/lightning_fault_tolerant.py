@@ -231,8 +231,9 @@ class DDPKitFaultTolerantStrategy(SingleDeviceStrategy):
             if self._realign:
                 self._realign = False
                 epoch_loop = trainer.fit_loop.epoch_loop
-                batch = fetch_batch_at(trainer, trainer.fit_loop.epoch_progress.current.processed,
-                                       epoch_loop.batch_progress.current.ready)  # fmt: skip
+                batch = fetch_batch_at(
+                    trainer, trainer.fit_loop.epoch_progress.current.processed, epoch_loop.batch_progress.current.ready
+                )
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def optimizer_step(

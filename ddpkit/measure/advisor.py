@@ -181,8 +181,10 @@ def _reasons(
         parts = [f"{choice}: the fastest, {seconds[choice] * 1e3:.1f} ms per step {where}"]
     elif choice == base:
         slower = seconds[choice] / seconds[fastest]
-        parts = [f"{choice}: {seconds[choice] * 1e3:.1f} ms per step {where}, {slower:.2f}x the fastest ({fastest}, "
-                 f"{seconds[fastest] * 1e3:.1f} ms)"]  # fmt: skip
+        parts = [
+            f"{choice}: {seconds[choice] * 1e3:.1f} ms per step {where}, {slower:.2f}x the fastest ({fastest}, "
+            f"{seconds[fastest] * 1e3:.1f} ms)"
+        ]
     else:
         time_ratio = seconds[choice] / seconds[base]
         memory_ratio = results[choice]["peak_memory_mb"] / results[base]["peak_memory_mb"]
@@ -191,12 +193,15 @@ def _reasons(
         ddp = results["ddp"]
         busy = target.comm_seconds(ddp["wire_bytes_per_step"], ddp["messages_per_step"])
         bound = "communication" if busy > seconds["ddp"] - busy else "compute"
-        parts.append(f"on that link DDP is {bound}-bound at {seconds['ddp'] * 1e3:.0f} ms per step, "
-                     f"{busy * 1e3:.0f} ms of it communicating")  # fmt: skip
+        parts.append(
+            f"on that link DDP is {bound}-bound at {seconds['ddp'] * 1e3:.0f} ms per step, "
+            f"{busy * 1e3:.0f} ms of it communicating"
+        )
     if "slowmo" in seconds and "ddp" in seconds and choice != "slowmo":
         verb = "runs at" if target is None else "predicts"
-        parts.append(f"slowmo (local SGD, averaging every 3 steps) {verb} {seconds['ddp'] / seconds['slowmo']:.1f}x "
-                     "DDP's speed")  # fmt: skip
+        parts.append(
+            f"slowmo (local SGD, averaging every 3 steps) {verb} {seconds['ddp'] / seconds['slowmo']:.1f}x DDP's speed"
+        )
     if choice == "slowmo":
         parts.append("SlowMo averages the replicas only every few steps: check that your model converges as well")
     return parts
@@ -213,10 +218,13 @@ def advise(results: list[dict[str, Any]], target: Link | None) -> Advice:
     choice, near = _pick(results, seconds, within)
     reasons = _reasons({r["strategy"]: r for r in results}, seconds, choice, target)
     if len(near) > 1:
-        reasons.insert(0, f"no clear winner: {', '.join(near)} within {within:.0%} of the fastest step time (the "
-                          "margin: 5% or the noise between windows, whichever is larger); of those the least memory "
-                          "wins: the least peak memory, then the least optimizer state (each within 5%), then the "
-                          "fastest")  # fmt: skip
+        reasons.insert(
+            0,
+            f"no clear winner: {', '.join(near)} within {within:.0%} of the fastest step time (the "
+            "margin: 5% or the noise between windows, whichever is larger); of those the least memory "
+            "wins: the least peak memory, then the least optimizer state (each within 5%), then the "
+            "fastest",
+        )
     return Advice(choice, "; ".join(reasons), seconds)
 
 

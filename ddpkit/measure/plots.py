@@ -45,8 +45,15 @@ def _traffic(ax: Any, results: list[dict[str, Any]]) -> None:
     shared = [r.get("shared_memory_bytes_per_step", 0.0) / 1e6 for r in results]
     ax.bar(names, wire, color="tab:blue", label="network (modelled wire bytes)")
     if any(shared):
-        ax.bar(names, shared, bottom=wire, color="white", edgecolor="tab:orange", hatch="//",
-               label="shared memory (same host, not on the wire)")  # fmt: skip
+        ax.bar(
+            names,
+            shared,
+            bottom=wire,
+            color="white",
+            edgecolor="tab:orange",
+            hatch="//",
+            label="shared memory (same host, not on the wire)",
+        )
     ax.set_title("sent per step and rank (MB)", fontsize=10)
     ax.margins(y=0.3)
     ax.legend(fontsize=7, loc="upper left")
@@ -61,8 +68,13 @@ def _step_times(ax: Any, results: list[dict[str, Any]], target: Link | None) -> 
     predicted = advise(results, target).seconds
     positions = range(len(names))
     ax.bar([p - 0.2 for p in positions], measured, width=0.4, color="tab:blue", label="measured here")
-    ax.bar([p + 0.2 for p in positions], [predicted[n] * 1e3 for n in names], width=0.4, color="tab:red",
-           label=f"predicted, {target.mbit:,.0f} Mbit/s")  # fmt: skip
+    ax.bar(
+        [p + 0.2 for p in positions],
+        [predicted[n] * 1e3 for n in names],
+        width=0.4,
+        color="tab:red",
+        label=f"predicted, {target.mbit:,.0f} Mbit/s",
+    )
     ax.set_xticks(list(positions), names)
     ax.set_title("step time (ms): median of 3-step windows", fontsize=10)
     ax.margins(y=0.25)

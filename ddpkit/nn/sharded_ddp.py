@@ -193,8 +193,9 @@ class ShardedDataParallel(ModuleWrapper):
         if not isinstance(full_split_grads, bool):
             raise TypeError(f"ShardedDataParallel: full_split_grads must be True or False, got {full_split_grads!r}")
         self.full_split_grads = full_split_grads
-        if receives_ahead is not None and (isinstance(receives_ahead, bool) or not isinstance(receives_ahead, int)
-                                           or receives_ahead < 1):  # fmt: skip
+        if receives_ahead is not None and (
+            isinstance(receives_ahead, bool) or not isinstance(receives_ahead, int) or receives_ahead < 1
+        ):
             raise ValueError(f"ShardedDataParallel: receives_ahead must be None or an int >= 1, got {receives_ahead!r}")
         self.receives_ahead = receives_ahead
         shared_memory.enabled_by_environment()  # a bad DDPKIT_SHARED_MEMORY fails here, before any collective

@@ -211,16 +211,25 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         self.slowmo_sgp_average_params = slowmo_sgp_average_params
         self.slowmo = slowmo_lr != 1.0 or slowmo_momentum != 0.0
         self.outer_settings = OuterSyncSettings(
-            slowmo_compression, slowmo_compression_block, slowmo_error_feedback, slowmo_fragments, slowmo_sync_delay,
+            slowmo_compression,
+            slowmo_compression_block,
+            slowmo_error_feedback,
+            slowmo_fragments,
+            slowmo_sync_delay,
             slowmo_merge_alpha,
-        )  # fmt: skip
+        )
         options = AveragingOptions(
-            self.process_rank, self.process_world_size, nprocs_per_node, localsgd_frequency,
-            slowmo_frequency if self.slowmo else None, sum(p.numel() for p in module.parameters()), self.sgp,
+            self.process_rank,
+            self.process_world_size,
+            nprocs_per_node,
+            localsgd_frequency,
+            slowmo_frequency if self.slowmo else None,
+            sum(p.numel() for p in module.parameters()),
+            self.sgp,
             {"graph": graph, "mixing": mixing, "push_sum": push_sum, "overlap": overlap, "synch_freq": synch_freq},
             {"use_streams": use_streams, "slowmo_sgp_average_params": slowmo_sgp_average_params},
             self.outer_settings,
-        )  # fmt: skip
+        )
         kind = averager_class(averager, options)
         agreed, plan = kind.prepare(options)
         self.outer_settings.check(localsgd_frequency, options.slowmo_frequency, options.numel, self.sgp)

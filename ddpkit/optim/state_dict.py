@@ -65,9 +65,20 @@ def check_compatible(saved: Mapping[str, Any], param_groups: ParamGroups) -> Non
 
 
 PER_ELEMENT_STATE = frozenset(
-    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta", "prev",
-     "step_size", "ax", "grad_avg"}
-)  # fmt: skip
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "sum",
+        "square_avg",
+        "acc_delta",
+        "prev",
+        "step_size",
+        "ax",
+        "grad_avg",
+    }
+)
 """State entries torch's optimizers keep with exactly their parameter's shape."""
 
 

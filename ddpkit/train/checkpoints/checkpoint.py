@@ -130,8 +130,14 @@ def save_checkpoint(out: str, strategy: Strategy, state: TrainerState, settings:
     decision: tuple[str | None, list[str]] = (None, [])
     if group_rank() == 0:
         assert reports is not None
-        manifest = {"epoch": state.epoch, "step": state.step, "epoch_samples": state.epoch_samples,
-                    "world_size": group_size(), "strategy": strategy.name, "settings": settings}  # fmt: skip
+        manifest = {
+            "epoch": state.epoch,
+            "step": state.step,
+            "epoch_samples": state.epoch_samples,
+            "world_size": group_size(),
+            "strategy": strategy.name,
+            "settings": settings,
+        }
         failed = _commit(folder, reports, manifest)
         kept = [os.path.basename(f) for _, f in files.committed(out)][-keep:] if failed is None else []
         decision = (failed, kept)

@@ -257,15 +257,19 @@ def slowmo_resume_notes(then: dict[str, Any] | None, now: dict[str, Any] | None)
         )
     notes = []
     if then["compression"] != now["compression"]:
-        notes.append(f"slowmo compression {then['compression']} -> {now['compression']}: the next syncs are sent "
-                     f"as {now['compression']}")  # fmt: skip
+        notes.append(
+            f"slowmo compression {then['compression']} -> {now['compression']}: the next syncs are sent "
+            f"as {now['compression']}"
+        )
     if then["error_feedback"] != now["error_feedback"]:
         kept = "starts at zero" if now["error_feedback"] else "is dropped"
         notes.append(f"slowmo error feedback {_on(then)} -> {_on(now)}: the residual {kept}")
     if then["sync_delay"] != now["sync_delay"]:
-        notes.append(f"slowmo sync delay {then['sync_delay']} -> {now['sync_delay']}: a sync in flight at the "
-                     f"checkpoint merges {now['sync_delay']} steps after it started, or at the first step if that "
-                     "has passed")  # fmt: skip
+        notes.append(
+            f"slowmo sync delay {then['sync_delay']} -> {now['sync_delay']}: a sync in flight at the "
+            f"checkpoint merges {now['sync_delay']} steps after it started, or at the first step if that "
+            "has passed"
+        )
     return notes
 
 
@@ -295,17 +299,23 @@ def resume_notes(manifest: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if then["strategy"] != now["strategy"]:
         notes.append(f"strategy {then['strategy']} -> {now['strategy']}: model and optimizer state carried over")
     if then["world_size"] != now["world_size"]:
-        notes.append(f"world size {then['world_size']} -> {now['world_size']}: optimizer state re-split, "
-                     "the epoch's remaining samples divided over the new ranks")  # fmt: skip
+        notes.append(
+            f"world size {then['world_size']} -> {now['world_size']}: optimizer state re-split, "
+            "the epoch's remaining samples divided over the new ranks"
+        )
         if now["strategy"] == "slowmo":
-            notes.append(f"every rank starts from the mean of the {then['world_size']} saved SlowMo replicas and "
-                         "optimizer states; the slow buffers are carried")  # fmt: skip
+            notes.append(
+                f"every rank starts from the mean of the {then['world_size']} saved SlowMo replicas and "
+                "optimizer states; the slow buffers are carried"
+            )
     for name in HYPERPARAMETERS:
         if then[name] is not None and now[name] is not None and then[name] != now[name]:
             notes.append(f"{name} {then[name]:g} -> {now[name]:g}: the new value takes effect")
     if then.get("data") is not None and now.get("data") is not None and then["data"] != now["data"]:
-        notes.append(f"data {then['data']} -> {now['data']}: training goes on with the new data, from the saved "
-                     "position in the epoch")  # fmt: skip
+        notes.append(
+            f"data {then['data']} -> {now['data']}: training goes on with the new data, from the saved "
+            "position in the epoch"
+        )
     if then["amp"] is not None and then["amp"] != now["amp"]:
         notes.append(f"amp {then['amp']} -> {now['amp']}: the loss scaler starts afresh")
     if then["strategy"] == now["strategy"] == "slowmo":

@@ -80,9 +80,16 @@ class LiveCheckpoints:
         os.makedirs(folder, exist_ok=True)
         files.write_atomic(os.path.join(folder, LIVE), data)
         digest = hashlib.sha256(data).hexdigest()
-        manifest = {"step": step, "epoch": epoch, "epoch_samples": epoch_samples, "files": {LIVE: digest},
-                    "world_size": self.settings["world_size"], "strategy": self.settings["strategy"],
-                    "settings": self.settings, "fault_tolerant": True}  # fmt: skip
+        manifest = {
+            "step": step,
+            "epoch": epoch,
+            "epoch_samples": epoch_samples,
+            "files": {LIVE: digest},
+            "world_size": self.settings["world_size"],
+            "strategy": self.settings["strategy"],
+            "settings": self.settings,
+            "fault_tolerant": True,
+        }
         files.write_marker(folder, manifest)
 
     def load(self) -> tuple[dict[str, Any], list[str]]:

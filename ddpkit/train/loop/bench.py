@@ -175,9 +175,25 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 BENCH_SETTINGS = (
-    "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "batch_size", "hidden", "depth",
-    "optimizer", "backend", "timeout", "model", "data", "loss", "gpt_layers", "gpt_width", "gpt_heads", "context",
-)  # fmt: skip
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "batch_size",
+    "hidden",
+    "depth",
+    "optimizer",
+    "backend",
+    "timeout",
+    "model",
+    "data",
+    "loss",
+    "gpt_layers",
+    "gpt_width",
+    "gpt_heads",
+    "context",
+)
 
 
 def bench_config(given: dict[str, Any]) -> TrainConfig:
@@ -281,8 +297,10 @@ def _report(
 ) -> None:
     from ddpkit.measure.plots import plot_bench
 
-    print(f"{results[0]['workload']}: {results[0]['parameters'] / 1e6:.1f}M parameters, batch {cfg.batch_size} "
-          f"per process, {cfg.optimizer}, {steps} timed steps on {cfg.world_size} processes")  # fmt: skip
+    print(
+        f"{results[0]['workload']}: {results[0]['parameters'] / 1e6:.1f}M parameters, batch {cfg.batch_size} "
+        f"per process, {cfg.optimizer}, {steps} timed steps on {cfg.world_size} processes"
+    )
     print(format_table(results))
     print(f"step ms: {STEP_STATISTIC}")
     print(advisor.format_advice(results, target))

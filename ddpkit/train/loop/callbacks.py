@@ -112,8 +112,9 @@ class MetricsRecorder(Callback):
         start = time.perf_counter()
         accuracy, test_loss = trainer.evaluate(self.test_loader)
         self._eval_seconds += time.perf_counter() - start
-        self._heldout.append({"step": trainer.state.step, "epoch": epoch, "test_loss": test_loss,
-                              "test_accuracy": accuracy})  # fmt: skip
+        self._heldout.append(
+            {"step": trainer.state.step, "epoch": epoch, "test_loss": test_loss, "test_accuracy": accuracy}
+        )
         return accuracy, test_loss
 
     def heldout_rows(self) -> list[dict[str, Any]]:

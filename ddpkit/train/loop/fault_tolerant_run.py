@@ -68,8 +68,14 @@ def outer_schedule(cfg: TrainConfig) -> OuterSchedule | None:
     """SlowMo's sync schedule and slow-momentum rule for local SGD; None for per-step rounds (ddp, sgp)."""
     if cfg.strategy != "slowmo" or cfg.slowmo_base == "sgp":
         return None
-    sync = OuterSyncSettings(cfg.slowmo_compression, cfg.slowmo_compression_block, cfg.slowmo_error_feedback,
-                             cfg.slowmo_fragments, cfg.slowmo_sync_delay, cfg.slowmo_merge_alpha)  # fmt: skip
+    sync = OuterSyncSettings(
+        cfg.slowmo_compression,
+        cfg.slowmo_compression_block,
+        cfg.slowmo_error_feedback,
+        cfg.slowmo_fragments,
+        cfg.slowmo_sync_delay,
+        cfg.slowmo_merge_alpha,
+    )
     return OuterSchedule(cfg.localsgd_frequency, cfg.slowmo_frequency, _slow_rule(cfg), sync)
 
 
@@ -98,17 +104,27 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
     if sharded_replicas(cfg):  # the machine is the replica: its rank is the machine's
         control_timeout = waits["join_timeout"] + cfg.timeout
         rank, world = cfg.node_rank, cfg.nnodes
-        replica = join_replica(store, job_store.PREFIX, rank, placement.local_rank, cfg.nproc_per_node, cfg.timeout,
-                               control_timeout)  # fmt: skip
+        replica = join_replica(
+            store, job_store.PREFIX, rank, placement.local_rank, cfg.nproc_per_node, cfg.timeout, control_timeout
+        )
     else:
         local_group()
     torch.manual_seed(cfg.seed)
     work = build_workload(cfg, torch.device("cpu"))
     if cfg.out and (replica is None or replica.leads):
         claim_out(cfg.out, rank)
-    manager = Manager(store, rank, world, min_replicas=cfg.min_replicas, quorum_timeout=cfg.quorum_timeout,
-                      prefix=job_store.PREFIX, settings=job_settings(cfg, "gloo", work), report=tell,
-                      replica=replica, **waits)  # fmt: skip
+    manager = Manager(
+        store,
+        rank,
+        world,
+        min_replicas=cfg.min_replicas,
+        quorum_timeout=cfg.quorum_timeout,
+        prefix=job_store.PREFIX,
+        settings=job_settings(cfg, "gloo", work),
+        report=tell,
+        replica=replica,
+        **waits,
+    )
     if cfg.out and manager.leads:
         taken_over = out_job.claim(cfg.out, manager.incarnation, cfg.resume)  # (a store started again: refused)
         if taken_over is not None:
@@ -131,13 +147,31 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
     # the scale agree without a collective of their own, and the scale travels with the live state
     scaler = torch.amp.GradScaler("cpu") if cfg.amp == "fp16" else None  # (the fault-tolerant path runs on the CPU)
     overlap = cfg.grad_accum == 1 and replica is None  # (a replica's process averages only the shard it owns)
-    sync = FaultTolerantSync(manager, work.module, optimizer, recorder, total, outer_schedule(cfg),
-                             gossip_schedule(cfg), checkpoints, overlap=overlap, scaler=scaler)  # fmt: skip
+    sync = FaultTolerantSync(
+        manager,
+        work.module,
+        optimizer,
+        recorder,
+        total,
+        outer_schedule(cfg),
+        gossip_schedule(cfg),
+        checkpoints,
+        overlap=overlap,
+        scaler=scaler,
+    )
     label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
     bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
     amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
-    trainer = Trainer(model, optimizer, loader, work.loss_fn, grad_accum=cfg.grad_accum, amp_dtype=amp,
-                      scaler=scaler, callbacks=[bar, recorder, RunEvents(scaler, None), sync])  # fmt: skip
+    trainer = Trainer(
+        model,
+        optimizer,
+        loader,
+        work.loss_fn,
+        grad_accum=cfg.grad_accum,
+        amp_dtype=amp,
+        scaler=scaler,
+        callbacks=[bar, recorder, RunEvents(scaler, None), sync],
+    )
     manager.membership.raise_if_finished()  # (a restart that comes as the job ends: nothing to join)
     try:
         if manager.under_way():

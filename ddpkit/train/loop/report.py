@@ -40,8 +40,12 @@ def peak_memory_mb() -> float:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The bytes of the tensors this process's optimizer holds as state (with OSS: its own shard)."""
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor))  # fmt: skip
+    return sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def gather_per_rank(value: float) -> list[float]:

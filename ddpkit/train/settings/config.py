@@ -330,8 +330,10 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     if cfg.shared_parameters and cfg.strategy not in ("oss", "sharded"):
         raise ValueError(f"--shared-parameters is an option of OSS: use --strategy oss or sharded (got {cfg.strategy})")
     if cfg.shared_parameters and (cfg.device == "cuda" or cfg.backend == "nccl"):
-        raise ValueError("--shared-parameters shares the parameters' CPU pages: it cannot act on GPUs (--device cuda "
-                         "or --backend nccl)")  # fmt: skip
+        raise ValueError(
+            "--shared-parameters shares the parameters' CPU pages: it cannot act on GPUs (--device cuda "
+            "or --backend nccl)"
+        )
     if cfg.shared_parameters and os.environ.get("DDPKIT_SHARED_MEMORY", "1").strip() == "0":
         raise ValueError("--shared-parameters needs shared memory, which DDPKIT_SHARED_MEMORY=0 turns off")
     if cfg.shared_parameters and cfg.nnodes > 1 and not cfg.fault_tolerant:
@@ -423,8 +425,11 @@ def _check_fault_tolerant(cfg: TrainConfig) -> None:
         parse_url(cfg.store)  # a ValueError naming what is wrong, before any process starts
     replicas = cfg.nnodes if sharded else cfg.world_size
     if not 1 <= cfg.min_replicas <= replicas:
-        what = f"the machines (--nnodes {cfg.nnodes}): with --strategy {cfg.strategy} a machine is a replica" if \
-            sharded else f"the world size {cfg.world_size}"  # fmt: skip
+        what = (
+            f"the machines (--nnodes {cfg.nnodes}): with --strategy {cfg.strategy} a machine is a replica"
+            if sharded
+            else f"the world size {cfg.world_size}"
+        )
         raise ValueError(f"--min-replicas must be in [1, {replicas}] ({what}); got {cfg.min_replicas}")
     unsupported = {  # flag -> (given, why it is refused under --fault-tolerant)
         "--no-push-sum": (not cfg.push_sum, "PushPull keeps every weight at one, which a change of members breaks"),
