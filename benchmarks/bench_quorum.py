@@ -46,7 +46,7 @@ from ddpkit.fault_tolerance.membership import KEPT_ROUNDS, Membership
 QUESTION = "quorum: store work and latency of a fault-tolerant round at 4 to 256 replicas, TCPStore and etcd"
 QUICK = {"replicas": "4,8", "stores": "tcp", "rounds": 6, "warmup": 2, "max_world_factor": 2}
 REQUESTS = "(etcd requests)"  # counted apart from the store's methods: a wait polls each missing key
-GOAL_LATENCY_RATIO = 10.0  # issue 46: the quorum at 256 within 10x of the 4-replica figure
+GOAL_LATENCY_RATIO = 10.0  # the quorum at 256 within 10x of the 4-replica figure
 
 
 class CountingStore:

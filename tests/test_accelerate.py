@@ -1,4 +1,4 @@
-"""ddpkit's accelerate recipe (issue 25, point 2) against accelerate's own DDP path.
+"""ddpkit's accelerate recipe against accelerate's own DDP path.
 
 One job started by ``accelerate launch`` (its multi-process launcher works on the CPU) runs the same accelerate loop
 (Adam, StepLR, accumulation over 2 micro-batches, clipping by norm, `save_state` midway) through
@@ -35,7 +35,7 @@ def _accelerate_launch(world: int, script: str, *args: object) -> None:
 
 def test_prepare_sharded_refuses_when_accelerate_counts_other_processes(monkeypatch):
     """`accelerate launch --multi_gpu` on a CPU machine without cpu=True: accelerate sees one process while
-    torch.distributed has two, so the data would not be split (issue 35); refused, saying what to do. (The
+    torch.distributed has two, so the data would not be split; refused, saying what to do. (The
     process group's size is what torch.distributed would report on each of two ranks.)"""
     from types import SimpleNamespace
 
@@ -53,7 +53,7 @@ def test_prepare_sharded_refuses_when_accelerate_counts_other_processes(monkeypa
     message = str(refused.value)
     assert "accelerate counts 1 process(es)" in message and "torch.distributed has 2 ranks" in message
     assert "Accelerator(cpu=True)" in message and "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu" in message
-    # the command it suggests is one accelerate accepts (issue 43: it said --multi_cpu, which accelerate rejects)
+    # the command it suggests is one accelerate accepts (it said --multi_cpu, which accelerate rejects)
     from accelerate.commands.launch import launch_command_parser
 
     suggested = message.split("`ACCELERATE_USE_CPU=1 accelerate launch ")[1].split("`")[0].replace("N", "2").split()

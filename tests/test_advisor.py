@@ -93,7 +93,7 @@ def test_recommendation_picks_fastest_then_least_memory_and_says_why():
 
 
 def test_the_recommendation_follows_from_the_table_it_prints():
-    """Crafted results (issue 35): the advice may never call a strategy "the fastest" that its own table shows
+    """Crafted results: the advice may never call a strategy "the fastest" that its own table shows
     slower, and where time and peak memory tie, the strategy holding less optimizer state wins (the least memory
     wins), then the faster one, whatever the order of the results."""
     noisy = {"step_spread": 0.25}  # windows this noisy put all three within the margin

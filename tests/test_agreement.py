@@ -100,7 +100,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
     seen["sdp_no_segment_left"] = repr(_my_segments() <= before)
     module = _mlp(16 if other else 8)  # OSS with its own (disagreeing) parameters is skipped: the wrapper checks
     seen["sdp_width"] = _error(ShardedDataParallel, module, OSS(_mlp(8).parameters(), lr=0.1))
-    # issue 34: ShardedDataParallel's own options shape the messages: ranks that differ are refused, naming them
+    # ShardedDataParallel's own options shape the messages: ranks that differ are refused, naming them
     before = _my_segments()
     for option, mine, theirs in SDP_OPTIONS:
         model = _mlp(8)
@@ -118,13 +118,13 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, str]:
             seen[f"slowmo_{key}"] = _error(SlowMoDistributedDataParallel, _mlp(8), 1, **kwargs)
         seen["slowmo_width"] = _error(SlowMoDistributedDataParallel, _mlp(12 if other else 8), 1)
     seen["settings"] = _error(check_same_across_ranks, {"--lr": 0.01, "--hidden": 64 + rank}, what="train")
-    # issue 25: a param-group key the optimizer does not take may differ (fairscale's tests pass `rank`): a warning
+    # a param-group key the optimizer does not take may differ (fairscale's tests pass `rank`): a warning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         per_rank = [{"params": list(_mlp(8).parameters()), "rank": rank, "lr": 0.1}]
         seen["oss_rank_key"] = _error(OSS, per_rank, optim=torch.optim.SGD)
     seen["oss_rank_key_warning"] = " | ".join(str(w.message) for w in caught)
-    # issue 35: fairscale's tests pass a per-rank argument to an optimizer class that takes it through **kwargs
+    # fairscale's tests pass a per-rank argument to an optimizer class that takes it through **kwargs
     # (OSS(..., optim=SGDWithPausingCompute, lr=..., rank=rank)): it lands in every group; a warning, not a refusal
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

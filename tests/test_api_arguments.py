@@ -1,4 +1,4 @@
-"""Every argument of the public API is described where the reference shows it (issue 43): each name the API
+"""Every argument of the public API is described where the reference shows it: each name the API
 reference lists (`::: ddpkit...` in docs/api/) documents every argument of its constructor (a class) or of itself (a
 function) in a Google-style ``Args:`` section of its docstring.
 A dataclass may describe its fields in an ``Attributes:`` section; a constructor inherited unchanged is described

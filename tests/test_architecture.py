@@ -1,5 +1,5 @@
 """The package's layering, read from its source: imports only go downwards, no import circle, the transport
-layer holds no averaging math, and the averaging code stays in small functions (issue 23, point 1)."""
+layer holds no averaging math, and the averaging code stays in small functions."""
 
 from __future__ import annotations
 
@@ -227,3 +227,17 @@ def test_only_the_transport_layer_issues_collectives():
             if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and ast.unparse(node.value) == "dist":
                 direct.append(f"{module}: dist.{node.attr} (line {node.lineno})")
     assert direct == []
+
+
+def test_no_issue_numbers_and_no_packed_lines_in_the_code_and_its_tests():
+    """Code and tests explain themselves without the tracker's numbers, and no line asks the formatter to leave it
+    packed (long calls take keyword arguments instead)."""
+    import re
+
+    found = []
+    for folder in ("ddpkit", "tests", "tools", "benchmarks"):
+        for path in (PACKAGE.parent / folder).rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"\bissues? #?\d+", line, re.IGNORECASE) or "fmt: " + "skip" in line:
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{number}")
+    assert found == [], found

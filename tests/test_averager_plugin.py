@@ -1,6 +1,6 @@
 """A new way for nodes to average is one new file: an averager defined and registered here (nothing in ddpkit
 knows it) runs inside SlowMoDistributedDataParallel, checked against a single-process simulation of its rule, and
-its state travels through SlowMo's checkpoints (issue 23, point 1). Plus the `averager` argument's errors."""
+its state travels through SlowMo's checkpoints. Plus the `averager` argument's errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The backend is read from the process group itself, per device type (issue 23, defect 4): a job started with
+"""The backend is read from the process group itself, per device type: a job started with
 ``init_process_group()`` and no backend name runs gloo for CPU tensors, although ``get_backend`` reports
 "undefined"; ddpkit used to take that for "not gloo" and silently turn off its shared-memory and early-receive
 paths."""

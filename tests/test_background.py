@@ -1,4 +1,4 @@
-"""The device rules of background collectives (`ddpkit.distributed.background`, issue 23 defect 5): a worker
+"""The device rules of background collectives (`ddpkit.distributed.background`): a worker
 thread on gloo only; on NCCL a job runs on the caller's thread, so no second thread ever issues NCCL calls.
 (The gloo path itself runs in every compressed-mean and SlowMo pseudo-gradient test.)"""
 

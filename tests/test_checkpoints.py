@@ -121,7 +121,7 @@ def test_resume_policy_continues_or_refuses_with_the_reason():
     assert "strategy oss -> sharded: model and optimizer state carried over" in notes
     assert any(n.startswith("world size 2 -> 4: optimizer state re-split") for n in notes)
     assert "lr 0.01 -> 0.02: the new value takes effect" in notes
-    # other data of the same shapes is not refused, but said (issue 23 defect 7)
+    # other data of the same shapes is not refused, but said
     notes = files.resume_notes({**manifest, "settings": {**SETTINGS, "data": "digits"}}, {**SETTINGS, "data": "mnist"})
     assert any(n.startswith("data digits -> mnist: training goes on with the new data") for n in notes), notes
     with pytest.raises(ValueError, match="with --optimizer adam; its state cannot drive --optimizer sgd"):
@@ -362,7 +362,7 @@ def test_slowmo_resumed_at_another_world_size_starts_from_the_mean_of_the_replic
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tmp_path):
     """A checkpoint damaged after it was committed is passed over, with a note, for the previous committed one
-    (it used to be refused with no way forward named; issue 23 defect 9)."""
+    (it used to be refused with no way forward named)."""
     out = tmp_path / "out"
     flags = [*TRAIN, "--max-steps", "10", "--checkpoint-every", "5", "--keep", "2", "--out", out]
     first = pooled_train.train(flags, tmp_path)

@@ -95,7 +95,7 @@ SLOW = ["--strategy", "slowmo", "--localsgd-frequency", "4", "--slowmo-frequency
         ([*SLOW, "--slowmo-merge-alpha", "nan"], "--slowmo-merge-alpha must be a finite number >= 0; got nan"),
         ([*SLOW, "--slowmo-base", "sgp", "--slowmo-fragments", "2"], "need --slowmo-base localsgd"),
         (["--strategy", "ddp", "--slowmo-compression", "int8"], "--slowmo-compression needs --strategy slowmo"),
-        # flags that would be silently ignored (issue 23 defect 9)
+        # flags that would be silently ignored
         ([*SLOW, "--slowmo-merge-alpha", "0.3"], "--slowmo-merge-alpha weights a delayed merge: it needs --slowmo-sy"),
         ([*SLOW, "--graph", "ring", "--peers-per-itr", "2"], "--graph, --peers-per-itr only act with --slowmo-base"),
         (["--strategy", "ddp", "--overlap"], "--overlap needs --strategy slowmo"),
@@ -179,7 +179,7 @@ def test_toml_values_of_the_wrong_type_name_the_key(tmp_path):
         ("lr = nan", "--lr must be a finite number > 0; got nan"),
         ("timeout = inf", "--timeout must be a finite number > 0; got inf"),
         ("world-size = 2", "unknown setting 'world-size'"),
-        ("lr = 0.1 0.2", "run.toml: not valid TOML: "),  # a syntax error names the file (issue 23 defect 9)
+        ("lr = 0.1 0.2", "run.toml: not valid TOML: "),  # a syntax error names the file
     ]:
         path.write_text(text + "\n")
         assert needle in error_of(["--config", str(path)]), text

@@ -98,6 +98,6 @@ def _hook_future_is_asynchronous(rank, world):
 
 def test_a_staged_hook_returns_before_the_bucket_has_travelled():
     """What a DDP communication hook gets on gloo with CUDA tensors: a future that completes later, so backward
-    overlaps the transfer (it used to wait for the transfer and the copy back first: issue 23 defect 5)."""
+    overlaps the transfer (it used to wait for the transfer and the copy back first)."""
     (returned, done, right), _ = run_distributed(_hook_future_is_asynchronous, 2)
     assert right and not done and returned < 2.0, (returned, done, right)

@@ -1,5 +1,5 @@
 """An evaluation on rank 0 only (``with torch.no_grad(): model(x)``) of a model with BatchNorm buffers:
-ShardedDataParallel and SlowMo neither hang nor train differently afterwards (issue 23, defect 2). A forward that
+ShardedDataParallel and SlowMo neither hang nor train differently afterwards. A forward that
 synced buffers here would start a broadcast the other rank never joins. (torch 2.13's DDP is no reference for
 this: it syncs buffers in the first forward after a training one whatever the grad mode, and in this test it
 ended in a gloo connection reset.)"""

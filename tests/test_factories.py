@@ -104,7 +104,7 @@ def on_path(monkeypatch):
         ("test_factories:returns_a_number", TypeError, "must return an nn.Module or (nn.Module, loss_fn); got int"),
         ("test_factories:frozen_model", ValueError, "no trainable parameters"),
         ("test_factories:bad_loss_model", TypeError, "second value must be a loss function"),
-        # a factory's own failure names the flag, the factory and the exception (issue 23 defect 9)
+        # a factory's own failure names the flag, the factory and the exception
         ("test_factories:raising_model", RuntimeError, "'test_factories:raising_model': the factory raised KeyError"),
     ],
 )
@@ -261,7 +261,7 @@ def test_max_steps_stops_mid_epoch_and_ends_that_epoch():
 
 def test_a_data_factory_that_differs_between_ranks_is_refused(tmp_path):
     """Same sizes and shapes on every rank, other samples: the start-up check reads a digest of a sample of the
-    items and stops every rank naming the data (it used to train on, "replicas equal"; issue 23 defect 7)."""
+    items and stops every rank naming the data (it used to train on, "replicas equal")."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     argv = ["--model", SPEC + "plain_model", "--data", SPEC + "per_process_data", "--loss", "mse"]

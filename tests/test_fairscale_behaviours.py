@@ -1,4 +1,4 @@
-"""Public behaviours fairscale users rely on (issue 25, point 4), each against its reference value.
+"""Public behaviours fairscale users rely on, each against its reference value.
 
 References: OSS's state dict must carry `OSS.param_groups` key for key (fairscale syncs its param groups from the
 optimizer it wraps and saves those), before and after a load; a scheduler's current values must be in a consolidated

@@ -1,4 +1,4 @@
-"""Issue 24's goal run on four network-namespace hosts: one host's processes get SIGKILL mid-run and the host is
+"""The fault-tolerance run on four network-namespace hosts: one host's processes get SIGKILL mid-run and the host is
 started again; the three others never stop.
 
 Each host is a network namespace joined to the others by a bridge (benchmarks/lib/netns.py, links at 1 Gbit/s),

@@ -1,4 +1,4 @@
-"""`ddpkit train --fault-tolerant` (issue 24): the survivors of a lost rank train on, and the rank started again
+"""`ddpkit train --fault-tolerant`: the survivors of a lost rank train on, and the rank started again
 rejoins from their live state.
 
 References, written apart from the code under test: without failures a fault-tolerant run must train exactly as

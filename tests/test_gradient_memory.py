@@ -1,4 +1,4 @@
-"""ShardedDataParallel lets a gradient it does not own go as soon as its bucket's transfer is done (issue 34), and
+"""ShardedDataParallel lets a gradient it does not own go as soon as its bucket's transfer is done, and
 keeps only its own piece of a parameter cut into pieces once those are reduced.
 
 A rank that does not own a bucket needs its gradients only until they have left: through shared memory that is

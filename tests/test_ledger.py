@@ -1,4 +1,4 @@
-"""Ranks that call different collectives are diagnosed by name (issue 23 defect 9): after the failure, each rank's
+"""Ranks that call different collectives are diagnosed by name: after the failure, each rank's
 last collective (its number, kind, size, group and caller) and the state that differs between ranks (a parameter
 frozen on one rank only, defect 6) are named, from `ddpkit.distributed.ledger.diagnose`."""
 

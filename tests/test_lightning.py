@@ -1,4 +1,4 @@
-"""ddpkit's Lightning strategies (issue 25) against Lightning's own ``strategy="ddp"``.
+"""ddpkit's Lightning strategies against Lightning's own ``strategy="ddp"``.
 
 One torchrun job per world size trains the same LightningModule under every strategy and setting
 (tests/lightning_runs.py); the reference is torch's DDP with the same optimizer, run by Lightning itself. The
@@ -244,7 +244,7 @@ def test_the_readme_snippet_trains(tmp_path):
 )
 def test_options_the_strategy_would_drop_are_refused(name, kwargs, needle):
     """The sharded and SlowMo strategies never build torch DDP, so what DDPStrategy would pass to it is refused
-    (issue 35: a misspelt option fitted with exit 0 and no warning)."""
+    (a misspelt option fitted with exit 0 and no warning)."""
     import ddpkit.integrations.lightning as integration
 
     with pytest.raises(TypeError, match=re.escape(needle)):
@@ -266,7 +266,7 @@ def test_options_the_strategy_would_drop_are_refused(name, kwargs, needle):
 )
 def test_every_strategy_with_its_precision_plugin_survives_pickling(name):
     """Lightning's spawn launcher pickles the strategy to each process: the plug-in ddpkit adjusts (global-norm
-    clipping bound onto it) must come back working (issue 43: it died with 'Precision' object has no attribute
+    clipping bound onto it) must come back working (it died with 'Precision' object has no attribute
     '_clip_by_global_norm')."""
     import pickle
 

@@ -1,5 +1,5 @@
 """Freezing and unfreezing layers rebuilds ShardedDataParallel's buckets; the shared memory a rank maps must stay
-bounded however often that happens (it used to grow with every generation: issue 23, defect 3; mailboxes are now
+bounded however often that happens (it used to grow with every generation; mailboxes are now
 reused across buckets and generations, `SLOTS` per sender and root). Checked on the mailboxes a rank holds and on
 /dev/shm's usage, with training still equal to DDP's."""
 

@@ -1,4 +1,4 @@
-"""`ddpkit.fault_tolerance.manager.Manager` (issue 33): a fault-tolerant job's rounds under a loop of any shape.
+"""`ddpkit.fault_tolerance.manager.Manager`: a fault-tolerant job's rounds under a loop of any shape.
 
 Deterministic and in one process: each rank is a thread holding its own Manager, all meeting in one HashStore,
 each round's gloo group made between the threads. The own-loop example of docs/fault-tolerance.md runs here as

@@ -1,4 +1,4 @@
-"""A loop of the user's own whose ranks call different collectives (issue 35): the failure names each rank's last
+"""A loop of the user's own whose ranks call different collectives: the failure names each rank's last
 collective and the state that differs, as `ddpkit train` does, instead of gloo's bare "Timed out".
 
 Two plain processes (no ddpkit launcher, no test runner catching the exception) run a ShardedDataParallel loop in

@@ -1,4 +1,4 @@
-"""One job per `--out` (issue 23, defect 7): a second `ddpkit train` given the folder of a running job stops at
+"""One job per `--out`: a second `ddpkit train` given the folder of a running job stops at
 once with a message naming the job that holds it, and the first job's checkpoints are untouched; once that job
 has ended, the folder can be used (resumed) again."""
 

@@ -1,11 +1,11 @@
 """Receives posted before the data they wait for: ShardedDataParallel's reduces and OSS's broadcast over sockets.
 
 Over gloo a point-to-point message is a rendezvous whose ready notice queues behind the receiver's own outgoing
-data, so a receive posted late holds the other direction of the link (issue 22). These tests run the socket path
+data, so a receive posted late holds the other direction of the link. These tests run the socket path
 (``DDPKIT_SHARED_MEMORY=0``, as between hosts) on a small byte GPT at 2 and 4 ranks and check: the parameters
 and the owners' gradients equal torch DDP's; the bytes, counted by `comm_stats`, are exactly DDP's; on every rank
 every receive of a backward is posted before any of its sends (with ``receives_ahead=k``, k buckets ahead of the
-launches, so an owner's receive buffers stay a few buckets: issue 34) and every receive of an optimizer step
+launches, so an owner's receive buffers stay a few buckets) and every receive of an optimizer step
 before any of its sends.
 """
 

@@ -1,4 +1,4 @@
-"""Replicas of several processes under one quorum (`ddpkit.fault_tolerance.replica_membership`, issue 33's HSDP).
+"""Replicas of several processes under one quorum (`ddpkit.fault_tolerance.replica_membership`: HSDP).
 
 Deterministic and in one process: two replicas of two processes (lanes) each, every process a thread with its own
 `Manager`, each replica's lanes tied by a gloo control group of their own, all meeting in one HashStore. Lane k of

@@ -202,7 +202,7 @@ def test_seconds_since_process_start_counts_the_interpreter_start_and_imports() 
 
 def test_the_wall_time_starts_with_the_command_not_with_the_shell_that_exec_d_it() -> None:
     """``bash -c 'pip install ... && ddpkit train'`` execs ddpkit in bash's process, whose start the kernel keeps:
-    the command's start is then ddpkit's import, not the shell's start (issue 35: 143 s reported for 33 s)."""
+    the command's start is then ddpkit's import, not the shell's start."""
     code = (
         "import time, ddpkit\n"
         "from ddpkit.train.loop.launcher import command_started, seconds_since_process_start\n"

@@ -1,4 +1,4 @@
-"""--resume with other SlowMo averaging settings (issue 23 defect 7): a changed compression, error feedback or
+"""--resume with other SlowMo averaging settings: a changed compression, error feedback or
 sync delay is said in the notes and handled (a sync in flight from a longer delay merges at the next step, a
 residual saved without error feedback starts at zero); a change the saved state cannot drive is refused before
 any process starts, naming the flag."""

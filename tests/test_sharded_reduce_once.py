@@ -1,6 +1,6 @@
 """`ShardedDataParallel.reduce()` reduces what was accumulated under `no_sync()`, and nothing else: called after a
 normal backward (which reduced by itself) it must leave the owners' averaged gradients alone; it used to reduce
-them again and divide by N once more (issue 23, defect 6). The reference: torch DDP's averaged gradients."""
+them again and divide by N once more. The reference: torch DDP's averaged gradients."""
 
 import torch
 from torch import nn

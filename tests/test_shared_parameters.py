@@ -1,4 +1,4 @@
-"""OSS(shared_parameters=True): on one host the parameters a rank does not own are the owner's pages (issue 34).
+"""OSS(shared_parameters=True): on one host the parameters a rank does not own are the owner's pages.
 
 The reference is the same training without the option (OSS's ordinary replica per rank, itself checked against DDP
 in tests/test_oss.py and tests/test_sharded_ddp.py): every step's parameters must be bit-identical, with Adam,

@@ -142,7 +142,7 @@ def test_sigkill_to_the_launcher_leaves_no_rank_running(tmp_path, procs, stopped
     """The launcher killed outright cannot stop anything: each rank notices its parent is gone (PR_SET_PDEATHSIG,
     and polling) and ends within a second or two, removing its own segment files (sharded uses them). A rank that
     was stopped (SIGSTOP) at that moment is woken by the parent-death signal (SIGCONT) and ends too; it used to
-    stay stopped, orphaned, forever (issue 23, defect 8)."""
+    stay stopped, orphaned, forever."""
     job, out = start_job(procs, tmp_path, "kill", "--strategy", "sharded")
     wait_for(out / "checkpoint" / "step-*" / "COMMIT.json", [job])
     ranks = workers(job)

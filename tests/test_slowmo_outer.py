@@ -447,7 +447,7 @@ def _library_starts(cfg, t):
 
 
 def test_the_schedule_staggers_the_fragments():
-    # the library's schedule is the documented one (issue 23 defect 6: this test used to check its own helper only)
+    # the library's schedule is the documented one (this test used to check its own helper only)
     for cfg in (_cfg(1, 4, 8, k=2), _cfg(1, 4, 4, k=4), _cfg(1, 3, 6, k=1), _cfg(1, 6, 12, k=3)):
         assert [_library_starts(cfg, t) for t in range(1, 25)] == [_starts(cfg, t) for t in range(1, 25)], cfg
     cfg = _cfg(1, 4, 8, k=2)

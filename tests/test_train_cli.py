@@ -682,7 +682,7 @@ def test_killed_rank_ends_the_other_machine_with_a_clear_message(tmp_path, procs
 def test_a_stopped_rank_on_another_machine_is_ended_by_its_launcher(tmp_path, procs):
     """Two machines on loopback; rank 1's process is stopped (SIGSTOP): rank 0's machine fails within --timeout,
     and rank 1's launcher, whose only rank never ends by itself, ends it once it has been stopped past --timeout
-    (it waited forever: issue 23 defect 8) and names why; no process is left on either."""
+    (it waited forever) and names why; no process is left on either."""
     timeout = 6
     port = free_port()
     common = ["--world-size", "2", "--host", "127.0.0.1", "--master-port", port, *LONG_RUN, "--timeout", timeout]
@@ -736,7 +736,7 @@ def test_wrong_master_address_fails_within_the_timeout_naming_it(tmp_path):
 @pytest.mark.parametrize("target", ["launcher", "group", "ignored"])
 def test_ctrl_c_stops_every_local_process(tmp_path, procs, target):
     """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C does; also to a launcher
-    started with SIGINT ignored, as a shell starts background jobs (it could not be stopped so: issue 23 defect 9)."""
+    started with SIGINT ignored, as a shell starts background jobs (it could not be stopped so)."""
     command = [*DDPKIT, "train", *LONG_RUN, "--out", tmp_path / "out"]
     if target == "ignored":
         command = ["bash", "-c", 'trap "" INT; exec "$@"', "bash", *command]

@@ -1,6 +1,6 @@
 """Who takes part in each synchronisation of a fault-tolerant job: quorums through a key-value store.
 
-A fault-tolerant job (issue 24) has no fixed world: ranks ``0..max_world-1`` may die and come back. Instead of one
+A fault-tolerant job has no fixed world: ranks ``0..max_world-1`` may die and come back. Instead of one
 process group for the whole job, each synchronisation (a round, numbered alike on every rank: the n-th step of
 DDP, the n-th outer sync of local SGD) forms a quorum through a store every rank can reach (torch's TCPStore,
 hosted where no rank's death takes it down, such as the launcher):

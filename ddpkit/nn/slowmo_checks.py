@@ -28,7 +28,11 @@ def check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"SlowMoDistributedDataParallel: {name} must be an int >= 1, got {value!r}")
 
 
-def check_settings(nprocs_per_node: int, world_size: int, localsgd_frequency: int, slowmo_frequency: int) -> None:
+def check_settings(
+    module: Any, nprocs_per_node: int, world_size: int, localsgd_frequency: int, slowmo_frequency: int
+) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"SlowMoDistributedDataParallel: module must be a torch.nn.Module, got {type(module)}")
     check_nprocs_per_node(nprocs_per_node, world_size)
     check_positive_int("localsgd_frequency", localsgd_frequency)
     check_positive_int("slowmo_frequency", slowmo_frequency)

@@ -192,12 +192,10 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         super().__init__()
         require_initialized("SlowMoDistributedDataParallel")
         ledger.explain_uncaught_failures()  # a collective failure names each rank's last collective
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"SlowMoDistributedDataParallel: module must be a torch.nn.Module, got {type(module)}")
         self.slowmo_base_algorithm = SlowMoBaseAlgorithm(slowmo_base_algorithm)
         self.process_rank = dist.get_rank() if process_rank is None else process_rank
         self.process_world_size = dist.get_world_size() if process_world_size is None else process_world_size
-        check_settings(nprocs_per_node, self.process_world_size, localsgd_frequency, slowmo_frequency)
+        check_settings(module, nprocs_per_node, self.process_world_size, localsgd_frequency, slowmo_frequency)
         check_positive_int("slowmo_num_shards", slowmo_num_shards)
         check_slow_rule(slowmo_momentum, slowmo_lr)
         self.module = module
