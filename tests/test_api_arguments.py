@@ -86,3 +86,13 @@ def test_every_public_argument_is_described():
     assert len(names) > 40 and "ddpkit.optim.OSS" in names
     missing = undescribed()
     assert not missing, "describe these arguments in an Args: section of the docstring:\n" + "\n".join(missing)
+
+
+def test_the_main_classes_docstrings_are_at_the_size_users_read():
+    """What it is, the algorithm in a few sentences, what it sends and holds, Args, Raises, an Example: the rest
+    lives on the concept pages."""
+    from ddpkit.nn import ShardedDataParallel
+    from ddpkit.optim import OSS
+
+    lengths = {cls.__name__: len(inspect.getdoc(cls).splitlines()) for cls in (OSS, ShardedDataParallel)}
+    assert all(n <= 40 for n in lengths.values()), lengths

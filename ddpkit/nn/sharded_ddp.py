@@ -46,81 +46,18 @@ HeldKind = Literal["average", "local"]
 
 
 class ShardedDataParallel(ModuleWrapper):
-    """Data parallelism in which each gradient is reduced only to the rank that owns its optimizer state.
+    """Data parallelism in which each gradient is reduced only to the rank that owns its optimizer state (ZeRO-2).
 
-    Algorithm (ZeRO stage 2): OSS gives every trainable parameter one owner. During backward, as soon as the
-    gradients of a bucket (parameters with the same owner, device type and dtype, up to `reduce_buffer_size`
-    elements; larger parameters alone) are all accumulated, they are divided by the world size and reduced
-    (summed) to the owner asynchronously, overlapping the rest of backward. Buckets are launched in one fixed
-    order on every rank, so the collectives always match. When backward ends (an autograd callback), the
-    remaining buckets are flushed, every reduce is waited for, and owners hold exactly DDP's averaged gradient.
-    The other ranks drop the gradients of large parameters (``grad = None``: those that travel alone, of at least
-    ``min(reduce_buffer_size, 2**18)`` elements) and keep those of the small parameters that travel in shared
-    buckets, where fairscale keeps views of its buckets (whose content after the reduce it does not define): here
-    their own local gradient, the one they sent (not the average), so code that reads ``p.grad`` on every rank
-    after backward finds a tensor (`keep_bucketed_grads=False` drops them too). A parameter that OSS cut into
-    pieces keeps no full-size gradient: once its pieces are reduced, ``param.grad`` is None on every rank and the
-    rank's piece holds the average of its elements (``optimizer.pieces_of(param)[rank].tensor.grad``, what
-    `OSS.step`, `OSS.clip_grad_norm`, `ShardedGradScaler` and `AdaScale` read; `OSS.held_piece_grads` lists them);
-    `full_split_grads=True` keeps the full-size tensor instead (the average on the rank's piece, zero elsewhere).
-    `OSS.step()` then updates each shard and broadcasts it.
+    During backward, as soon as a bucket's gradients (one owner, device and dtype, up to `reduce_buffer_size`
+    elements; large parameters alone) are accumulated, they are averaged onto the rank that owns them in OSS (one
+    asynchronous reduce, in one fixed order on every rank); when backward ends, owners hold exactly DDP's averaged
+    gradient. Other ranks drop the large gradients they do not own and keep their own small ones
+    (`keep_bucketed_grads`); of a parameter OSS cut, only the rank's piece. More: docs/sharded.md.
 
-    Communication at construction: one all-gather of an 8-byte digest of every rank's parameter names, shapes,
-    dtypes and order and of the options that shape the messages (`reduce_buffer_size`, `find_unused_parameters`,
-    `reduce_fp16`, `keep_bucketed_grads`, `cross_host_compression`, `broadcast_buffers`, `receives_ahead`: ranks
-    that differ are refused on every rank, naming the option; `ddpkit.distributed.agreement`), then
-    (`sync_models_at_startup`) parameters and buffers broadcast from rank 0.
-    Communication per step: one reduce per bucket during backward (every trainable gradient once) plus OSS's
-    broadcast of every trainable parameter once: with the bandwidth-optimal algorithms this is exactly the
-    traffic of DDP's all-reduce (see `ddpkit.distributed.stats`). Over sockets each owner posts the receives of
-    all its buckets at the first gradient of backward, so both directions of a link carry data at once (see the
-    module doc); with `receives_ahead` only that many buckets ahead of the launches, completed as far behind.
-    With `broadcast_buffers`, module
-    buffers are broadcast from rank 0 before each forward that will sync gradients (grad enabled, not inside
-    `no_sync()`, as torch DDP does). On gloo, reduce + broadcast is faster than
-    reduce_scatter + all_gather; on NCCL both map to the same ring kernels. When every rank runs on one host (gloo,
-    CPU), the reduce goes through shared memory instead (`ddpkit.distributed.mailboxes`: each sender copies its
-    bucket into a mailbox the owner adds from, bit for bit the same sum) and so does OSS's broadcast: only 1-byte
-    signals and barriers touch the network stack. ``DDPKIT_SHARED_MEMORY=0`` keeps the sockets.
-    Across hosts with the same number of ranks each (the OSS's `hierarchical`, by default where it pays), each
-    bucket is first summed within each host onto the rank in the owner's lane (shared memory), and only that rank
-    sends its host's sum across, to the owner (`ddpkit.distributed.hierarchical_reduce`): a host sends each
-    gradient it does not own once, instead of once per rank, so together with OSS's hierarchical broadcast the
-    link between hosts carries 2 (H-1)/H of a model copy per host and step, what an ideal all-reduce needs.
-
-    Memory (N ranks, P the trainable parameters' bytes): during backward a rank holds the gradients it owns (about
-    P/N) and, of those it does not own, only the buckets still in flight: each is dropped once it has left (at once
-    through shared memory, where it is copied into a mailbox; over sockets once its send is done, waiting for the
-    oldest beyond `IN_FLIGHT`), except the small parameters' own gradients kept with `keep_bucketed_grads` (none
-    with False). On one host each sender reuses two mailboxes per owner, which adds a
-    bucket's as soon as it reaches that bucket (`ddpkit.distributed.mailboxes`); over sockets an owner holds receive
-    buffers for all its buckets, (N-1) P/N, posted when backward starts (with `receives_ahead=k`, for about 2k
-    buckets).
-    With Adam and OSS a rank's peak is thus about P + 2P/N + P/N + a few buckets: ZeRO-2's limit. A parameter cut
-    into pieces holds its full-size gradient only until its pieces are reduced (through shared memory at once, over
-    sockets while the next cut parameter's are in flight, across hosts until the end of backward), then only the
-    rank's piece. (glibc keeps freed blocks resident: see `ddpkit.distributed.allocator`.)
-
-    `cross_host_compression` (beyond fairscale; "none" by default): "bf16", "int8" or "int4" sends what crosses
-    between hosts quantised, with error feedback (`ddpkit.distributed.hierarchical_reduce`): 2x, about 3.8x or
-    about 7x fewer gradient bytes between hosts, no longer bit-equal to DDP. Also with one rank per host. CPU
-    parameters only (on GPU parameters: a ValueError).
-
-    `keep_bucketed_grads` (beyond fairscale; True as fairscale behaves): False drops every gradient a rank does
-    not own, the whole of ZeRO-2's gradient saving, for code that never reads them there.
-
-    `receives_ahead` (beyond fairscale; None by default): over sockets (across hosts, or with shared memory off)
-    post each owner's receives only this many buckets ahead of the launches and complete them as far behind, so an
-    owner's receive buffers are about 2k buckets instead of (N-1) P/N. It costs time on slow links: a ready notice
-    posted late waits behind the owner's own outgoing data.
-
-    `full_split_grads` (beyond fairscale, whose OSS never cuts a parameter; False by default): True keeps a
-    full-size gradient of every cut parameter on every rank, for code that reads ``param.grad`` whole.
-
-    `find_unused_parameters=True` (beyond fairscale) adds one element per parameter to each message so owners
-    know which parameters were unused on every rank and leave their gradients untouched, exactly like DDP's
-    option of that name; without it a parameter unused on some ranks still averages correctly (they count as
-    zero), but one unused on all ranks receives a zero gradient (a warning says so).
+    Sends: at construction, an all-gather of an 8-byte digest of the ranks' parameters and options (ranks that
+    differ are refused, naming the option) and rank 0's parameters; per step, every trainable gradient once to its
+    owner: with OSS's broadcast, DDP's all-reduce traffic (one host: shared memory; across hosts: summed per host
+    first). Holds: its own gradients (P/N), the buckets in flight, over sockets receive buffers.
 
     Args:
         module: the model to train; the same parameters on every rank.
@@ -128,21 +65,19 @@ class ShardedDataParallel(ModuleWrapper):
         process_group: the process group to reduce over: the optimizers' (default: the whole job).
         broadcast_buffers: broadcast the module's buffers from rank 0 before each forward that syncs gradients.
         sync_models_at_startup: broadcast rank 0's parameters and buffers at construction, so replicas start equal.
-        reduce_buffer_size: the most bytes a bucket of small gradients packs (0: every gradient on its own).
+        reduce_buffer_size: the most elements a bucket of small gradients packs (0: every gradient on its own).
         auto_refresh_trainable: notice a parameter frozen or unfrozen since the last step and rebuild the buckets.
         reduce_fp16: send fp32 gradients in fp16 (half the bytes, as fairscale's option).
         warn_on_trainable_params_changed: warn when that rebuild happens.
-        find_unused_parameters: count which parameters received a gradient on some rank (see above).
-        cross_host_compression: "none", "bf16", "int8" or "int4": what crosses between hosts (see above).
-        keep_bucketed_grads: keep each rank's own gradients of small parameters it does not own (see above).
-        full_split_grads: keep the whole gradient of a parameter OSS cut into pieces on every rank (see above).
+        find_unused_parameters: leave the gradients of parameters unused on every rank untouched, as DDP does.
+        cross_host_compression: "none", "bf16", "int8" or "int4" (with error feedback) between hosts; CPU only.
+        keep_bucketed_grads: keep each rank's own gradients of small parameters it does not own (as fairscale).
+        full_split_grads: keep the whole gradient of a parameter OSS cut into pieces on every rank.
         receives_ahead: over sockets, post an owner's receives only this many buckets ahead (None: all at once).
 
     Raises:
-        ValueError: an argument out of its range or one that cannot act in the run's layout (named), or ranks
-            whose modules or settings differ (named on every rank).
-        TypeError: `module` is not a Module, `sharded_optimizer` not an OSS (or AdaScale around one), or a switch
-            not True or False.
+        ValueError: an argument out of range, one that cannot act in the run's layout, or ranks that differ.
+        TypeError: `module` not a Module, `sharded_optimizer` not an OSS (or AdaScale around one), a switch no bool.
 
     Example::
 

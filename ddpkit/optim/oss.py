@@ -32,96 +32,38 @@ _BALANCE_TOLERANCE = 0.1  # split_params=None cuts large parameters until the la
 
 
 class OSS(Optimizer):
-    """Shards the state of any torch optimizer over the ranks of a process group (ZeRO stage 1).
+    """Shards the state of any torch optimizer over the ranks of a process group (ZeRO stage 1, Rajbhandari et al.).
 
-    Algorithm: every trainable parameter is owned by exactly one rank, chosen once, greedily by size (largest first to
-    the least-loaded rank), identically on every rank; parameters added later (a new param group, or a frozen one
-    made trainable) are placed without moving earlier ones. A frozen parameter sits in one rank's local optimizer,
-    as in fairscale, counting one byte of load, until it becomes trainable and is placed. Each rank builds the
-    wrapped optimizer (`optim`) on the parameters it owns only. `step()` copies the hyper-parameters of
-    `OSS.param_groups` (where LR schedulers write) into that local optimizer, which updates the shard; then each
-    owner broadcasts its updated parameters to all ranks.
+    Each trainable parameter gets one owner, placed greedily by size the same way on every rank (a large one may be
+    cut into a piece per rank, `split_params`); each rank builds `optim` on what it owns. `step()` copies
+    `param_groups`' hyper-parameters (where schedulers write) into that local optimizer, updates the shard, and
+    every owner broadcasts its updated parameters. Gradients are left alone: pair it with DDP or
+    `ShardedDataParallel`. Placement, pieces, shared memory and hosts: docs/oss.md.
 
-    Communication at construction: one all-gather of two 8-byte digests of every rank's parameter shapes, dtypes,
-    order and param-group hyper-parameters (`ddpkit.distributed.agreement`; a mismatch is named on every rank).
-    Keys of a param group that `optim` does not take (a per-rank ``rank`` or name) may differ: every rank then
-    warns, naming them (fairscale accepts them silently); ``check_agreement=False`` skips the check and its
-    collective, for users who know their ranks agree.
-    Communication per `step()`: one broadcast per (owner, device, dtype) of the owner's trainable parameters,
-    all in flight together, i.e. every trainable parameter crosses the network once (in fp16 with
-    `broadcast_fp16`: the owner keeps its own fp32 values). At the first step (world size > 1) each such group
-    of parameters is moved into one flat buffer and the parameters become views of it (``param.data``), so the
-    message is sent and received in place, without a copy (see `ddpkit.optim.param_messages`). Gradients are not
-    touched: pair OSS with torch's DDP (all-reduce) or with `ShardedDataParallel` (reduce to the owner only).
-    When every rank of the group runs on one host (gloo, CPU), nothing is sent: each owner's buffer is a
-    shared-memory segment that its step updates in place, and after a barrier every other rank copies it into its
-    own replica (`ddpkit.distributed.shared_memory`). ``DDPKIT_SHARED_MEMORY=0`` keeps the broadcast.
-    Across several hosts with the same number of ranks each (`hierarchical`, by default where that holds and a
-    host has more than one rank), each owner sends its parameters once per other host, to the rank in its own
-    lane there, which hands them on within its host through shared memory (`ddpkit.distributed.hosts`): every
-    parameter leaves its owner's host once per other host instead of once per remote rank. ``True`` refuses an
-    uneven layout, naming the hosts; ``False`` keeps one broadcast over the whole group.
-    `clip_grad_norm` adds one all-reduce of one number; `consolidate_state_dict` gathers the shards' state.
-
-    Large parameters (beyond fairscale): with `split_params` (by default where it pays: an element-wise torch
-    optimizer, and whole-parameter ownership more than 10% off a perfect balance), parameters of at least
-    `ddpkit.optim.param_pieces.MIN_SPLIT_NUMEL` elements, largest first, are cut into one contiguous piece per
-    rank until the balance is reached (`ddpkit.optim.param_pieces`; `min_split_numel` lowers that size for a
-    small model dominated by one tensor, so that its state, too, is about 1/N per rank; under
-    ShardedDataParallel each rank keeps only its own piece's gradient); each rank optimizes its
-    piece and sends it in a message of its own. `owner_of` is None for such a parameter (`pieces_of` lists its
-    pieces), the local optimizer's `state` is keyed by the piece tensors, and checkpoints keep torch's
-    whole-parameter format. Only parameters trainable at construction (or in a group added later) are
-    considered; ``split_params=False`` keeps fairscale's one owner per parameter, ``True`` cuts every parameter
-    of at least that size. The sharding settings (`optim`, `split_params`, `min_split_numel`, `broadcast_fp16`,
-    `shared_parameters`) must agree across ranks: the construction's agreement check refuses them otherwise.
-
-    `shared_parameters` (beyond every peer; one host only, off by default): the parameters a rank does not own
-    are not copied into its replica but *are* the owner's shared-memory segment, mapped, so the host holds the
-    model's parameters once instead of once per rank (the owner's step writes them in place; the step's barrier
-    keeps every rank from reading them before it is done, and an owner steps only after its gradients' reduce,
-    i.e. after every rank's backward has passed those parameters). It is refused where it cannot act: with
-    `broadcast_fp16`, without shared memory (``DDPKIT_SHARED_MEMORY=0``, or ranks on several hosts), and for
-    parameters on a GPU; a single rank has nothing to share and is warned. The pieces of a cut parameter keep
-    their own storage. Use it with ShardedDataParallel or DDP, whose
-    reduce precedes every step; a rank that steps while another still runs backward would change parameters under
-    it.
-
-    Memory: optimizer state for about 1/N of the parameters per rank (within the largest parameter's share
-    of a perfect split, or 10% of it where parameters are split); the broadcast needs no memory of its own
-    (with `broadcast_fp16`: a persistent fp16 copy of the parameters); with `shared_parameters`, P/N of parameters
-    per rank instead of P (P: the parameters' bytes).
-
-    Speed: unless the user chose an implementation (`fused=` or `foreach=` in the arguments or groups), OSS asks
-    optimizers that have one for their fused kernel (torch's Adam, AdamW, SGD, ...) on devices that support it:
-    the same update, several times faster on CPU than the default per-tensor loop. `param_groups` show that
-    choice (``fused=True``) and so does `state_dict()`, whose param groups are `param_groups` key for key (as
-    fairscale's are); a plain torch optimizer loading it uses the fused kernel too.
+    Sends: at construction, one all-gather of two 8-byte digests of the ranks' parameters and settings (ranks that
+    differ are named); per step, every trainable parameter once from its owner (fp16 with `broadcast_fp16`; on one
+    host through shared memory, nothing on the wire; across hosts once per other host with `hierarchical`).
+    Holds: optimizer state for about 1/N of the parameters; with `shared_parameters`, P/N of the parameters.
 
     Args:
-        params: the parameters, or param groups (dicts with ``params`` and per-group hyper-parameters), as for any
-            torch optimizer; the same on every rank.
+        params: the parameters or param groups (dicts with ``params``), as for a torch optimizer; alike on all ranks.
         optim: the torch optimizer class each rank builds on the parameters it owns (e.g. ``torch.optim.Adam``).
         group: the process group to shard over (default: the whole job).
         broadcast_buffer_size: accepted for fairscale's signature; unused (messages are the owners' flat buffers).
         broadcast_fp16: send the updated parameters in fp16 (half the bytes; the owner keeps its fp32 values).
-        force_broadcast_object: `consolidate_state_dict` broadcasts each rank's shard in turn (its bytes in a
-            uint8 tensor) instead of one gather.
-        split_params: cut large parameters into one piece per rank (None: where it pays, see above; True: every
-            parameter of at least `min_split_numel` elements; False: one owner per parameter, as fairscale).
+        force_broadcast_object: `consolidate_state_dict` broadcasts each shard in turn instead of one gather.
+        split_params: cut large parameters into one piece per rank (None: where it pays; True: every parameter of
+            at least `min_split_numel` elements; False: one owner per parameter, as fairscale).
         min_split_numel: the smallest parameter, in elements, that `split_params` cuts.
-        hierarchical: across hosts with the same number of ranks each, send each parameter once per other host
-            and hand it on inside the host (None: where the layout allows it; True: refuse another layout).
-        check_agreement: compare the ranks' parameters and sharding settings at construction (one small
-            all-gather) and name any rank that differs; False skips it.
-        shared_parameters: on one host, map the owners' shared-memory segments as the other ranks' parameters, so
-            the host holds the parameters once (see above).
+        hierarchical: across hosts of equal rank counts, send once per host and hand on inside it (None: where the
+            layout allows; True: refuse another layout; False: one broadcast over the group).
+        check_agreement: compare the ranks' parameters and settings at construction; False skips the all-gather.
+        shared_parameters: on one host, map the owners' shared-memory segments as the other ranks' parameters.
         **defaults: the optimizer's own arguments (``lr``, ``momentum``, ``betas``, ...), as `optim` takes them.
 
     Raises:
         TypeError: `optim` is not a torch optimizer class.
-        ValueError: an argument out of its range, a setting that cannot act in the run's layout (named), or ranks
-            whose parameters or settings differ (named on every rank).
+        ValueError: an argument out of range, a setting that cannot act in the run's layout, or ranks that differ.
 
     Example::
 
