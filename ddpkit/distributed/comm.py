@@ -5,17 +5,17 @@ thinks in (the owner of a shard is a rank of the optimizer's group). They are tr
 torch expects. With ``async_op=True`` a work handle is returned (``.wait()``); the bytes are counted when the
 collective is issued.
 
-`reduce` on gloo is done here, point to point: gloo's own reduce sends 1.8x the tensor between two ranks and 3.8x
-between four (measured on an isolated loopback), where sending each rank's tensor to the root once is the least
+`reduce` on gloo is done here, point to point: gloo's own reduce sends more than the tensor once per rank
+(`benchmarks/README.md` has the measure), where sending each rank's tensor to the root once is the least
 possible, (N-1) x the tensor in all. With it, a reduce to the owner plus a broadcast from the owner (sharded data
 parallelism) puts exactly the bytes of DDP's ring all-reduce on the wire. The root receives into CPU buffers
 it keeps for the next reduce of the same shape (`_ScratchPool`): a new buffer of many megabytes per reduce costs
-a page fault per 4 KiB on first touch, which took longer than the transfer on the benchmark machine.
+a page fault per 4 KiB on first touch, which can take longer than the transfer itself.
 
 Receives are posted before the data they wait for where the order of a step allows (`post_reduce`,
 `broadcast_many`): gloo's TCP point-to-point is a rendezvous whose ready notice travels behind the receiver's own
-outgoing data on the same connection, so a receive posted late held the other direction of the link (two namespace
-hosts at 100 Mbit/s: ShardedDataParallel 1.43x DDP's step before, 0.93x after; `ddpkit.nn.sharded_ddp`).
+outgoing data on the same connection, so a receive posted late holds the other direction of the link
+(`ddpkit.nn.sharded_ddp`).
 
 CUDA tensors on gloo are staged through host memory here, by ddpkit, for every collective (`_HostStaging`): gloo's
 point-to-point send and receive hand the tensor's raw pointer to a socket, which is only valid for host memory;

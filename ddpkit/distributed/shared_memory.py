@@ -1,9 +1,8 @@
 """Shared-memory segments between the ranks of one host: how a tensor reaches a neighbour without a socket.
 
 Between two processes on one machine, gloo moves a tensor through the kernel's TCP loopback: a copy into the
-socket on one side, a copy out on the other, on the same cores that train. Measured on the benchmark machine
-(2 ranks, 16 MB each way): 8.8 ms fastest, 12.8 ms median over gloo point to point, against 2.8 / 3.1 ms for a
-barrier, one memcpy out of a shared segment and a second barrier.
+socket on one side, a copy out on the other, on the same cores that train. A barrier, one memcpy out of a shared
+segment and a second barrier cost less than that (the measure: `benchmarks/README.md`).
 
 A *segment* is a file in ``/dev/shm`` that one rank (its writer) creates and writes, and the ranks that read it
 map (``torch.from_file(..., shared=True)``). Once all have mapped it the file is unlinked: the mappings live on

@@ -28,8 +28,8 @@ recv            a point-to-point message received      0, recorded as such by p2
 
 Summed over the ranks, a reduce to the owner plus a broadcast from the owner sends exactly what one all-reduce of
 the same tensor sends, 2 (N-1) B, which is how ShardedDataParallel + OSS is compared against DDP. On gloo the
-all-reduce, broadcast and ddpkit's point-to-point reduce put these totals on the wire (measured on an isolated
-loopback at 2 and 4 ranks: within 0.2%, TCP headers aside); `benchmarks/` measures them on a real link too.
+all-reduce, broadcast and ddpkit's point-to-point reduce put these totals on the wire, TCP headers aside
+(`tests/test_wire_bytes.py` holds them to the interfaces' counters; `benchmarks/` measures a real link too).
 Recording is a few Python additions under a lock (backward hooks may run on autograd worker threads); nothing is
 synchronised with other ranks, so each rank reads its own numbers.
 """

@@ -1,12 +1,12 @@
 """How many intra-op threads a rank takes: its share of the cores of the machine it runs on.
 
-torch gives every process as many threads as the machine has cores. Two ranks on one machine then run twice as
-many threads as there are cores, and each matrix product waits for threads the other rank holds (measured on
-2 cores: two ``--rank`` processes on loopback ran about 9x slower than a local spawn, whose ranks took one core
-each). A local spawn knows how many ranks share the machine before it starts; ``--rank`` launches and torchrun's
-(one process per node, or nodes in containers on one machine) learn it only once they have joined, from one
-all-gather of each rank's machine identity; the ranks of a fault-tolerant job, which no group spans, from the
-identities each wrote into the job's store, counted over the members of the round they took part in.
+torch gives every process as many threads as the machine has cores. Two ranks on one machine then run twice as many
+threads as there are cores, and each matrix product waits for threads the other rank holds (several times slower
+than ranks that take their share of the cores each). A local spawn knows how many ranks share the machine before it
+starts; ``--rank`` launches and torchrun's (one process per node, or nodes in containers on one machine) learn it
+only once they have joined, from one all-gather of each rank's machine identity; the ranks of a fault-tolerant job,
+which no group spans, from the identities each wrote into the job's store, counted over the members of the round
+they took part in.
 
 Ranks share a machine's cores when they run under one kernel (the same boot id) on the same CPUs (the same
 affinity set): network or mount namespaces (containers, the test hosts of `benchmarks.lib.netns`) do not give a
