@@ -5,9 +5,9 @@ thinks in (the owner of a shard is a rank of the optimizer's group). They are tr
 torch expects. With ``async_op=True`` a work handle is returned (``.wait()``); the bytes are counted when the
 collective is issued.
 
-`reduce` on gloo is done here, point to point: gloo's own reduce sends more than the tensor once per rank
-(`benchmarks/README.md` has the measure), where sending each rank's tensor to the root once is the least
-possible, (N-1) x the tensor in all. With it, a reduce to the owner plus a broadcast from the owner (sharded data
+`reduce` on gloo is done here, point to point: gloo's own reduce sends more than the least possible,
+each rank's tensor sent to the root once, (N-1) x the tensor in all, which is what this one sends on the wire
+(`tests/test_wire_bytes.py`). With it, a reduce to the owner plus a broadcast from the owner (sharded data
 parallelism) puts exactly the bytes of DDP's ring all-reduce on the wire. The root receives into CPU buffers
 it keeps for the next reduce of the same shape (`_ScratchPool`): a new buffer of many megabytes per reduce costs
 a page fault per 4 KiB on first touch, which can take longer than the transfer itself.

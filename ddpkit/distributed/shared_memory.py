@@ -2,7 +2,7 @@
 
 Between two processes on one machine, gloo moves a tensor through the kernel's TCP loopback: a copy into the
 socket on one side, a copy out on the other, on the same cores that train. A barrier, one memcpy out of a shared
-segment and a second barrier cost less than that (the measure: `benchmarks/README.md`).
+segment and a second barrier cost less than those two copies through the kernel.
 
 A *segment* is a file in ``/dev/shm`` that one rank (its writer) creates and writes, and the ranks that read it
 map (``torch.from_file(..., shared=True)``). Once all have mapped it the file is unlinked: the mappings live on
