@@ -92,7 +92,8 @@ def test_the_main_classes_docstrings_are_at_the_size_users_read():
     """What it is, the algorithm in a few sentences, what it sends and holds, Args, Raises, an Example: the rest
     lives on the concept pages."""
     from ddpkit.nn import ShardedDataParallel
-    from ddpkit.optim import OSS
+    from ddpkit.optim import OSS, AdaScale, ShardedGradScaler
 
-    lengths = {cls.__name__: len(inspect.getdoc(cls).splitlines()) for cls in (OSS, ShardedDataParallel)}
+    main = (OSS, ShardedDataParallel, AdaScale, ShardedGradScaler)
+    lengths = {cls.__name__: len(inspect.getdoc(cls).splitlines()) for cls in main}
     assert all(n <= 40 for n in lengths.values()), lengths

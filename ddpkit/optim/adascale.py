@@ -34,65 +34,27 @@ _STATE_KEY = "adascale"
 class AdaScale(WrappedOptimizer):
     """Wraps an SGD-like optimizer so that a batch S times larger keeps the single-worker learning-rate schedule.
 
-    Algorithm (AdaScale SGD: Johnson, Agrawal, Gu, Guestrin, ICML 2020, arXiv:2007.05105): every update averages
-    ``S = world_size x num_gradients_to_accumulate`` micro-gradients ``g_1 .. g_S``. From them AdaScale estimates,
-    per parameter group, the variance ``sigma2`` of the gradient of one base batch (the batch the schedule was
-    tuned for; one update averages `scale` of them) and the squared norm ``mu2`` of the true gradient::
+    Algorithm (AdaScale SGD, Johnson et al., ICML 2020): from the ``S = world_size x num_gradients_to_accumulate``
+    micro-gradients ``g_i`` of an update it estimates, per param group, the variance ``sigma2`` of one base batch's
+    gradient (the batch the schedule was tuned for) and the squared norm ``mu2`` of the true gradient::
 
         v      = (sum_i ||g_i||^2 - S ||mean_i g_i||^2) / (S - 1)      # sample variance of a micro-gradient
         sigma2 = max(v * scale / S, 1e-6)        mu2 = max(||mean_i g_i||^2 - v / S, 0)
 
-    smooths both with moving averages (coefficient `smoothing`, bias-corrected unless ``debias_ewma=False``) and
-    multiplies the learning rate of the step by the gain ``r = (sigma2 + mu2) / (sigma2 / scale + mu2)``, which
-    lies in ``[1, scale]``: about 1 while the gradient dominates its noise (a larger batch cannot help), up to
-    `scale` when noise dominates (the linear scaling rule). Progress is counted in scale-invariant iterations,
-    ``scale_invariant_steps = sum of the gains``: stopping at the single-worker run's step count T and driving its
-    LR schedule by that count (`step_scheduler`) reproduces the single-worker run with about T / S updates.
+    smooths both (`smoothing`, debiased unless ``debias_ewma=False``) and multiplies the step's learning rate by
+    the gain ``r = (sigma2 + mu2) / (sigma2 / scale + mu2)`` in ``[1, scale]``. The gains' sum, `scale_invariant_steps`,
+    drives the 1-worker schedule (`step_scheduler`): stopping at its T steps takes about T / S updates.
 
-    How the two norms are measured: a tensor hook on every trainable parameter sees each micro-gradient as it is
-    produced, before it is accumulated into ``.grad`` and so before torch DDP or ShardedDataParallel average it
-    (also under ``no_sync()``); its squared norm is added to a per-group sum (times ``n^2`` for n accumulated
-    micro-batches when ``is_scaled_loss``: the loss was divided by n). At the end of the n-th backward pass of an
-    update (after DDP's or ShardedDataParallel's reduction, in an autograd callback) ``||mean_i g_i||^2`` is read
-    from the averaged ``.grad`` (divided by ``n^2`` when not ``is_scaled_loss``: ``.grad`` then holds the sum) and
-    the estimates are updated, so `gain()` read between that backward and `step()` is the gain `step()` uses.
-    Each parameter's averaged gradient is counted once: by its owner when the wrapped optimizer is an `OSS` (with
-    ShardedDataParallel only owners keep gradients), otherwise every rank holds the whole averaged gradient (DDP)
-    and the sum over ranks is divided by the world size.
-
-    Communication: one all-reduce per update, at the end of its last backward pass (every rank passes there), of
-    ``2 x number of parameter groups`` float64 values (each rank's micro-gradient square norms and its share of the
-    averaged gradient's square norm), through `ddpkit.distributed.comm` on ``comm_device(group)``; nothing when the
-    world size is 1. `gain()` never communicates. The group is `process_group`, else the wrapped OSS's group, else
-    the default group. A rank that hooks no parameter at all (no trainable parameter) takes part in that
-    all-reduce from `step()`, which is the next collective of the other ranks.
-
-    Memory: a few Python floats per parameter group and one float64 scalar per group accumulating the
-    micro-gradient norms; norms are dot products over the gradients as they are (a transient float32 copy only for
-    half-precision or non-contiguous gradients). No gradient or parameter is kept or copied.
-
-    Mixed precision and clipping: both norms are taken before ``GradScaler.unscale_`` and before any clipping, so a
-    loss scale s multiplies sigma2 and mu2 alike by s^2 (`estimates()` carry it; the gain does not depend on it
-    while it stays constant) and clipping does not change them. An update whose norms are not finite (an
-    overflow) leaves the estimates unchanged. Gradients averaged only after the last backward (every pass under
-    ``no_sync()`` then ``ShardedDataParallel.reduce()``, or a hand-written all-reduce) are read before that
-    averaging, so the estimate sees this rank's sum instead (fairscale has the same limit): let the last backward
-    synchronise.
-
-    Inside `OSS` (``OSS(params, optim=AdaScaleWrapper, ...)``) each rank's AdaScale steps the parameters that rank
-    owns but measures the whole model (OSS hands it its param groups): the gains are those of ``AdaScale(OSS(...))``
-    (fairscale's measured each rank's shard only). OSS's checkpoints do not carry the estimates there; prefer
-    ``AdaScale(OSS(...))`` for checkpoints.
+    Sends: per update, at its last backward, one all-reduce of 2 float64 per param group (none on one rank). Holds:
+    a few floats per group. How the norms are measured, mixed precision, clipping, OSS: docs/adascale.md.
 
     Args:
         optimizer: the SGD-like torch optimizer (or an `OSS`) whose learning rate the gain multiplies.
-        world_size: the ranks whose gradients an update averages (None: the process group's size; 1: a purely
-            local AdaScale over accumulated micro-batches).
+        world_size: the ranks an update averages over (None: the group's size; 1: local, over accumulation only).
         scale: S, how many base batches one update averages (None: world size x `num_gradients_to_accumulate`).
         smoothing: the moving averages' coefficient in [0, 1) (None: the paper's ``max(1 - S / 1000, 0)``).
         num_gradients_to_accumulate: backward passes per update (gradient accumulation).
-        is_scaled_loss: each accumulated loss was divided by `num_gradients_to_accumulate` (False: ``.grad``
-            holds the sum of the micro-gradients).
+        is_scaled_loss: each accumulated loss was divided by `num_gradients_to_accumulate` (False: their sum).
         debias_ewma: correct the moving averages' bias towards 0 in the first updates.
         process_group: the ranks that average the gradients (None: the wrapped OSS's group, else the default).
 

@@ -19,35 +19,15 @@ __all__ = ["ShardedGradScaler"]
 class ShardedGradScaler(GradScaler):
     """`torch.amp.GradScaler` for sharded training: every rank skips the same steps and keeps the same scale.
 
-    Algorithm: exactly torch's. `scale(loss)` multiplies the loss by the current scale; `unscale_(optimizer)`
-    divides the gradients that this rank holds by it and records whether any of them is inf/NaN; `step(optimizer)`
-    unscales (unless `unscale_` was called this iteration) and calls ``optimizer.step()`` only if no inf/NaN was
-    found; `update()` multiplies the scale by `backoff_factor` after a skipped step, or by `growth_factor` after
-    `growth_interval` clean steps in a row. The one addition: after unscaling, the found-inf flag is combined
-    (max) over `process_group`, so it means "some rank saw an inf/NaN". That matters when ranks hold different
-    gradients: with `OSS` + `ShardedDataParallel` each rank holds the averaged gradients of the parameters it owns
-    only (a rank may own none; the small ones it does not own it keeps as its own local gradient, unscaled and
-    checked too, which does no harm), so an overflow may be seen by one rank only. Without the agreement that rank
-    would skip `OSS.step` (and its broadcasts) while the others enter it and wait forever, and the scales would
-    drift apart.
+    Algorithm: torch's (scale the loss; unscale the gradients this rank holds and look for inf/NaN; step only
+    without one; back off or grow the scale), plus one agreement: after unscaling, the found-inf flag is combined
+    (max) over `process_group`. Under `OSS` + `ShardedDataParallel` each rank holds only the gradients it owns, so
+    an overflow may be seen on one rank only; without the agreement that rank would skip `OSS.step` while the
+    others wait in its broadcasts, and the scales would drift apart. Works on CPU (bf16/fp16) and CUDA.
 
-    Communication: one all-reduce of one float32 per `unscale_` per optimizer, i.e. per iteration one per
-    optimizer, whether `unscale_` is called explicitly (e.g. before gradient clipping) or by `step`. It goes
-    through `ddpkit.distributed.comm` (so `comm_stats` counts it) on ``comm_device(process_group)``. Nothing is
-    sent when the group has a single rank, when the scaler is disabled, or by `scale` and `update`.
-
-    Memory: torch's (a scale and a growth-tracker scalar) plus one scalar flag per optimizer per iteration;
-    gradients are unscaled in place.
-
-    Parameters are fairscale's, in fairscale's order; `device` (keyword only, as torch's GradScaler has it first)
-    is the one addition. Works on CPU (bf16 or fp16 autocast) and CUDA: `device` defaults to ``"cuda"`` when CUDA
-    is available, else ``"cpu"``, and the scaler never disables itself for lack of CUDA (an explicit
-    ``device="cuda"`` without CUDA is an error). Optimizers with a fused, scaler-aware step
-    (``torch.optim.Adam(fused=True)``) are unscaled before their step so that they skip on the agreed flag too.
-
-    Process group: `process_group` (None: the default group) is used at the first `unscale_`, so the scaler may
-    be built before ``init_process_group``. Without any process group the scaler works on its own, like torch's,
-    unless the environment says the job has several ranks (``WORLD_SIZE > 1``), which is an error.
+    Sends: one all-reduce of one float32 per `unscale_` and optimizer (none on one rank or when disabled). Holds:
+    torch's scale and growth tracker, one flag per optimizer. Devices, process groups, fused steps:
+    docs/sharded.md.
 
     Args:
         init_scale: the loss scale at the start.
@@ -61,8 +41,7 @@ class ShardedGradScaler(GradScaler):
     Raises:
         ValueError: a factor, interval or scale out of its range, or an unknown `device`.
         TypeError: a device given where `init_scale` goes (fairscale's order), or a `process_group` that is not one.
-        RuntimeError: ``device="cuda"`` without CUDA; at the first `unscale_`, several ranks (``WORLD_SIZE > 1``)
-            without a process group.
+        RuntimeError: ``device="cuda"`` without CUDA, or several ranks (``WORLD_SIZE > 1``) without a group.
 
     Example::
 
