@@ -91,9 +91,10 @@ def test_every_public_argument_is_described():
 def test_the_main_classes_docstrings_are_at_the_size_users_read():
     """What it is, the algorithm in a few sentences, what it sends and holds, Args, Raises, an Example: the rest
     lives on the concept pages."""
+    from ddpkit.fault_tolerance import Manager
     from ddpkit.nn import ShardedDataParallel
     from ddpkit.optim import OSS, AdaScale, ShardedGradScaler
 
-    main = (OSS, ShardedDataParallel, AdaScale, ShardedGradScaler)
+    main = (OSS, ShardedDataParallel, AdaScale, ShardedGradScaler, Manager)
     lengths = {cls.__name__: len(inspect.getdoc(cls).splitlines()) for cls in main}
     assert all(n <= 40 for n in lengths.values()), lengths

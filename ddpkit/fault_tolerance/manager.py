@@ -206,40 +206,34 @@ def _stops_if_store_lost(method: Callable[..., Any]) -> Callable[..., Any]:
 class Manager:
     """The rounds of a fault-tolerant job, for any training loop: quorum, averaging, commit, live state.
 
-    Ranks meet in rounds through a store instead of a process group that spans the job (the approach of PyTorch's
-    torchft): each round's members are decided in the store (one compare-and-set), they average
-    over a gloo group made for them alone, a rank that joins receives the live state from a member, and the round is
-    committed only if it went well on every member, so replicas never diverge. The module doc describes each part.
+    Ranks meet in rounds through a store instead of a job-wide process group (torchft's approach): each round's
+    members are decided in the store (one compare-and-set), average over a gloo group of their own, heal a joiner
+    from a member's live state, and commit only if the round went well on every member. The module doc has more.
 
     Sends per round the quorum's store round trips and what the round's work sends (`average`: an all-reduce of the
     tensor and a count); a heal sends the registered state once per joiner. Holds references to the registered
     state, the current quorum and the membership events.
 
     Args:
-        store: a client of the job's store: a ``torch.distributed`` Store (TCPStore; HashStore for ranks that are
-            threads of one process) or `ddpkit.fault_tolerance.etcd_store.EtcdStore`, which any one machine may
-            be lost with. Given a job secret (``DDPKIT_JOB_SECRET``), it is wrapped in a
-            `ddpkit.fault_tolerance.job_secret.SignedStore`: values and heals are authenticated.
+        store: a client of the job's store: a ``torch.distributed`` Store (TCPStore; HashStore for thread ranks)
+            or an `EtcdStore` (any one machine may be lost); signed with ``DDPKIT_JOB_SECRET`` when that is set.
         rank: this rank's id, in ``[0, max_world)``, the same when it is started again.
         max_world: the job's largest number of ranks.
         min_replicas: the fewest members a round may have; with fewer, every rank stops with `TooFewReplicas`.
-        quorum_timeout: seconds a round waits for a rank that does not arrive (less once its heartbeat stopped),
-            and a round's collectives and commit wait for a member, before it is left out.
+        quorum_timeout: seconds a round, its collectives and its commit wait for a rank before leaving it out.
         start_timeout: seconds the job's first round waits for every rank (None: `quorum_timeout`).
         join_timeout: seconds a rank that joins waits for a round to take it in.
         prefix: the store keys' prefix (jobs sharing a store need different ones).
-        settings: what every rank must share (name -> value: hyper-parameters, the model's shape), compared by
-            value at the first round (every member is refused, naming the setting) and at every join (the joiner
-            alone is refused).
+        settings: what every rank must share (name -> value), compared at the first round (every member is
+            refused, naming the setting) and at every join (the joiner alone is refused).
         report: where each membership change is written as it happens (default: a line on stderr; None: nowhere).
-        replica: this process's place in a replica of several processes (a machine sharding the optimizer state;
-            `ddpkit.fault_tolerance.replica_membership`); None: the process is the replica.
+        replica: this process's place in a replica of several processes (`replica_membership`; None: alone).
 
     Raises:
         ValueError: `rank`, `min_replicas` or `quorum_timeout` out of range, or the job's secret is malformed.
 
     Example:
-        As in the module doc, for a rank of three on the job's TCPStore::
+        A rank of three on the job's TCPStore::
 
             store = torch.distributed.TCPStore(host, port, is_master=False)
             manager = Manager(store, rank, max_world=3, quorum_timeout=5, settings={"lr": lr})
