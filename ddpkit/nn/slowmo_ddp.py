@@ -50,71 +50,31 @@ class SlowMoBaseAlgorithm(str, Enum):
 class SlowMoDistributedDataParallel(ModuleWrapper):
     """Local SGD with slow momentum for clusters whose nodes are joined by slow links.
 
-    Algorithm (SlowMo, Wang, Tantia, Ballas, Rabbat, ICLR 2020): ranks ``[k*n, (k+1)*n)`` form node k
-    (n = `nprocs_per_node`). Inside a node, gradients are averaged after every backward (torch DDP on the node's
-    group), so a node's processes hold one replica. Between nodes, parameters are averaged exactly only every
+    Algorithm (SlowMo, Wang et al., ICLR 2020): ranks ``[k*n, (k+1)*n)`` form node k (n = `nprocs_per_node`);
+    inside a node gradients are averaged every backward (torch DDP), between nodes the parameters every
     `localsgd_frequency` calls of `perform_slowmo`. Every `slowmo_frequency` calls, with lr the base optimizer's
-    current learning rate (of its first param group), beta = `slowmo_momentum`, alpha = `slowmo_lr`, x0 the
-    parameters at the last slow step (at first: when this wrapper was built) and x the freshly averaged
-    parameters: ``u = beta u + (x0 - x)/lr; x0 = x0 - alpha lr u; x = x0`` (`slowmo_nesterov`: ``x0 -= alpha lr
-    (d + beta u)`` with ``d = (x0 - x)/lr``). SlowMo is on iff ``slowmo_lr != 1 or slowmo_momentum != 0``;
-    otherwise this is plain local SGD.
+    learning rate, beta = `slowmo_momentum`, alpha = `slowmo_lr`, x0 the parameters at the last slow step and x the
+    averaged ones: ``u = beta u + (x0 - x)/lr; x0 = x0 - alpha lr u; x = x0``. SlowMo is on iff ``slowmo_lr != 1``
+    or ``slowmo_momentum != 0``, else this is local SGD. ``SGP`` gossips between node masters every step instead;
+    `slowmo_compression`, `slowmo_fragments` or `slowmo_sync_delay` sync compressed pseudo-gradients (DiLoCo,
+    Streaming DiLoCo). Each mode is a `ddpkit.algorithms.NodeAverager` (`averager`); docs/slow-links.md.
 
-    Communication: every backward, DDP's all-reduce of the gradients inside each node. Every `localsgd_frequency`
-    steps, an all-reduce of the flat parameters among node masters (first rank of each node), then a broadcast
-    inside each node. On a slow step with `slowmo_memory_efficient`, the flat parameters are instead split into
-    ``min(world, slowmo_num_shards)`` slices, each reduced to (and averaged on) the rank keeping its slow buffers,
-    stepped there and broadcast back: one reduce + one broadcast, no all-reduce. With `broadcast_buffers`, module
-    buffers are broadcast from rank 0 before each forward with grad enabled (as torch DDP: never in `no_grad`).
-
-    Memory: two extra copies of the parameters (x0 and u) in fp32, divided over the shard keepers when
-    `slowmo_memory_efficient`, plus a transient flat copy of the parameters on averaging steps.
-
-    With ``slowmo_base_algorithm=SGP``, node masters gossip every step instead (stochastic gradient push on
-    `graph`, by default `NPeerDynamicDirectedExponentialGraph`, with `mixing`, PushSum or PushPull by `push_sum`,
-    one step late with `overlap`, `synch_freq` steps late with it; see `ddpkit.algorithms.gossip.SGPEngine`), and
-    the nodes are averaged exactly only on slow steps, plus every `localsgd_frequency` steps with
-    `slowmo_sgp_average_params`. Memory: one more flat copy of the parameters (the push-sum numerators) and the
-    gossip's message and receive buffers on node masters.
-
-    Over slow links (DiLoCo, Streaming DiLoCo; LOCALSGD only): with `slowmo_compression` other than "none",
-    `slowmo_fragments` K > 1 or `slowmo_sync_delay` tau > 0, nodes never send parameters. Each rank keeps g, the
-    parameters as of the last sync (the same bits on every rank); a sync sends each node's pseudo-gradient
-    ``d = g - x`` (plus, with `slowmo_error_feedback`, what quantisation dropped from its previous one), quantised
-    ("bf16", "int8" or "int4" with one fp32 scale per `slowmo_compression_block` values; "none": fp32), averaged
-    among node masters by `ddpkit.algorithms.compressed_mean` (about 2(N-1)/N of the quantised size per
-    master) and broadcast in fp32 inside each node: ``g = g - mean(d)``, then slow momentum on g on a slow step
-    (``x0``, ``u`` as above with x = g), then ``x = g``. The parameters form K fragments (balanced by elements,
-    whole tensors where possible, K <= localsgd_frequency), each synced at its own offset of every period; with
-    tau (< localsgd_frequency) a fragment's mean travels in the background for tau steps and is merged as
-    ``x = a x + (1 - a) g`` with a = `slowmo_merge_alpha` (Streaming DiLoCo's mixing factor, 0.5). The slow
-    buffers are then kept whole on every rank. Memory: g (P floats), the residual (P, with error feedback), the
-    syncs in flight. See `ddpkit.algorithms.pseudo_gradient.OuterSync`.
-
-    How nodes average is one `ddpkit.algorithms.NodeAverager`, chosen from the arguments above ("exact",
-    "gossip" with SGP, "pseudo_gradient" with compression, fragments or a delay) or named by `averager` (beyond
-    fairscale): a mode registered with `ddpkit.algorithms.register_averager` plugs in without changing this class.
-
-    When to use the outer Nesterov option: DiLoCo-style training with long local phases (hundreds of steps,
-    ``slowmo_lr=0.7, slowmo_momentum=0.9, slowmo_nesterov=True``), where the averaged progress is treated as an
-    outer gradient; for short local phases (a few steps) the paper's plain slow momentum is the tested choice.
+    Sends: every backward, DDP's all-reduce inside each node; every `localsgd_frequency` steps, the parameters
+    among node masters (an all-reduce, or with `slowmo_memory_efficient` a reduce and a broadcast of slices), then a
+    broadcast inside each node. Holds: x0 and u (fp32; sliced over the ranks when memory-efficient).
 
     Args:
         module: the model to train; the same parameters on every rank.
-        nprocs_per_node: processes per node: gradients are averaged inside a node every step, parameters between
-            nodes every `localsgd_frequency` steps (the world size must be a multiple of it).
+        nprocs_per_node: processes per node (gradients averaged inside it every step); divides the world size.
         broadcast_buffers: broadcast the module's buffers from rank 0 before each forward with grad enabled.
         slowmo_base_algorithm: ``SlowMoBaseAlgorithm.LOCALSGD`` (exact averages) or ``SGP`` (gossip every step).
         slowmo_momentum: beta, the slow momentum (0 with `slowmo_lr` 1: plain local SGD).
-        slowmo_memory_efficient: keep x0 and u in slices over the ranks (one reduce and one broadcast per slow
-            step instead of an all-reduce); False keeps them whole on every rank.
+        slowmo_memory_efficient: keep x0 and u in slices over the ranks; False keeps them whole on every rank.
         slowmo_frequency: slow steps every this many `perform_slowmo` calls.
         slowmo_lr: alpha, the slow learning rate.
         slowmo_num_shards: the most slices x0 and u are split into (at most the world size).
-        localsgd_frequency: exact averages between nodes every this many calls (LOCALSGD; with SGP and
-            `slowmo_sgp_average_params`, the extra exact averages).
-        graph: SGP's gossip graph, a `GraphManager` built for this rank's node (None: the one-peer directed
-            exponential graph).
+        localsgd_frequency: exact averages between nodes every this many calls (SGP: with `slowmo_sgp_average_params`).
+        graph: SGP's gossip graph, a `GraphManager` for this rank's node (None: one-peer directed exponential).
         mixing: SGP's mixing weights, a `MixingManager` on `graph` (None: uniform).
         push_sum: SGP with push-sum weights (any graph); False: PushPull, for regular graphs with uniform mixing.
         overlap: SGP: a gossip round travels while the next steps compute.
@@ -139,8 +99,7 @@ class SlowMoDistributedDataParallel(ModuleWrapper):
         averager: how nodes average, by registered name or class (None: chosen from the arguments above).
 
     Raises:
-        ValueError: an argument out of its range, arguments that contradict each other, an option that cannot act in
-            the run's layout (named), or ranks whose modules or settings differ (named on every rank).
+        ValueError: an argument out of range or contradicting another, an option that cannot act, ranks that differ.
         TypeError: an argument of the wrong type (a graph or mixing that is not ddpkit's, a switch not a bool).
 
     Example::
