@@ -674,8 +674,9 @@ def test_finish_tells_the_store_the_job_is_over_and_a_late_rank_is_told_so():
     assert not errors, errors
     assert job_store.wait_until_finished(store, start_timeout=1) == "finished"
     late = Manager(store, 1, 2, quorum_timeout=5, report=None)
-    with pytest.raises(JobFinished):
+    with pytest.raises(JobFinished) as finished:
         late.start_round()
+    assert "on a fresh store" in str(finished.value) and "another --master-port" in str(finished.value)
 
 
 def test_with_a_job_secret_every_store_value_is_tagged_and_a_heal_still_equals_the_reference():

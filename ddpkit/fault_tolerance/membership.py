@@ -295,7 +295,8 @@ class Membership:
             members = self.store.get(self.prefix + FINAL).decode()
             raise JobFinished(
                 f"the fault-tolerant job finished already (its last members: {members}); nothing to join. A job's "
-                "name stands for one run: start a new run under a new name (etcd://.../NEW-NAME)"
+                "store stands for one run: start a new run on a fresh store (a store of its own: another "
+                "--master-port, or `ddpkit store` started again) or, on etcd, under a new name (etcd://.../NEW-NAME)"
             )
 
     def _live(self, round_: int) -> bool:
