@@ -694,3 +694,14 @@ def test_with_a_job_secret_every_store_value_is_tagged_and_a_heal_still_equals_t
         for got, want in zip(results[rank][1], reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert raw.get("ddpkit/ft/latest").startswith(MARK) and raw.get("ddpkit/ft/settings").startswith(MARK)
+
+
+def test_the_library_and_the_command_share_the_quorum_timeout_default():
+    """`Manager()` and `ddpkit train --fault-tolerant` wait for a missing rank equally long unless told otherwise."""
+    import inspect
+
+    from ddpkit.fault_tolerance.membership import Membership
+    from ddpkit.train.settings.config import TrainConfig
+
+    for cls in (Manager, Membership):
+        assert inspect.signature(cls).parameters["quorum_timeout"].default == TrainConfig.quorum_timeout, cls

@@ -253,7 +253,7 @@ class Manager:
         max_world: int,
         *,
         min_replicas: int = 1,
-        quorum_timeout: float = 10.0,
+        quorum_timeout: float = 5.0,
         start_timeout: float | None = None,
         join_timeout: float = 300.0,
         prefix: str = DEFAULT_PREFIX,

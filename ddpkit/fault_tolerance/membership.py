@@ -191,7 +191,7 @@ class Membership:
         rank: int,
         max_world: int,
         min_replicas: int = 1,
-        quorum_timeout: float = 10.0,
+        quorum_timeout: float = 5.0,
         prefix: str = DEFAULT_PREFIX,
         *,
         start_timeout: float | None = None,
