@@ -401,6 +401,8 @@ def explain_failure(exc: BaseException, timeout: float) -> str:
     name = type(exc).__name__
     first = first.removeprefix(f"{name}: ")
     cause = f"{name}: {first}" if first else name
+    if isinstance(exc, LaunchError):
+        return cause  # (ddpkit's own message says what it means)
     if re.search(r"[Tt]imed? ?out", first):
         return f"{cause} (a peer rank did not answer within --timeout {timeout:g} s: stopped, hung or unreachable)"
     from ddpkit.distributed.ledger import PEER_GONE
