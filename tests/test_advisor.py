@@ -224,3 +224,22 @@ def test_plots(tmp_path):
     plot_run(str(tmp_path / "metrics.png"), {**summary, "heldout_bits_per_byte": 4.0}, [], steps)
     for name in ("bench.png", "metrics.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_bytes_panel_draws_the_summarys_means_beside_rank_0s_rows():
+    """metrics.png's bytes panel: rank 0's own rows, and the means over ranks that the summary prints (ranks send
+    different amounts), each named in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddpkit.measure.plots import _bytes_panel
+
+    steps = [{"step": i, "sent_bytes": 1e5, "shared_bytes": 1.56e5} for i in range(3)]
+    figure, ax = plt.subplots()
+    _bytes_panel(ax, steps, {"sent_bytes_per_step": 2e5, "shared_memory_bytes_per_step": 3.4e5})
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    plt.close(figure)
+    assert lines["network, rank 0"] == [0.1] * 3 and lines["shared memory, rank 0 (not on the wire)"] == [0.156] * 3
+    assert lines["network, mean over ranks"] == [0.2, 0.2] and lines["shared memory, mean over ranks"] == [0.34] * 2

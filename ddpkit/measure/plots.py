@@ -178,13 +178,22 @@ def _heldout_panel(
     _epoch_ticks(ax, history, completed)
 
 
-def _bytes_panel(ax: Any, steps: list[dict[str, Any]]) -> None:
+def _bytes_panel(ax: Any, steps: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """Rank 0's bytes per step (its own rows), and as dotted lines the means over ranks the summary prints (ranks
+    send different amounts: an owner receives where the others send)."""
     x = [s["step"] for s in steps]
-    ax.plot(x, [s.get("sent_bytes", 0.0) / 1e6 for s in steps], lw=1, label="network (modelled wire bytes)")
-    if any(s.get("shared_bytes", 0) for s in steps):
-        ax.plot(x, [s["shared_bytes"] / 1e6 for s in steps], lw=1, ls="--", label="shared memory (not on the wire)")
-    ax.set(xlabel="optimizer step", ylabel="MB per step (rank 0)", title="bytes sent")
-    ax.legend(fontsize=8)
+    line = ax.plot(x, [s.get("sent_bytes", 0.0) / 1e6 for s in steps], lw=1, label="network, rank 0")[0]
+    if summary.get("sent_bytes_per_step") is not None:
+        mean = summary["sent_bytes_per_step"] / 1e6
+        ax.axhline(mean, color=line.get_color(), lw=1, ls=":", label="network, mean over ranks")
+    if any(s.get("shared_bytes", 0) for s in steps) or summary.get("shared_memory_bytes_per_step"):
+        shared = ax.plot(x, [s.get("shared_bytes", 0.0) / 1e6 for s in steps], lw=1, ls="--")[0]
+        shared.set_label("shared memory, rank 0 (not on the wire)")
+        if summary.get("shared_memory_bytes_per_step") is not None:
+            mean = summary["shared_memory_bytes_per_step"] / 1e6
+            ax.axhline(mean, color=shared.get_color(), lw=1, ls=":", label="shared memory, mean over ranks")
+    ax.set(xlabel="optimizer step", ylabel="MB per step", title="bytes sent per step (network: modelled wire bytes)")
+    ax.legend(fontsize=8, loc="center right")
 
 
 def run_title(summary: dict[str, Any]) -> str:
@@ -213,7 +222,7 @@ def plot_run(
     completed = summary.get("epochs_completed")
     _loss_panel(axes[0], steps, history, bits, completed)
     _heldout_panel(axes[1], history, heldout, bits, completed)
-    _bytes_panel(axes[2], steps)
+    _bytes_panel(axes[2], steps, summary)
     fig.suptitle(run_title(summary), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
