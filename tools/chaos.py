@@ -15,15 +15,18 @@ and verdicts are the same); then the nemesis injects faults one after another, e
   too, restarted), ``pause-rank`` (SIGSTOP for 1-30 s);
 - ``cut-peers``, ``cut-store``, ``cut-both``: iptables DROP in the host's namespace between it and the other hosts'
   training traffic, the store's ports, or everything, for 5-20 s;
-- ``etcd-kill``, ``etcd-pause``, ``etcd-blackhole`` (a member's ports dropped) for 5-20 s (``--store etcd``).
+- ``etcd-kill``, ``etcd-pause``, ``etcd-blackhole`` (a member's ports dropped) for 5-20 s (``--store etcd``);
+- ``store-restart`` (``--store embedded``, the last fault): the store killed and started again, empty, at its
+  address after 1-5 s. That ends the job by design: every rank must stop with StoreLost and none commit a round
+  in the new store (no rank is restarted after it: one started now would begin another job).
 
-(The embedded store restarted empty at its address ends the job by design; tests/test_manager.py checks that
-every survivor stops and none goes on in it.)
+``--script KIND:HOST:SECONDS,...`` gives the faults in order instead of a draw (the short forms CI runs).
 
 The checker reads every history: no round committed by two groups with different members or states (a split),
 every committed round's members agree, no hang (the job ends within ``--finish-timeout`` of the last fault), no
 stuck stretch (no committed round for ``--stuck-seconds``, nor more than ``--stuck-failures`` rounds in a row
-failed with the same members, while the job runs), no process left in any host, the final replicas equal; and it
+failed with the same members, while the job runs), every paused rank back in a committed round within 4 quorum
+timeouts (and `CATCH_UP_SLACK`) of waking, no process left in any host, the final replicas equal; and it
 reports the healthy ranks dropped (whose host no fault hit: a violation with ``--strict-drops``), the held-out
 loss against the reference's and goodput (steps per second against the reference's). It prints the fault mix and
 the verdict, writes ``OUT/chaos.json``, and exits 1 on any violation.
@@ -68,8 +71,10 @@ KINDS = {
         "etcd-pause",
         "etcd-blackhole",
     ],
-    "embedded": ["kill-rank", "pause-rank", "cut-peers", "cut-both"],
+    "embedded": ["kill-rank", "pause-rank", "cut-peers", "cut-both", "store-restart"],
 }
+LAST_KINDS = ("store-restart",)  # a fault that ends the job by design comes last (once)
+CATCH_UP_SLACK = 10.0  # seconds beyond 4 quorum timeouts a woken rank may take to be back (a heal on a loaded machine)
 
 
 @dataclass
@@ -98,6 +103,8 @@ class Job:
     workers: dict[int, subprocess.Popen] = field(default_factory=dict)
     servers: dict[int, subprocess.Popen] = field(default_factory=dict)  # etcd members, or the embedded store (0)
     finished: bool = False
+    store_restarted: float = 0.0  # when the embedded store was killed to come back empty (0: never); no restarts after
+    store_back: float = 0.0  # when it listened again, empty
 
     @property
     def url(self) -> str:
@@ -155,12 +162,13 @@ class Job:
         log.close()
 
     def supervise(self) -> None:
-        """Starts again every rank that ended before the job did (exit 0 means the job is over)."""
+        """Starts again every rank that ended before the job did (exit 0 means the job is over; after the store's
+        restart, the job is gone: a rank started now would start another)."""
         for k, proc in list(self.workers.items()):
             code = proc.poll()
             if code == 0:
                 self.finished = True
-            elif code is not None and not self.finished:
+            elif code is not None and not self.finished and not self.store_restarted:
                 self.start_worker(k)
 
     def signal(self, k: int, signum: int, server: bool = False) -> None:
@@ -218,16 +226,30 @@ class Job:
 
 
 def draw_faults(rng: random.Random, kinds: list[str], count: int, hosts: int, longest: float = 30.0) -> list[Fault]:
-    """`count` faults (seeded), each kind in turn first so that a short run has every kind, then at random; none
-    lasts more than `longest` seconds."""
-    order = [kinds[i % len(kinds)] for i in range(count)]
+    """`count` faults (seeded), each kind in turn first so that a short run has every kind, then at random, a kind
+    that ends the job (`LAST_KINDS`) last; none lasts more than `longest` seconds."""
+    last = [kind for kind in kinds if kind in LAST_KINDS]
+    every = [kind for kind in kinds if kind not in LAST_KINDS]
+    order = [every[i % len(every)] for i in range(count - len(last))]
     rng.shuffle(order)
+    order += last
     faults = []
     for kind in order:
-        host = rng.randrange(3) if kind.startswith("etcd") else rng.randrange(hosts)
-        low, high = (1, 30) if kind == "pause-rank" else (1, 5) if "kill" in kind else (5, 20)
+        host = 0 if kind == "store-restart" else rng.randrange(3) if kind.startswith("etcd") else rng.randrange(hosts)
+        low, high = (1, 30) if kind == "pause-rank" else (1, 5) if "kill" in kind or "restart" in kind else (5, 20)
         seconds = min(longest, rng.uniform(low, high))
         faults.append(Fault(kind, host, round(seconds, 1), round(rng.uniform(1, 3), 1)))
+    return faults
+
+
+def parse_script(text: str) -> list[Fault]:
+    """Faults written out as ``KIND:HOST:SECONDS,...`` (``--script``), in that order, 1.5 s apart."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, host, seconds = item.split(":")
+        if kind not in {k for kinds in KINDS.values() for k in kinds}:
+            raise SystemExit(f"chaos: --script: unknown fault kind {kind!r} in {item!r}")
+        faults.append(Fault(kind, int(host), float(seconds), 1.5))
     return faults
 
 
@@ -248,6 +270,9 @@ def inject(job: Job, fault: Fault) -> None:
         job.signal(k, signal.SIGSTOP, server=True)
     elif kind == "etcd-blackhole":
         job.blackhole_member(k)
+    elif kind == "store-restart":
+        job.store_restarted = time.time()
+        job.signal(0, signal.SIGKILL, server=True)
     until = time.monotonic() + fault.seconds
     while time.monotonic() < until:
         if kind not in ("kill-rank", "kill-machine"):
@@ -261,6 +286,10 @@ def inject(job: Job, fault: Fault) -> None:
         job.signal(k, signal.SIGCONT, server=True)
     elif kind == "etcd-kill" or (kind == "kill-machine" and job.store == "etcd" and k < 3):
         job.start_server(k)
+    elif kind == "store-restart":
+        job.servers[0].wait()
+        job.start_server(0)  # (empty, at the same address)
+        job.store_back = time.time()
     job.supervise()
 
 
@@ -279,12 +308,17 @@ def check(
     stuck_failures: int = 3,
     faults: list[Fault] | tuple = (),
     strict_drops: bool = False,
+    catch_up_seconds: float = float("inf"),
+    store_restarted: float = 0.0,
 ) -> tuple[list[str], dict[str, Any]]:
     """The violations in the ranks' histories (module doc) and the run's figures. Stuck is either no committed
     round for `stuck_seconds`, or more than `stuck_failures` rounds in a row failed with the same members (a
     decision that does not learn what failed). A rank dropped while no fault hit its host (an etcd member's
     fault, say, or a machine too loaded to beat in time) is a healthy rank dropped: counted, and with
-    `strict_drops` more than `UNEXPLAINED_DROPS` of them is a violation (on a loaded machine they happen)."""
+    `strict_drops` more than `UNEXPLAINED_DROPS` of them is a violation (on a loaded machine they happen). A rank
+    woken from a pause must be a member of a committed round within `catch_up_seconds` (unless the job ended or
+    another fault hit it first). Once the embedded store is back empty (`store_restarted`, a time), no rank may commit
+    a round, and every rank must have stopped with StoreLost."""
     wrong: list[str] = []
     rounds: dict[int, tuple[list[int], bool, str | None, int]] = {}
     commits = []
@@ -314,6 +348,15 @@ def check(
     unexplained = _unexplained_drops(logs, rounds, faults)
     if strict_drops and len(unexplained) > UNEXPLAINED_DROPS:
         wrong.append(f"healthy ranks dropped (no fault on their host): {unexplained[:10]}")
+    catch_ups = _catch_ups(logs, faults)
+    wrong += [
+        f"slow catch-up: rank {f.host} was back {late:.0f} s after its {f.seconds:g} s pause ended"
+        for f, late in catch_ups
+        if late > catch_up_seconds
+    ]
+    if store_restarted:
+        wrong += _after_store_restart(logs, store_restarted)
+        commits = [t for t in commits if t < store_restarted]
     commits.sort()
     gaps = [b - a for a, b in itertools.pairwise(commits)]
     if gaps and max(gaps) > stuck_seconds:
@@ -327,11 +370,47 @@ def check(
         "longest_gap_seconds": round(max(gaps), 1) if gaps else 0.0,
         "longest_failed_run": longest_run,
         "unexplained_drops": len(unexplained),
+        "longest_catch_up_seconds": round(max((late for _, late in catch_ups), default=0.0), 1),
         "finished_ranks": sorted(finals),
         "heldout_loss": next(iter(finals.values()))["heldout_loss"] if finals else None,
         "restarts": {r: sum(1 for e in entries if "start" in e) - 1 for r, entries in logs.items()},
     }
     return wrong, figures
+
+
+def _catch_ups(logs: dict[int, list[dict[str, Any]]], faults: list[Fault] | tuple) -> list[tuple[Fault, float]]:
+    """For each pause that ended while the job ran: seconds from its end until the paused rank was a member of a
+    committed round again (infinite if never, unless another fault hit its host or the job ended first)."""
+    commits = sorted((e["t"], rank) for rank, entries in logs.items() for e in entries if e.get("committed"))
+    found = []
+    for fault in faults:
+        if fault.kind != "pause-rank" or not fault.ended:
+            continue
+        later = [t for t, _ in commits if t > fault.ended]
+        back = next((t for t, rank in commits if rank == fault.host and t > fault.ended), None)
+        following = [f.began for f in faults if f.host == fault.host and f.began > fault.ended]
+        limit = min([*following, later[-1] if later else fault.ended])
+        if back is not None:
+            found.append((fault, back - fault.ended))
+        elif limit - fault.ended > 0:
+            found.append((fault, float("inf")))
+    return found
+
+
+def _after_store_restart(logs: dict[int, list[dict[str, Any]]], restarted: float) -> list[str]:
+    """The violations once the embedded store is back empty (at `restarted`): a round committed in it, or a rank
+    that did not stop with StoreLost (the job's rounds are gone: going on would be a second job beside the first)."""
+    wrong = [
+        f"rank {rank} committed round {e['round']} in the restarted store"
+        for rank, entries in logs.items()
+        for e in entries
+        if e.get("committed") and e["t"] > restarted
+    ]
+    for rank, entries in logs.items():
+        last = entries[-1] if entries else {}
+        if last.get("end") != "StoreLost":
+            wrong.append(f"rank {rank} did not stop with StoreLost after the store's restart: {last}")
+    return wrong
 
 
 def _unexplained_drops(
@@ -390,9 +469,14 @@ def run(args: argparse.Namespace, hosts: netns.Hosts, out: Path, faults: list[Fa
         for ns in hosts.namespaces
     }
     wrong += [f"processes left in {ns}: {pids}" for ns, pids in left.items() if pids]
+    logs = histories(out, hosts.count)
+    catch_up = 4 * args.quorum_timeout + CATCH_UP_SLACK
     found, figures = check(
-        histories(out, hosts.count), args.stuck_seconds, args.stuck_failures, faults, args.strict_drops
+        logs, args.stuck_seconds, args.stuck_failures, faults, args.strict_drops, catch_up, job.store_back
     )
+    if job.store_restarted:
+        ends = [e["t"] for entries in logs.values() for e in entries if e.get("end")]
+        figures["stopped_after_store_restart_seconds"] = round(max(ends, default=0.0) - job.store_restarted, 1)
     return wrong + found, figures
 
 
@@ -418,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--faults", type=int, default=0, help="faults to inject (0: as many as --minutes allow)")
     parser.add_argument("--minutes", type=float, default=0.0, help="with --faults 0: inject for this long")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--script", default="", help="the faults written out, KIND:HOST:SECONDS,... (no draw)")
     parser.add_argument("--longest-fault", type=float, default=30.0, help="no fault lasts longer (seconds)")
     parser.add_argument("--quorum-timeout", type=float, default=2.0)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a pause per step (slows the job)")
@@ -439,7 +524,7 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="ddpkit-chaos-"))
     rng = random.Random(args.seed)
     count = args.faults or max(1, int(args.minutes * 60 / 14))  # (a fault every 14 s on average)
-    faults = draw_faults(rng, KINDS[args.store], count, args.hosts, args.longest_fault)
+    faults = parse_script(args.script) or draw_faults(rng, KINDS[args.store], count, args.hosts, args.longest_fault)
     with netns.Hosts(args.hosts, rate="1gbit", latency="5ms") as hosts:
         reference = None
         if not args.no_reference:
@@ -455,7 +540,8 @@ def main() -> int:
         figures["reference"] = reference
         if reference["seconds"] and figures["seconds"]:  # the reference ran unpaced: its pauses added back
             paced = reference["seconds"] + reference["steps"] * args.step_seconds
-            figures["goodput"] = round(paced / figures["seconds"], 3)
+            rate = figures["steps"] / figures["seconds"]  # (steps up to the store's restart, where there is one)
+            figures["goodput"] = round(rate / (reference["steps"] / paced), 3)
         if reference["heldout_loss"] and figures["heldout_loss"]:
             figures["loss_ratio"] = round(figures["heldout_loss"] / reference["heldout_loss"], 4)
     mix: dict[str, int] = {}

@@ -30,7 +30,7 @@ from ddpkit.distributed.objects import broadcast_object
 from ddpkit.distributed.rank_guard import say, tell
 from ddpkit.fault_tolerance import job_secret, job_store
 from ddpkit.fault_tolerance.etcd_store import EtcdStore
-from ddpkit.fault_tolerance.manager import FellBehind, Manager
+from ddpkit.fault_tolerance.manager import Manager
 from ddpkit.fault_tolerance.membership import Quorum
 from ddpkit.fault_tolerance.replica_membership import join_replica
 from ddpkit.train.checkpoints import out_job
@@ -38,9 +38,9 @@ from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.live_checkpoint import LiveCheckpoints
 from ddpkit.train.checkpoints.out_fence import fenced
 from ddpkit.train.checkpoints.out_lock import claim_out
-from ddpkit.train.loop.callbacks import MetricsRecorder, ProgressBar, RunEvents
+from ddpkit.train.loop.callbacks import MetricsRecorder
 from ddpkit.train.loop.fault_tolerant_sync import FaultTolerantSync, GossipSchedule, OuterSchedule
-from ddpkit.train.loop.loaders import rank_data
+from ddpkit.train.loop.job import JobParts, run_job
 from ddpkit.train.loop.report import (
     format_summary,
     gather_per_rank,
@@ -49,12 +49,12 @@ from ddpkit.train.loop.report import (
     peak_memory_mb,
     write_metrics,
 )
-from ddpkit.train.loop.strategies import OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
+from ddpkit.train.loop.strategies import AMP_DTYPES, OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
 from ddpkit.train.loop.summary import summarize as summarize_run
-from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.loop.trainer import Callback, Trainer
 from ddpkit.train.settings.agreement import job_settings
 from ddpkit.train.settings.config import TrainConfig, sharded_replicas
-from ddpkit.train.workloads.workload import build_workload
+from ddpkit.train.workloads.workload import Workload, build_workload
 
 MACHINE_KEYS = job_store.PREFIX + "machine/"  # each rank's machine identity: who shares whose cores
 
@@ -131,70 +131,72 @@ def _train(cfg: TrainConfig, placement: Placement, started: float, store: Any) -
             say(f"ddpkit: rank {rank}: {taken_over}")
     if replica is None:  # (a replica's processes were started together: they share the cores already)
         threads.publish_machine(store, MACHINE_KEYS, rank)
-    model: torch.nn.Module = work.module
-    if replica is not None:  # OSS (ZeRO-1) or ShardedDataParallel (ZeRO-2) over the machine's processes
-        strategy = build_strategy(cfg, work.module, torch.device("cpu"))
-        model, optimizer = strategy.model, strategy.optimizer
-    else:
-        optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
-    data = rank_data(cfg, work, placement.rank, placement.world_size)
-    loader, total = data.loader, data.total_steps
-    recorder = MetricsRecorder(data.heldout, eval_every=cfg.eval_every or 0)
-    checkpoints = None
-    if cfg.out and (cfg.checkpoint_every is not None or cfg.resume):
-        checkpoints = LiveCheckpoints(cfg.out, cfg.checkpoint_every, cfg.keep, resume_settings(cfg), cfg.resume)
-    # fp16: torch's own loss scaler; under DDP every member unscales the same averaged gradients, so the skips and
-    # the scale agree without a collective of their own, and the scale travels with the live state
-    scaler = torch.amp.GradScaler("cpu") if cfg.amp == "fp16" else None  # (the fault-tolerant path runs on the CPU)
-    overlap = cfg.grad_accum == 1 and replica is None  # (a replica's process averages only the shard it owns)
-    sync = FaultTolerantSync(
-        manager,
-        work.module,
-        optimizer,
-        recorder,
-        total,
-        outer_schedule(cfg),
-        gossip_schedule(cfg),
-        checkpoints,
-        overlap=overlap,
-        scaler=scaler,
-    )
-    label = f"{cfg.strategy} fault-tolerant, rank {placement.rank} of {placement.world_size}"
-    bar = ProgressBar(total, 0, 1, label, cfg.progress and placement.rank == 0)
-    amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
-    trainer = Trainer(
-        model,
-        optimizer,
-        loader,
-        work.loss_fn,
-        grad_accum=cfg.grad_accum,
-        amp_dtype=amp,
-        scaler=scaler,
-        callbacks=[bar, recorder, RunEvents(scaler, None), sync],
-    )
-    manager.membership.raise_if_finished()  # (a restart that comes as the job ends: nothing to join)
-    try:
-        if manager.under_way():
-            say(f"ddpkit: rank {placement.rank} joins the fault-tolerant job under way; waiting for live state")
-            raise FellBehind("the job is under way")
-        sync.begin(trainer)
-    except FellBehind:  # (begin raises it too when the first round was decided without this rank)
-        sync.rejoin(trainer)
-    if replica is None and manager.quorum is not None:  # ranks started apart may share this machine's cores
-        threads.share_cores_through_store(store, MACHINE_KEYS, rank, manager.quorum.members)
-    while True:
-        try:
-            trainer.fit(cfg.epochs, cfg.max_steps)
-            break
-        except FellBehind as exc:
-            say(f"ddpkit: {exc}; taking the live state again")
-            sync.rejoin(trainer)
-    final = sync.finish(trainer)
-    summary = report(cfg, placement, manager.store, trainer, recorder, manager, final, started)
-    if cfg.out and manager.leads:
-        out_job.finished(cfg.out, manager.incarnation)
-    manager.close()
-    return summary
+    job = FaultTolerantJob(cfg, placement, manager, store, sharded=replica is not None)
+    return run_job(cfg, placement, work, job, started)
+
+
+class FaultTolerantJob:
+    """The fault-tolerant job's part of `run_job`: this replica's model and optimizer (a plain torch optimizer, or
+    with a sharding strategy the machine's processes as one replica), the rounds' callback (`FaultTolerantSync`)
+    with live checkpoints in --out, a start that joins a job under way from live state, and the outputs of the
+    one writer the members choose (`report`)."""
+
+    def __init__(self, cfg: TrainConfig, placement: Placement, manager: Manager, store: Any, sharded: bool) -> None:
+        self.cfg, self.placement, self.manager, self.store = cfg, placement, manager, store
+        self.sharded = sharded  # the machine's processes are one replica, sharding the optimizer state
+
+    def parts(self, work: Workload) -> JobParts:
+        cfg = self.cfg
+        self.work = work
+        if self.sharded:  # OSS (ZeRO-1) or ShardedDataParallel (ZeRO-2) over the machine's processes
+            strategy = build_strategy(cfg, work.module, torch.device("cpu"))
+            model, optimizer = strategy.model, strategy.optimizer
+        else:
+            model = work.module
+            optimizer = OPTIMIZER_CLASSES[cfg.optimizer](work.module.parameters(), **optimizer_arguments(cfg))
+        # fp16: torch's own loss scaler; under DDP every member unscales the same averaged gradients, so the skips
+        # and the scale agree without a collective of their own, and the scale travels with the live state
+        scaler = torch.amp.GradScaler("cpu") if cfg.amp == "fp16" else None  # (the fault-tolerant path runs on CPU)
+        rank, world = self.placement.rank, self.placement.world_size
+        label = f"{cfg.strategy} fault-tolerant, rank {rank} of {world}"
+        return JobParts(model, optimizer, scaler, AMP_DTYPES[cfg.amp], None, label, 0, 1, cfg.progress and rank == 0)
+
+    def callbacks(self, parts: JobParts, recorder: MetricsRecorder, total_steps: int) -> list[Callback]:
+        cfg = self.cfg
+        checkpoints = None
+        if cfg.out and (cfg.checkpoint_every is not None or cfg.resume):
+            checkpoints = LiveCheckpoints(cfg.out, cfg.checkpoint_every, cfg.keep, resume_settings(cfg), cfg.resume)
+        overlap = cfg.grad_accum == 1 and not self.sharded  # (a replica's process averages only its own shard)
+        self.sync = FaultTolerantSync(
+            self.manager,
+            self.work.module,
+            parts.optimizer,
+            recorder,
+            total_steps,
+            outer_schedule(cfg),
+            gossip_schedule(cfg),
+            checkpoints,
+            overlap=overlap,
+            scaler=parts.scaler,
+        )
+        return [self.sync]
+
+    def fit(self, trainer: Trainer) -> None:
+        manager = self.manager
+        manager.membership.raise_if_finished()  # (a restart that comes as the job ends: nothing to join)
+        self.sync.start(trainer, self.placement.rank)
+        if not self.sharded and manager.quorum is not None:  # ranks started apart may share this machine's cores
+            threads.share_cores_through_store(self.store, MACHINE_KEYS, manager.rank, manager.quorum.members)
+        self.sync.fit(trainer, self.cfg.epochs, self.cfg.max_steps)
+
+    def finish(self, trainer: Trainer, recorder: MetricsRecorder, started: float) -> dict[str, Any] | None:
+        cfg, manager = self.cfg, self.manager
+        final = self.sync.finish(trainer)
+        summary = report(cfg, self.placement, manager.store, trainer, recorder, manager, final, started)
+        if cfg.out and manager.leads:
+            out_job.finished(cfg.out, manager.incarnation)
+        manager.close()
+        return summary
 
 
 def open_job_store(cfg: TrainConfig, placement: Placement) -> Any:
@@ -280,28 +282,26 @@ def summarize(
     started: float,
 ) -> dict[str, Any]:
     """`ddpkit train`'s summary for a fault-tolerant job: the members' figures (`reports`) and the membership."""
-    summary = summarize_run(cfg, placement, "gloo", trainer, recorder, started)
     ranks = sorted(reports)
     digests = [reports[r]["digest"] for r in ranks]
     training = max((reports[r]["training_seconds"] for r in ranks), default=0.0)
     epochs = [reports[r]["last_epoch"] for r in ranks if reports[r]["last_epoch"]]
     samples = sum(e["samples"] for e in epochs)
-    summary.update(
-        {
-            "strategy": f"{cfg.strategy} (fault-tolerant)",
-            "final_members": members,
-            "membership": [event.__dict__ for event in manager.events],
-            "never_joined": manager.never_joined,
-            "trained_ranks": sorted({*members, *(r for e in manager.events for r in [*e.members, *e.left])}),
-            "peak_memory_mb": [reports[r]["peak_memory_mb"] for r in ranks],
-            "optimizer_state_bytes": [reports[r]["optimizer_state_bytes"] for r in ranks],  # per replica, process
-            "sent_bytes_per_step": statistics.fmean(reports[r]["sent_bytes_per_step"] for r in ranks),
-            "sent_bytes_total": sum(reports[r]["sent_bytes"] for r in ranks),
-            "samples_per_second": sum(reports[r]["samples"] for r in ranks) / max(training, 1e-9),
-            "parameter_digests": digests,
-            "replicas_equal": len(set(digests)) == 1,
-            "train_loss": sum(e["train_loss"] * e["samples"] for e in epochs) / samples if samples else math.nan,
-        }
-    )
-    summary["settings"].update(fault_tolerant=True, min_replicas=cfg.min_replicas, quorum_timeout=cfg.quorum_timeout)
-    return summary
+    steps = recorder.steps
+    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
+    figures = {
+        "train_loss": sum(e["train_loss"] * e["samples"] for e in epochs) / samples if samples else math.nan,
+        "samples_per_second": sum(reports[r]["samples"] for r in ranks) / max(training, 1e-9),
+        "sent_bytes_per_step": statistics.fmean(reports[r]["sent_bytes_per_step"] for r in ranks),
+        "sent_bytes_total": sum(reports[r]["sent_bytes"] for r in ranks),
+        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
+        "peak_memory_mb": [reports[r]["peak_memory_mb"] for r in ranks],
+        "replicas_equal": len(set(digests)) == 1,
+        "parameter_digests": digests,
+        "final_members": members,
+        "membership": [event.__dict__ for event in manager.events],
+        "never_joined": manager.never_joined,
+        "trained_ranks": sorted({*members, *(r for e in manager.events for r in [*e.members, *e.left])}),
+        "optimizer_state_bytes": [reports[r]["optimizer_state_bytes"] for r in ranks],  # per replica, process
+    }
+    return summarize_run(cfg, placement, "gloo", trainer, recorder, started, figures)

@@ -70,7 +70,7 @@ from ddpkit.algorithms.slow_momentum import SlowBuffers, SlowMoRule
 from ddpkit.distributed import comm_stats
 from ddpkit.distributed.buckets import unflatten_into
 from ddpkit.distributed.rank_guard import say
-from ddpkit.fault_tolerance.manager import Manager
+from ddpkit.fault_tolerance.manager import FellBehind, Manager
 from ddpkit.fault_tolerance.membership import Quorum
 from ddpkit.optim import OSS
 from ddpkit.train.checkpoints.checkpoint_files import CheckpointError
@@ -270,6 +270,29 @@ class FaultTolerantSync(Callback):
         for note in notes:
             say(f"ddpkit: {note}")
         return {"state": state}
+
+    def start(self, trainer: Trainer, process_rank: int) -> None:
+        """Before `fit`: the job's first round (`begin`), or, for a rank that comes to a job under way (or whose
+        first round was decided without it), the live state of the next round it is taken into (`rejoin`).
+        `process_rank`: this process's rank in the launch, for the message."""
+        if self.manager.under_way():
+            say(f"ddpkit: rank {process_rank} joins the fault-tolerant job under way; waiting for live state")
+            self.rejoin(trainer)
+            return
+        try:
+            self.begin(trainer)
+        except FellBehind:
+            self.rejoin(trainer)
+
+    def fit(self, trainer: Trainer, epochs: int, max_steps: int | None) -> None:
+        """`trainer.fit`, taking the live state again whenever this rank fell behind a round (`FellBehind`)."""
+        while True:
+            try:
+                trainer.fit(epochs, max_steps)
+                return
+            except FellBehind as exc:
+                say(f"ddpkit: {exc}; taking the live state again")
+                self.rejoin(trainer)
 
     def on_train_start(self, trainer: Trainer) -> None:
         if self.manager.quorum is None:  # a rank that joined has its quorum already (and the next one on its way)

@@ -116,6 +116,8 @@ def run_settings(cfg: TrainConfig, world_size: int, backend: str, parameters: in
             names += ("graph", "peers_per_itr", "push_sum", "overlap", "synch_freq", "slowmo_sgp_average_params")
         settings["slowmo"] = {name: getattr(cfg, name) for name in names} | {"nprocs_per_node": slowmo_node_size(cfg)}
     settings["config"] = dataclasses.asdict(cfg) | {"lr": cfg.learning_rate, "weight_decay": cfg.resolved_weight_decay}
+    if cfg.fault_tolerant:
+        settings |= {"fault_tolerant": True, "min_replicas": cfg.min_replicas, "quorum_timeout": cfg.quorum_timeout}
     return settings
 
 

@@ -31,18 +31,15 @@ from ddpkit.train.checkpoints import checkpoint_files
 from ddpkit.train.checkpoints.checkpoint import load_checkpoint
 from ddpkit.train.checkpoints.checkpoint_files import resume_settings
 from ddpkit.train.checkpoints.out_lock import holding_out
-from ddpkit.train.loop.callbacks import Checkpointer, MetricsRecorder, ProgressBar, RunEvents
-from ddpkit.train.loop.loaders import rank_data
-from ddpkit.train.loop.report import (
-    format_summary,
-    write_metrics,
-)
+from ddpkit.train.loop.callbacks import Checkpointer, MetricsRecorder
+from ddpkit.train.loop.job import JobParts, run_job
+from ddpkit.train.loop.report import format_summary, write_metrics
 from ddpkit.train.loop.strategies import build_strategy
-from ddpkit.train.loop.summary import summarize
-from ddpkit.train.loop.trainer import Trainer
+from ddpkit.train.loop.summary import group_figures, summarize
+from ddpkit.train.loop.trainer import Callback, Trainer
 from ddpkit.train.settings.agreement import check_job_agrees
 from ddpkit.train.settings.config import TrainConfig
-from ddpkit.train.workloads.workload import build_workload
+from ddpkit.train.workloads.workload import Workload, build_workload
 
 DIAGNOSIS_SECONDS = 3.0
 """How long a failing rank waits for the others' ledger entries (`ddpkit.distributed.ledger.diagnose`)."""
@@ -58,12 +55,6 @@ def rank_device(cfg: TrainConfig, placement: Placement, backend: str) -> torch.d
     return device
 
 
-def default_eval_every(total_steps: int) -> int:
-    """Optimizer steps between held-out evaluations when --eval-every is not given: about 15 in a run of
-    `total_steps`, so that metrics.png draws a curve even for a run shorter than one epoch."""
-    return max(1, round(total_steps / 15))
-
-
 def train(cfg: TrainConfig, placement: Placement, backend: str, started: float | None = None) -> dict[str, Any]:
     """Trains on this rank (the process group is joined) and returns the run's summary. `started`: when the
     command began (``time.time()``), for the summary's wall time; None: now."""
@@ -72,43 +63,64 @@ def train(cfg: TrainConfig, placement: Placement, backend: str, started: float |
     work = build_workload(cfg, device)
     check_job_agrees(cfg, backend, work)  # every rank, before the wrappers' first collective
     with holding_out(cfg.out or None, placement.rank):  # before anything is written: a second job stops here
-        strategy = build_strategy(cfg, work.module, device)
-        data = rank_data(cfg, work, placement.rank, placement.world_size)
-        loader, total_steps = data.loader, data.total_steps
-        every = cfg.eval_every if cfg.eval_every is not None else default_eval_every(total_steps)
-        recorder = MetricsRecorder(data.heldout, eval_every=every)
-        label = f"{cfg.strategy} x{placement.world_size}"
-        callbacks = [
-            ProgressBar(total_steps, placement.rank, placement.world_size, label, cfg.progress),
-            recorder,
-            RunEvents(strategy.scaler, strategy.optimizer if cfg.adascale else None),  # after recorder: adds to epochs
-        ]
-        settings = resume_settings(cfg)
-        if cfg.out and cfg.checkpoints:
-            every, size = cfg.checkpoint_every, len(work.train)
-            callbacks.append(
-                Checkpointer(cfg.out, strategy, recorder, settings, keep=cfg.keep, every=every, epoch_size=size)
-            )
-        trainer = Trainer(
-            strategy.model,
-            strategy.optimizer,
-            loader,
-            work.loss_fn,
-            grad_accum=cfg.grad_accum,
-            amp_dtype=strategy.amp_dtype,
-            scaler=strategy.scaler,
-            callbacks=callbacks,
+        summary = run_job(cfg, placement, work, PlainJob(cfg, placement, backend, device), started)
+    assert summary is not None
+    return summary
+
+
+class PlainJob:
+    """The plain job's part of `run_job`: the strategy's wrapped model and optimizer over the job's process group,
+    checkpoints in --out (`Checkpointer`), --resume (or a torchrun restart) from the newest, and the summary every
+    rank computes (a collective) and rank 0 prints and writes."""
+
+    def __init__(self, cfg: TrainConfig, placement: Placement, backend: str, device: torch.device) -> None:
+        self.cfg, self.placement, self.backend, self.device = cfg, placement, backend, device
+        self.settings = resume_settings(cfg)
+
+    def parts(self, work: Workload) -> JobParts:
+        cfg, world = self.cfg, self.placement.world_size
+        self.work, self.strategy = work, build_strategy(cfg, work.module, self.device)
+        adascale = self.strategy.optimizer if cfg.adascale else None
+        model, optimizer = self.strategy.model, self.strategy.optimizer
+        label = f"{cfg.strategy} x{world}"
+        return JobParts(
+            model,
+            optimizer,
+            self.strategy.scaler,
+            self.strategy.amp_dtype,
+            adascale,
+            label,
+            self.placement.rank,
+            world,
+            cfg.progress,
         )
+
+    def callbacks(self, parts: JobParts, recorder: MetricsRecorder, total_steps: int) -> list[Callback]:
+        cfg = self.cfg
+        if not (cfg.out and cfg.checkpoints):
+            return []
+        size = len(self.work.train)
+        saving = Checkpointer(
+            cfg.out, self.strategy, recorder, self.settings, keep=cfg.keep, every=cfg.checkpoint_every, epoch_size=size
+        )
+        return [saving]
+
+    def fit(self, trainer: Trainer) -> None:
+        cfg = self.cfg
         note = rejoin_blocked_note()
-        if note and placement.rank == 0:
+        if note and self.placement.rank == 0:
             say(f"ddpkit: note: {note}")
-        if cfg.resume or resume_elastic(cfg, placement):
+        if cfg.resume or resume_elastic(cfg, self.placement):
             assert cfg.out is not None
-            trainer.state = load_checkpoint(cfg.out, strategy, settings)
+            trainer.state = load_checkpoint(cfg.out, self.strategy, self.settings)
         trainer.fit(cfg.epochs, cfg.max_steps)
-        if isinstance(strategy.model, SlowMoDistributedDataParallel):
-            strategy.model.average_parameters()  # one model at the end, whatever step the run stopped at
-        summary = summarize(cfg, placement, backend, trainer, recorder, started)
+        if isinstance(self.strategy.model, SlowMoDistributedDataParallel):
+            self.strategy.model.average_parameters()  # one model at the end, whatever step the run stopped at
+
+    def finish(self, trainer: Trainer, recorder: MetricsRecorder, started: float) -> dict[str, Any]:
+        cfg, placement = self.cfg, self.placement
+        figures = group_figures(trainer, recorder)
+        summary = summarize(cfg, placement, self.backend, trainer, recorder, started, figures)
         if placement.rank == 0:
             print(format_summary(summary), flush=True)
             if cfg.out:

@@ -33,6 +33,23 @@ def title_settings(cfg: TrainConfig, world_size: int) -> str:
     return text
 
 
+def group_figures(trainer: Trainer, recorder: MetricsRecorder) -> dict[str, Any]:
+    """The figures of a run whose ranks share a process group, gathered over it (a collective): what each rank sent
+    and held, the replicas' digests and the last epoch's training loss."""
+    steps = recorder.steps
+    sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
+    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
+    digests = gather_digests(getattr(trainer.model, "module", trainer.model))
+    return {
+        "train_loss": last_epoch_train_loss(trainer.state.history),
+        "sent_bytes_per_step": statistics.fmean(sent_per_step),
+        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
+        "peak_memory_mb": gather_per_rank(peak_memory_mb()),
+        "replicas_equal": len(set(digests)) == 1,
+        "parameter_digests": digests,
+    }
+
+
 def summarize(
     cfg: TrainConfig,
     placement: Placement,
@@ -40,25 +57,22 @@ def summarize(
     trainer: Trainer,
     recorder: MetricsRecorder,
     started: float,
+    figures: dict[str, Any],
 ) -> dict[str, Any]:
-    """The run's figures, gathered over ranks (a collective). `started`: when the command began (``time.time()``
-    on rank 0's machine: its wall time is rank 0's)."""
-    steps = recorder.steps
-    sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
-    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
+    """The run's summary (a collective of the ranks that share a process group: the settings' hosts). `started`:
+    when the command began (``time.time()`` on rank 0's machine: its wall time is rank 0's). `figures`: what the
+    ranks sent, held and trained (`group_figures`, or a fault-tolerant job's, from its members' reports)."""
     totals = recorder.totals()  # the whole run, across resumes
     training = totals["wall_seconds"] - totals["eval_seconds"]  # the loop without its held-out evaluations
-    memory = gather_per_rank(peak_memory_mb())
     module = getattr(trainer.model, "module", trainer.model)
-    digests = gather_digests(module)
     accuracy, test_loss = trainer.evaluate(recorder.test_loader)
     history = trainer.state.history
     extra = {"heldout_bits_per_byte": bits_per_byte(test_loss)} if cfg.data == "text" else {}
     parameters = sum(p.numel() for p in module.parameters())
-    return {
+    summary = {
         "workload": f"{cfg.model} on {cfg.data}",
         "title": title_settings(cfg, placement.world_size),
-        "strategy": cfg.strategy,
+        "strategy": f"{cfg.strategy} (fault-tolerant)" if cfg.fault_tolerant else cfg.strategy,
         "world_size": placement.world_size,
         "backend": backend,
         "device": str(next(trainer.model.parameters()).device.type),
@@ -70,20 +84,21 @@ def summarize(
         "steps": trainer.state.step,
         "test_accuracy": accuracy,
         "test_loss": test_loss,
-        "train_loss": last_epoch_train_loss(history),
+        "train_loss": None,
         "wall_seconds": time.time() - started,
         "training_seconds": training,
         "evaluation_seconds": totals["eval_seconds"],
         "resumed": recorder.resumed,
         "samples_per_second": totals["samples"] / max(training, 1e-9),
-        "sent_bytes_per_step": statistics.fmean(sent_per_step),
+        "sent_bytes_per_step": None,
         "sent_bytes_total": totals["sent_bytes"],
-        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
-        "peak_memory_mb": memory,
-        "replicas_equal": len(set(digests)) == 1,
-        "parameter_digests": digests,
+        "shared_memory_bytes_per_step": None,
+        "peak_memory_mb": None,
+        "replicas_equal": None,
+        "parameter_digests": None,
         "settings": run_settings(cfg, placement.world_size, backend, parameters),
         "fp16_skipped_steps": sum(h.get("fp16_skipped_steps", 0) for h in history) if cfg.amp == "fp16" else None,
         "adascale_gain_per_epoch": [h.get("adascale_gain", math.nan) for h in history] if cfg.adascale else None,
         **extra,
     }
+    return summary | figures

@@ -116,7 +116,7 @@ class TrainConfig:
     checkpoints: bool = True  # False (--no-checkpoints): --out gets the metrics only
     checkpoint_every: int | None = None  # also checkpoint every N optimizer steps (besides every epoch)
     eval_every: int | None = None  # held-out evaluation every N optimizer steps and at each epoch's end; None:
-    # about 15 per run (ddpkit.train.loop.run.default_eval_every); 0: at epoch ends only
+    # about 15 per run (ddpkit.train.loop.job.default_eval_every); 0: at epoch ends only
     debug: bool = False  # tracebacks and torch's C++ stack traces (as DDPKIT_DEBUG=1)
 
     @property
