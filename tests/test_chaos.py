@@ -128,3 +128,6 @@ def test_the_checker_times_a_paused_rank_back_into_a_committed_round():
     never = {0: logs[0], 1: logs[1][:2]}
     wrong, _ = chaos.check(never, stuck_seconds=60, faults=[pause], catch_up_seconds=18.0)
     assert wrong == ["slow catch-up: rank 1 was back inf s after its 20 s pause ended"], wrong
+    cut = chaos.Fault("cut-both", 0, 10.0, began=34.0, ended=44.0)  # (the next fault, 2 s after the pause ended)
+    wrong, _ = chaos.check(never, stuck_seconds=60, faults=[pause, cut], catch_up_seconds=18.0)
+    assert wrong == [], wrong  # (no quiet window to catch up in: no verdict)

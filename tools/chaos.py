@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import random
 import signal
@@ -351,8 +352,8 @@ def check(
     catch_ups = _catch_ups(logs, faults)
     wrong += [
         f"slow catch-up: rank {f.host} was back {late:.0f} s after its {f.seconds:g} s pause ended"
-        for f, late in catch_ups
-        if late > catch_up_seconds
+        for f, late, window in catch_ups
+        if late > catch_up_seconds and window > catch_up_seconds
     ]
     if store_restarted:
         wrong += _after_store_restart(logs, store_restarted)
@@ -370,7 +371,7 @@ def check(
         "longest_gap_seconds": round(max(gaps), 1) if gaps else 0.0,
         "longest_failed_run": longest_run,
         "unexplained_drops": len(unexplained),
-        "longest_catch_up_seconds": round(max((late for _, late in catch_ups), default=0.0), 1),
+        "longest_catch_up_seconds": round(max((late for _, late, _ in catch_ups if late < math.inf), default=0.0), 1),
         "finished_ranks": sorted(finals),
         "heldout_loss": next(iter(finals.values()))["heldout_loss"] if finals else None,
         "restarts": {r: sum(1 for e in entries if "start" in e) - 1 for r, entries in logs.items()},
@@ -378,22 +379,23 @@ def check(
     return wrong, figures
 
 
-def _catch_ups(logs: dict[int, list[dict[str, Any]]], faults: list[Fault] | tuple) -> list[tuple[Fault, float]]:
-    """For each pause that ended while the job ran: seconds from its end until the paused rank was a member of a
-    committed round again (infinite if never, unless another fault hit its host or the job ended first)."""
+def _catch_ups(logs: dict[int, list[dict[str, Any]]], faults: list[Fault] | tuple) -> list[tuple[Fault, float, float]]:
+    """For each pause that ended while the job ran: (the pause, seconds from its end until the paused rank was a
+    member of a committed round again, the quiet window it had). The window ends at the next fault (any host's:
+    another fault may hold the rejoin up) or the job's last commit; a rank not back within it counts as infinite."""
     commits = sorted((e["t"], rank) for rank, entries in logs.items() for e in entries if e.get("committed"))
+    last = commits[-1][0] if commits else 0.0
     found = []
     for fault in faults:
         if fault.kind != "pause-rank" or not fault.ended:
             continue
-        later = [t for t, _ in commits if t > fault.ended]
+        following = [f.began for f in faults if f.began > fault.ended]
+        limit = min([*following, last])
         back = next((t for t, rank in commits if rank == fault.host and t > fault.ended), None)
-        following = [f.began for f in faults if f.host == fault.host and f.began > fault.ended]
-        limit = min([*following, later[-1] if later else fault.ended])
-        if back is not None:
-            found.append((fault, back - fault.ended))
-        elif limit - fault.ended > 0:
-            found.append((fault, float("inf")))
+        if back is not None and back <= limit:
+            found.append((fault, back - fault.ended, limit - fault.ended))
+        elif limit > fault.ended:
+            found.append((fault, float("inf"), limit - fault.ended))
     return found
 
 
