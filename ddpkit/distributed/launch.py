@@ -229,9 +229,9 @@ def _join_failure(placement: Placement, timeout: float, reason: str) -> str:
     where = f"{placement.master_addr}:{placement.master_port}"
     if "EADDRINUSE" in reason or "address already in use" in reason:  # (rank 0 could not listen: no wait involved)
         return (
-            f"rank {placement.rank} could not host the job at {where}: port {placement.master_port} is already in "
-            "use on this machine (another job, or one that has not ended yet). Pass --master-port with a free "
-            "port (the same on every machine), or stop the process that holds it."
+            f"rank {placement.rank} could not host the job at {where}: port {placement.master_port} "
+            "is already in use on this machine (another job, or one that has not ended yet). Pass --master-port "
+            "with a free port (the same on every machine), or stop the process that holds it."
         )
     return (
         f"rank {placement.rank} could not join the job at {where} within {timeout:g} s: {reason.rstrip('.')}. "
