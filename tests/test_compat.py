@@ -212,3 +212,22 @@ def test_opt_in_and_shadows_a_real_fairscale(tmp_path):
         timeout=120,
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_the_aliases_answer_the_import_system_and_metadata_only_while_installed():
+    """What clients probe before importing fairscale: ``importlib.util.find_spec`` (which needs a module's
+    ``__spec__``), ``importlib.metadata.version`` (a requirement check), ``__file__``; none of it after uninstall."""
+    import importlib.metadata
+    import importlib.util
+
+    with compat.installed():
+        spec = importlib.util.find_spec("fairscale")
+        assert spec is not None and spec.submodule_search_locations == []
+        assert importlib.util.find_spec("fairscale.optim.oss").name == "fairscale.optim.oss"
+        assert importlib.metadata.version("fairscale") == "0.4.13"
+        import fairscale
+
+        assert fairscale.__file__ == compat.__file__
+    assert importlib.util.find_spec("fairscale") is None
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("fairscale")

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import importlib.machinery
+import importlib.metadata
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -105,8 +107,26 @@ class _Shadow:
 _active: _Shadow | None = None
 
 
+class _AliasDistribution(importlib.metadata.Distribution):
+    """What ``importlib.metadata`` finds for ``fairscale`` while the aliases are installed: its name and the
+    version whose API they follow (clients check ``importlib.metadata.version("fairscale")``)."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "METADATA":
+            return f"Metadata-Version: 2.1\nName: fairscale\nVersion: {_VERSION}\nSummary: ddpkit.compat.fairscale\n"
+        return None
+
+    def locate_file(self, path: Any) -> Any:
+        return __file__
+
+
 class _Unprovided(importlib.abc.MetaPathFinder):
-    """Refuses, with a clear message, any ``fairscale.*`` module ddpkit does not provide while installed."""
+    """Refuses, with a clear message, any ``fairscale.*`` module ddpkit does not provide while installed, and
+    answers ``importlib.metadata`` for ``fairscale``."""
+
+    def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        return [_AliasDistribution()] if name in (None, "fairscale") else []
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None) -> None:
         if fullname == "fairscale" or fullname.startswith("fairscale."):
@@ -127,8 +147,12 @@ def _build_modules() -> dict[str, types.ModuleType]:
         module.__all__ = sorted(ALIASES[name])  # type: ignore[attr-defined]
         module.__ddpkit_alias__ = True  # type: ignore[attr-defined]
         module.__getattr__ = _refuse_unprovided(name)  # type: ignore[method-assign]
-        if name in _PACKAGES or name == "fairscale":
+        package = name in _PACKAGES or name == "fairscale"
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin=__file__, is_package=package)
+        module.__file__ = __file__  # (clients that read it find ddpkit's compat module)
+        if package:
             module.__path__ = []  # a package: submodules are looked up in sys.modules only
+            module.__spec__.submodule_search_locations = []
         if "." in name:
             parent, child = name.rsplit(".", 1)
             setattr(modules[parent], child, module)
