@@ -145,7 +145,16 @@ def test_install_resolves_fairscale_imports_to_ddpkit():
             _import("from fairscale.nn.misc import FlattenParamsWrapper")
         # a name the alias lacks, imported from a module that exists: what is provided and what to use instead
         with pytest.raises(ImportError) as refused:
-            _import("from fairscale.nn import FullyShardedDataParallel")
+            _import("from fairscale.nn import Pipe")
+        assert "fairscale.nn.Pipe is not provided by ddpkit" in str(refused.value)
+        # names clients import eagerly (transformers' Trainer) import, and refuse when used, naming the way
+        stub = _import("from fairscale.nn.data_parallel import FullyShardedDataParallel")
+        assert _import("from fairscale.nn.wrap import auto_wrap").__name__ == "auto_wrap"
+        with pytest.raises(NotImplementedError) as refused:
+            stub(torch.nn.Linear(2, 2))
+        assert isinstance(refused.value, compat.NotProvided)
+        with pytest.raises(ImportError) as refused:
+            _import("from fairscale.nn import FullyShardedDataParallel")(torch.nn.Linear(2, 2))
         message = str(refused.value)
         assert "fairscale.nn.FullyShardedDataParallel is not provided by ddpkit" in message
         assert "torch.distributed.fsdp.fully_shard" in message

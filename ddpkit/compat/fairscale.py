@@ -31,7 +31,7 @@ from typing import Any
 from ddpkit.nn import ShardedDataParallel, SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from ddpkit.optim import OSS, AdaScale, AdaScaleWrapper, ShardedGradScaler
 
-__all__ = ["ALIASES", "INSTEAD", "NotProvided", "install", "installed", "is_installed", "uninstall"]
+__all__ = ["ALIASES", "INSTEAD", "STUBS", "NotProvided", "install", "installed", "is_installed", "uninstall"]
 
 _SLOWMO = {"SlowMoDistributedDataParallel": SlowMoDistributedDataParallel, "SlowMoBaseAlgorithm": SlowMoBaseAlgorithm}
 
@@ -52,7 +52,6 @@ ALIASES: dict[str, dict[str, Any]] = {
 }
 """Every fairscale module path provided, with the names it holds (each one ddpkit's object of that name)."""
 
-_PACKAGES = {name.rsplit(".", 1)[0] for name in ALIASES if "." in name}
 _VERSION = "0.4.13"  # the fairscale release whose public API these names follow
 
 
@@ -68,19 +67,38 @@ INSTEAD: dict[str, str] = {
 """fairscale names ddpkit does not provide, with what to use instead (named in the import error)."""
 
 
-class NotProvided(ImportError):
-    """A fairscale name ddpkit does not provide, imported while the aliases are installed."""
+STUBS: dict[str, tuple[str, ...]] = {
+    "fairscale.nn": ("FullyShardedDataParallel", "checkpoint_wrapper", "auto_wrap", "enable_wrap", "wrap"),
+    "fairscale.nn.data_parallel": ("FullyShardedDataParallel",),
+    "fairscale.nn.wrap": ("auto_wrap", "enable_wrap", "wrap", "config_auto_wrap_policy", "default_auto_wrap_policy"),
+    "fairscale.nn.checkpoint": ("checkpoint_wrapper",),
+}
+"""fairscale names that import, so that a client importing them eagerly runs its other paths, and refuse when
+used (called or built), naming what to use instead (`INSTEAD`)."""
+
+
+class NotProvided(ImportError, NotImplementedError):
+    """A fairscale name ddpkit does not provide: imported while the aliases are installed, or used (a stub)."""
 
 
 def _not_provided(module: str, name: str) -> NotProvided:
     instead = f"; use {INSTEAD[name]} instead" if name in INSTEAD else ""
-    provided = ", ".join(sorted(ALIASES[module])) or "no names of its own"
+    provided = ", ".join(sorted(ALIASES.get(module, {}))) or "no names of its own"
     everything = "; ".join(f"{m}: {', '.join(sorted(ALIASES[m]))}" for m in sorted(ALIASES) if ALIASES[m])
     return NotProvided(
         f"{module}.{name} is not provided by ddpkit.compat.fairscale{instead}. {module} provides {provided}; "
         f"every alias: {everything}. Call ddpkit.compat.fairscale.uninstall() to use the real fairscale",
         name=module,
     )
+
+
+def _stub(module: str, name: str) -> type:
+    """A stand-in for `name` that imports and raises `NotProvided` when called or built."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise _not_provided(module, name)
+
+    return type(name, (), {"__new__": refuse, "__module__": module, "__doc__": f"Not provided: {name} (refuses)."})
 
 
 def _refuse_unprovided(module: str) -> Any:
@@ -141,13 +159,16 @@ class _Unprovided(importlib.abc.MetaPathFinder):
 
 def _build_modules() -> dict[str, types.ModuleType]:
     modules: dict[str, types.ModuleType] = {}
-    for name in sorted(ALIASES, key=lambda n: n.count(".")):  # parents first
+    names = {*ALIASES, *STUBS}
+    packages = {name.rsplit(".", 1)[0] for name in names if "." in name}
+    for name in sorted(names, key=lambda n: n.count(".")):  # parents first
         module = types.ModuleType(name, f"ddpkit.compat.fairscale alias of fairscale's {name}")
-        module.__dict__.update(ALIASES[name])
-        module.__all__ = sorted(ALIASES[name])  # type: ignore[attr-defined]
+        module.__dict__.update(ALIASES.get(name, {}))
+        module.__dict__.update({stub: _stub(name, stub) for stub in STUBS.get(name, ())})
+        module.__all__ = sorted(ALIASES.get(name, {}))  # type: ignore[attr-defined]
         module.__ddpkit_alias__ = True  # type: ignore[attr-defined]
         module.__getattr__ = _refuse_unprovided(name)  # type: ignore[method-assign]
-        package = name in _PACKAGES or name == "fairscale"
+        package = name in packages or name == "fairscale"
         module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin=__file__, is_package=package)
         module.__file__ = __file__  # (clients that read it find ddpkit's compat module)
         if package:
