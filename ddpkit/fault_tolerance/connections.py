@@ -10,6 +10,7 @@ for that long (Python waits for its worker threads at exit). `side_connection` m
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,31 @@ def brief_client(host: str, port: int, timeout: float) -> dist.TCPStore:
         The client.
     """
     socket.create_connection((host, port), timeout=timeout).close()
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def waiting_client(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """A TCPStore client of `host`:`port` once something listens there, asked every 0.2 s for up to `timeout`
+    seconds (a store that is not up yet: torch's own client would log each failed try with C++ frames). Raises
+    TimeoutError when nothing listens in time, or the store's error.
+
+    Args:
+        host: the store's address.
+        port: the store's port.
+        timeout: seconds to wait for the store, and per call.
+
+    Returns:
+        The client.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(1.0, timeout)).close()
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing listens at {host}:{port}") from None
+            time.sleep(0.2)
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 

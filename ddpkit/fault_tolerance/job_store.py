@@ -16,8 +16,6 @@ Memory: the keys of the quorums (`ddpkit.fault_tolerance.membership`), a few byt
 from __future__ import annotations
 
 import json
-import socket
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +24,7 @@ import torch.distributed as dist
 from ddpkit.distributed.launch import LaunchError
 from ddpkit.fault_tolerance import store_identity
 from ddpkit.fault_tolerance.clock import Clock, SystemClock
-from ddpkit.fault_tolerance.connections import brief_client
+from ddpkit.fault_tolerance.connections import brief_client, waiting_client
 from ddpkit.fault_tolerance.job_secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, UnsignedValue, is_tagged, protect
 from ddpkit.fault_tolerance.liveness import Liveness
 from ddpkit.fault_tolerance.membership import DEFAULT_PREFIX, ENDED, FINAL, latest_members
@@ -106,27 +104,13 @@ def connect(address: str, port: int, timeout: float) -> dist.TCPStore:
     """A client of the job's store at `address`:`port`; waits up to `timeout` seconds for it to be up, else raises
     LaunchError saying why that may be (node 0 not started yet, or the job over and its store gone)."""
     try:
-        _await_listener(address, port, timeout)  # (torch's client would log each failed try with C++ frames)
-        return dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout))
+        return waiting_client(address, port, timeout)
     except (dist.DistError, OSError) as exc:
         raise LaunchError(
             f"no fault-tolerant job's store answered at {address}:{port} within --timeout {timeout:g} s: start "
             "node 0 (whose launcher hosts it) or `ddpkit store --port P` first; if the job was running, it is over "
             f"and its store is gone ({type(exc).__name__})"
         ) from exc
-
-
-def _await_listener(address: str, port: int, timeout: float) -> None:
-    """Returns once something accepts a connection at `address`:`port`; OSError (TimeoutError) after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection((address, port), timeout=min(1.0, timeout)).close()
-            return
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"nothing listens at {address}:{port}") from None
-            time.sleep(0.2)
 
 
 def finish(store: Any, rank: int, members: list[int], report: dict[str, Any], prefix: str = PREFIX) -> None:
