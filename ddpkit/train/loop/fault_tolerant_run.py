@@ -50,6 +50,7 @@ from ddpkit.train.loop.report import (
     write_metrics,
 )
 from ddpkit.train.loop.strategies import AMP_DTYPES, OPTIMIZER_CLASSES, build_strategy, optimizer_arguments
+from ddpkit.train.loop.summary import shared_memory_per_step
 from ddpkit.train.loop.summary import summarize as summarize_run
 from ddpkit.train.loop.trainer import Callback, Trainer
 from ddpkit.train.settings.agreement import job_settings
@@ -287,14 +288,12 @@ def summarize(
     training = max((reports[r]["training_seconds"] for r in ranks), default=0.0)
     epochs = [reports[r]["last_epoch"] for r in ranks if reports[r]["last_epoch"]]
     samples = sum(e["samples"] for e in epochs)
-    steps = recorder.steps
-    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
     figures = {
         "train_loss": sum(e["train_loss"] * e["samples"] for e in epochs) / samples if samples else math.nan,
         "samples_per_second": sum(reports[r]["samples"] for r in ranks) / max(training, 1e-9),
         "sent_bytes_per_step": statistics.fmean(reports[r]["sent_bytes_per_step"] for r in ranks),
         "sent_bytes_total": sum(reports[r]["sent_bytes"] for r in ranks),
-        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
+        "shared_memory_bytes_per_step": shared_memory_per_step(recorder),  # (this replica's processes)
         "peak_memory_mb": [reports[r]["peak_memory_mb"] for r in ranks],
         "replicas_equal": len(set(digests)) == 1,
         "parameter_digests": digests,

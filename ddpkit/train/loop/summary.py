@@ -33,17 +33,22 @@ def title_settings(cfg: TrainConfig, world_size: int) -> str:
     return text
 
 
+def shared_memory_per_step(recorder: MetricsRecorder) -> float:
+    """The mean over the group's ranks of each rank's shared-memory bytes per step (a collective)."""
+    steps = recorder.steps
+    return statistics.fmean(gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0))
+
+
 def group_figures(trainer: Trainer, recorder: MetricsRecorder) -> dict[str, Any]:
     """The figures of a run whose ranks share a process group, gathered over it (a collective): what each rank sent
     and held, the replicas' digests and the last epoch's training loss."""
     steps = recorder.steps
     sent_per_step = gather_per_rank(statistics.fmean(r.sent_bytes for r in steps) if steps else 0.0)
-    shared_per_step = gather_per_rank(statistics.fmean(r.shared_bytes for r in steps) if steps else 0.0)
     digests = gather_digests(getattr(trainer.model, "module", trainer.model))
     return {
         "train_loss": last_epoch_train_loss(trainer.state.history),
         "sent_bytes_per_step": statistics.fmean(sent_per_step),
-        "shared_memory_bytes_per_step": statistics.fmean(shared_per_step),
+        "shared_memory_bytes_per_step": shared_memory_per_step(recorder),
         "peak_memory_mb": gather_per_rank(peak_memory_mb()),
         "replicas_equal": len(set(digests)) == 1,
         "parameter_digests": digests,
